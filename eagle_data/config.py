@@ -1,0 +1,152 @@
+"""The one config model: loaded from YAML, overridden with `--set dotted.key=value`, validated at start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Section(BaseModel):
+    # Unknown keys are errors: a typo must not silently fall back to a default.
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class SourceConfig(_Section):
+    dataset: str = "mlabonne/open-perfectblend"
+    split: str = "train"
+    sample: int | None = Field(default=None, ge=1, description="rows to select; null = all")
+    seed: int = 0
+
+
+class PromptConfig(_Section):
+    turns: Literal["first_user"] = "first_user"
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class ModelConfig(_Section):
+    path: str
+    tokenizer: str | None = None  # defaults to path
+    trust_remote_code: bool = False
+    reasoning_start: str = "<think>"
+    reasoning_end: str = "</think>"
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.path
+
+
+class EngineConfig(_Section):
+    backend: Literal["vllm", "transformers"] = "vllm"
+    replicas: int = Field(default=1, ge=1)
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    max_model_len: int = Field(default=16384, ge=16)
+    # Rows per engine call. vLLM returns a batch only when its slowest row is done, so
+    # batches are small and many are in flight (see eagle_data/engines/vllm.py).
+    batch_size: int = Field(default=16, ge=1)
+    max_concurrent_batches: int = Field(default=64, ge=1)
+    # Passed through to the engine (vLLM engine_kwargs / transformers from_pretrained).
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # CPUs reserved by one transformers engine actor.
+    num_cpus: float = Field(default=1, gt=0)
+
+
+class SamplingConfig(_Section):
+    max_tokens: int = Field(default=8192, ge=1)
+    temperature: float = Field(default=0.6, ge=0)
+    top_p: float = Field(default=0.95, gt=0, le=1)
+    seed: int = 0
+
+
+class MaskConfig(_Section):
+    train_on: Literal["generated", "response"] = "generated"
+
+
+class OutputConfig(_Section):
+    path: str
+    rows_per_shard: int = Field(default=1000, ge=1)
+    # A shard is also published when this many seconds passed since the last one, so a
+    # kill loses at most this much finished work even when rows arrive slowly.
+    flush_seconds: float = Field(default=60, gt=0)
+    max_attempts: int = Field(default=3, ge=1)
+
+
+class Config(_Section):
+    source: SourceConfig = Field(default_factory=SourceConfig)
+    prompt: PromptConfig = Field(default_factory=PromptConfig)
+    model: ModelConfig
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    mask: MaskConfig = Field(default_factory=MaskConfig)
+    output: OutputConfig
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "Config":
+        if self.sampling.max_tokens >= self.engine.max_model_len:
+            raise ValueError(
+                f"sampling.max_tokens ({self.sampling.max_tokens}) must be smaller than "
+                f"engine.max_model_len ({self.engine.max_model_len}): no prompt would fit"
+            )
+        if self.model.reasoning_start == self.model.reasoning_end:
+            raise ValueError("model.reasoning_start and model.reasoning_end must differ")
+        if self.engine.backend == "transformers" and self.engine.tensor_parallel_size != 1:
+            raise ValueError("engine.tensor_parallel_size > 1 needs engine.backend=vllm")
+        return self
+
+
+class ConfigError(ValueError):
+    """A config problem, with the offending key named."""
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b=value` -> (["a", "b"], value); the value is read as YAML (numbers, null, lists...)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {text!r}: expected dotted.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {text!r}: value is not valid YAML ({e})") from e
+    return key.strip().split("."), value
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"cannot read config {path}: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"config {path}: top level must be a mapping of sections")
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = data
+        for i, k in enumerate(keys[:-1]):
+            child = node.setdefault(k, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {text!r}: {'.'.join(keys[: i + 1])} is not a section")
+            node = child
+        node[keys[-1]] = value
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_describe(e, path)) from None
+
+
+def _describe(error: ValidationError, path: Any) -> str:
+    lines = [f"invalid config{f' {path}' if path else ''}:"]
+    for err in error.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif err["type"] == "missing":
+            msg = "required key is missing"
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            if "input" in err and err["type"] != "value_error":
+                msg += f" (got {err['input']!r})"
+        lines.append(f"  {key}: {msg}")
+    return "\n".join(lines)

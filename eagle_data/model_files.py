@@ -1,0 +1,121 @@
+"""Finding and loading the target's tokenizer (and, for the transformers backend, its weights).
+
+A model path is a hub id, a local folder, a local `.gguf` file, or `package:NAME/FILE` for a
+file shipped inside an installed Python package (the demo's SmolLM2 GGUF comes that way).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import os
+import re
+from dataclasses import dataclass
+
+
+def resolve_model_path(path: str) -> str:
+    if path.startswith("package:"):
+        package, _, rest = path.removeprefix("package:").partition("/")
+        try:
+            return str(importlib.resources.files(package).joinpath(rest))
+        except ModuleNotFoundError as e:
+            raise FileNotFoundError(
+                f"model path {path!r}: Python package {package!r} is not installed"
+            ) from e
+    return path
+
+
+def pretrained_args(path: str) -> tuple[str, dict]:
+    """(name_or_dir, extra kwargs) for `from_pretrained`: a .gguf file is loaded from its folder."""
+    path = resolve_model_path(path)
+    if path.endswith(".gguf"):
+        return os.path.dirname(path) or ".", {"gguf_file": os.path.basename(path)}
+    return path, {}
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """Loaded once per process: Ray reuses worker processes, so each worker loads it once."""
+    from transformers import AutoTokenizer
+
+    name, kwargs = pretrained_args(path)
+    return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs)
+
+
+def check_tokenizer_path(path: str) -> None:
+    """Fail fast, before any Ray work, on a local path that does not exist."""
+    resolved = resolve_model_path(path)
+    looks_local = resolved.startswith((".", "/", "~")) or resolved.endswith(".gguf")
+    if looks_local and not os.path.exists(os.path.expanduser(resolved)):
+        raise FileNotFoundError(f"model/tokenizer path {path!r} does not exist ({resolved})")
+
+
+def single_token_id(tokenizer, text: str) -> int | None:
+    """The id of `text` if the tokenizer has it as one token, else None."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """Token ids the pipeline acts on, looked up from the tokenizer by their strings."""
+
+    eos_ids: tuple[int, ...]
+    pad_id: int
+    reasoning_start_id: int | None
+    reasoning_end_id: int | None
+
+    def to_dict(self) -> dict:
+        return {
+            "eos_ids": list(self.eos_ids),
+            "pad_id": self.pad_id,
+            "reasoning_start_id": self.reasoning_start_id,
+            "reasoning_end_id": self.reasoning_end_id,
+        }
+
+
+def special_tokens(tokenizer, reasoning_start: str, reasoning_end: str,
+                   generation_eos: list[int] | int | None = None) -> SpecialTokens:
+    eos = set()
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    if generation_eos is not None:
+        eos.update([generation_eos] if isinstance(generation_eos, int) else generation_eos)
+    if not eos:
+        raise ValueError("the tokenizer defines no eos token and the model no eos_token_id")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+    return SpecialTokens(
+        eos_ids=tuple(sorted(eos)),
+        pad_id=pad,
+        reasoning_start_id=single_token_id(tokenizer, reasoning_start),
+        reasoning_end_id=single_token_id(tokenizer, reasoning_end),
+    )
+
+
+def generation_eos_ids(path: str, trust_remote_code: bool = False) -> list[int] | int | None:
+    """eos_token_id from the model's generation_config, which may list more than the tokenizer."""
+    from transformers import GenerationConfig
+
+    name, kwargs = pretrained_args(path)
+    if kwargs:  # GGUF files carry no generation config
+        return None
+    try:
+        return GenerationConfig.from_pretrained(name, trust_remote_code=trust_remote_code).eos_token_id
+    except (OSError, ValueError):
+        return None
+
+
+@functools.lru_cache(maxsize=4)
+def control_token_pattern(path: str, trust_remote_code: bool, extra: tuple[str, ...] = ()):
+    """Regex matching any string the tokenizer turns into a control token (added tokens).
+
+    User text containing one would smuggle a role switch or a reasoning marker into the
+    prompt, so such rows are skipped instead of tokenized.
+    """
+    tokenizer = load_tokenizer(path, trust_remote_code)
+    strings = {t.content for t in tokenizer.added_tokens_decoder.values()}
+    strings.update(tokenizer.all_special_tokens)
+    strings.update(s for s in extra if single_token_id(tokenizer, s) is not None)
+    strings.discard("")
+    # Longest first, so the reported match is the whole token.
+    return re.compile("|".join(re.escape(s) for s in sorted(strings, key=len, reverse=True)))

@@ -1,0 +1,150 @@
+"""The two phases: prompts (CPU) and generate (engine), each a streaming Ray Data pipeline
+whose rows the driver publishes shard by shard (see sink.py)."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import Counter
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import ray
+
+from eagle_data import manifest as mf
+from eagle_data.config import Config
+from eagle_data.model_files import check_tokenizer_path, load_tokenizer
+from eagle_data.prompts import PROMPT_SCHEMA, PromptBuilder
+from eagle_data.sink import STAGING, ShardWriter, filesystem
+from eagle_data.source import read_source, select_sample
+
+log = logging.getLogger("eagle_data")
+
+PROMPTS_OUT = pa.schema([PROMPT_SCHEMA.field(n) for n in
+                         ("sample_id", "source", "messages", "tokenized_prompt", "num_prompt_tokens", "row_id")])
+SKIPPED_OUT = pa.schema([PROMPT_SCHEMA.field(n) for n in
+                         ("row_id", "sample_id", "source", "reason", "detail", "raw")])
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
+
+
+class Output:
+    """OUT: its filesystem, manifest and folders."""
+
+    def __init__(self, path: str):
+        self.fs, self.root = filesystem(path)
+        self.manifest = mf.Manifest(self.fs, self.root)
+
+    def folder(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def remove(self, *folders: str) -> None:
+        for name in folders:
+            self.fs.delete_dir_contents(self.folder(name), missing_dir_ok=True)
+
+    def clear_staging(self) -> None:
+        """Files a killed run left half-written; nothing reads them."""
+        self.remove(STAGING)
+
+    def writer(self, folder: str, schema: pa.Schema, run_id: str, cfg: Config, flush: bool) -> ShardWriter:
+        return ShardWriter(self.fs, self.root, folder, schema, run_id, cfg.output.rows_per_shard,
+                           cfg.output.flush_seconds if flush else float("inf"))
+
+
+def run_prompts(cfg: Config, out: Output) -> dict:
+    """Phase 1. Reuses a finished prompts phase made with the same prompt config."""
+    out.manifest.check_prompts_config(cfg)
+    if out.manifest.prompts_complete():
+        counts = out.manifest.phase("prompts")["counts"]
+        log.info("prompts: reusing finished phase in %s (%s)", out.root, counts)
+        return counts
+    check_tokenizer_path(cfg.model.tokenizer_path)
+    # An unfinished prompts phase is cheap to redo and may be partial: start it over.
+    out.remove("prompts", "skipped")
+    out.clear_staging()
+    run_id = new_run_id()
+    phase = out.manifest.phase("prompts")
+    phase.update(status="running", started_at=mf.now(), run_id=run_id,
+                 prompt_config=mf.normalised(mf.prompt_config(cfg)))
+    phase["fingerprint"] = mf.fingerprint(phase["prompt_config"])
+    out.manifest.data["config"] = cfg.model_dump(mode="json")
+    out.manifest.data["versions"] = mf.library_versions()
+    out.manifest.save()
+
+    ds = select_sample(read_source(cfg.source), cfg.source.sample, cfg.source.seed)
+    builder = PromptBuilder(
+        tokenizer_path=cfg.model.tokenizer_path,
+        trust_remote_code=cfg.model.trust_remote_code,
+        chat_template_kwargs=cfg.prompt.chat_template_kwargs,
+        max_prompt_tokens=cfg.engine.max_model_len - cfg.sampling.max_tokens,
+        reasoning_markers=(cfg.model.reasoning_start, cfg.model.reasoning_end),
+    )
+    ds = ds.map_batches(builder, batch_format="pyarrow", batch_size=256)
+
+    prompts = out.writer("prompts", PROMPTS_OUT, run_id, cfg, flush=False)
+    skipped = out.writer("skipped", SKIPPED_OUT, run_id, cfg, flush=False)
+    seen: set[str] = set()  # sample_ids already in prompts/, for the duplicate check
+    reasons: Counter = Counter()
+    tokens = 0
+    for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+        ok = pc.equal(batch.column("reason"), "")
+        kept = []
+        duplicate = []
+        for i, (is_ok, sid) in enumerate(zip(ok.to_pylist(), batch.column("sample_id").to_pylist())):
+            if not is_ok:
+                continue
+            if sid in seen:
+                duplicate.append(i)
+            else:
+                seen.add(sid)
+                kept.append(i)
+        bad = batch.filter(pc.invert(ok))
+        if duplicate:
+            dups = batch.take(duplicate)
+            dups = dups.set_column(dups.schema.get_field_index("reason"), "reason",
+                                   pa.array(["duplicate"] * len(duplicate), pa.string()))
+            dups = dups.set_column(dups.schema.get_field_index("detail"), "detail",
+                                   pa.array(["same prompt as an earlier row with this sample_id"] * len(duplicate)))
+            bad = pa.concat_tables([bad, dups])
+        good = batch.take(kept)
+        prompts.add(good)
+        skipped.add(bad)
+        reasons.update(bad.column("reason").to_pylist())
+        tokens += pc.sum(good.column("num_prompt_tokens")).as_py() or 0
+    prompts.close()
+    skipped.close()
+
+    counts = {
+        "selected": prompts.written + skipped.written,
+        "prompts": prompts.written,
+        "skipped": skipped.written,
+        "skipped_by_reason": dict(sorted(reasons.items())),
+        "prompt_tokens": tokens,
+    }
+    phase.update(status="complete", finished_at=mf.now(), counts=counts)
+    out.manifest.save()
+    log.info("prompts: %s", counts)
+    return counts
+
+
+def run(cfg: Config, phase: str = "all", fresh: bool = False) -> dict:
+    """Run the phases on OUT = cfg.output.path; rerunning the same command resumes."""
+    out = Output(cfg.output.path)
+    if fresh:
+        log.warning("--fresh: deleting everything in %s", out.root)
+        out.fs.delete_dir_contents(out.root, missing_dir_ok=True)
+        out.manifest = mf.Manifest(out.fs, out.root)
+    out.manifest.check_prompts_config(cfg)
+    if not ray.is_initialized():
+        ray.init()  # joins the cluster when there is one, else starts a local instance
+    result = {}
+    if phase in ("prompts", "all"):
+        result["prompts"] = run_prompts(cfg, out)
+    if phase in ("generate", "all"):
+        from eagle_data.generate import run_generate
+
+        result["generate"] = run_generate(cfg, out)
+    return result

@@ -1,0 +1,162 @@
+"""Rows -> chat messages -> validated, tokenized prompts (a `map_batches` stage).
+
+Stage contract: takes `row_id`, `source`, `raw`; makes `sample_id`, `messages`,
+`tokenized_prompt`, `num_prompt_tokens`, `reason` ("" when the row is usable) and `detail`.
+A row that cannot become a prompt is never an exception: it gets a reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from eagle_data.model_files import control_token_pattern, load_tokenizer
+
+ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "model": "assistant",
+}
+
+MESSAGE_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+PROMPT_SCHEMA = pa.schema([
+    ("row_id", pa.string()),
+    ("sample_id", pa.string()),
+    ("source", pa.string()),
+    ("messages", MESSAGE_TYPE),
+    ("tokenized_prompt", pa.list_(pa.int32())),
+    ("num_prompt_tokens", pa.int32()),
+    ("reason", pa.string()),
+    ("detail", pa.string()),
+    ("raw", pa.string()),
+])
+
+
+class Skip(Exception):
+    """A row that cannot become a prompt: `reason` is a fixed code, `detail` says where."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
+def parse_turns(raw: str) -> list[dict]:
+    """The row's turns as [{role, content}] with normalised roles, or Skip."""
+    try:
+        row = json.loads(raw)
+    except ValueError as e:
+        raise Skip("bad_json", f"line is not JSON ({e})") from None
+    if not isinstance(row, dict):
+        raise Skip("bad_schema", f"row is a {type(row).__name__}, not an object")
+    if "conversations" in row and row["conversations"] is None:
+        raise Skip("bad_schema", "'conversations' is null")
+    if row.get("conversations") is not None:
+        column, role_key, text_key = "conversations", "from", "value"
+    elif row.get("messages") is not None:
+        column, role_key, text_key = "messages", "role", "content"
+    else:
+        raise Skip("bad_schema", "no 'conversations' (ShareGPT) or 'messages' (OpenAI) list")
+    turns = row[column]
+    if not isinstance(turns, list):
+        raise Skip("bad_schema", f"'{column}' is a {type(turns).__name__}, not a list")
+    out = []
+    for i, turn in enumerate(turns):
+        where = f"{column}[{i}]"
+        if not isinstance(turn, dict):
+            raise Skip("bad_schema", f"{where} is a {type(turn).__name__}, not an object")
+        for key in (role_key, text_key):
+            if key not in turn or turn[key] is None:
+                raise Skip("bad_schema", f"{where} has no '{key}'")
+            if not isinstance(turn[key], str):
+                raise Skip("bad_schema", f"{where}.{key} is a {type(turn[key]).__name__}, not a string")
+        role = ROLES.get(turn[role_key].strip().lower())
+        if role is None:
+            raise Skip("bad_schema", f"{where}.{role_key} is an unknown role {turn[role_key]!r}")
+        out.append({"role": role, "content": turn[text_key]})
+    return out
+
+
+def first_user_messages(turns: list[dict]) -> list[dict]:
+    """Turn policy `first_user`: an optional leading system message + the first user message."""
+    user = next((t for t in turns if t["role"] == "user"), None)
+    if user is None:
+        raise Skip("no_user_turn", f"no user turn among {len(turns)} turns")
+    if not user["content"].strip():
+        raise Skip("empty", "the first user turn is empty")
+    messages = []
+    if turns[0]["role"] == "system" and turns[0]["content"].strip():
+        messages.append(turns[0])
+    messages.append(user)
+    return messages
+
+
+def sample_id_of(messages: list[dict]) -> str:
+    """Content-derived and stable across runs and machines: a hash of the prompt messages."""
+    text = json.dumps(messages, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+@dataclass(frozen=True)
+class PromptBuilder:
+    """The prompts stage; the tokenizer is loaded once per worker process (cached)."""
+
+    tokenizer_path: str
+    trust_remote_code: bool
+    chat_template_kwargs: dict
+    max_prompt_tokens: int  # engine.max_model_len - sampling.max_tokens
+    reasoning_markers: tuple[str, ...]
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        tokenizer = load_tokenizer(self.tokenizer_path, self.trust_remote_code)
+        control = control_token_pattern(
+            self.tokenizer_path, self.trust_remote_code, self.reasoning_markers
+        )
+        rows, texts = [], []
+        for row_id, source, raw in zip(*(batch.column(c).to_pylist() for c in ("row_id", "source", "raw"))):
+            out = {"row_id": row_id, "source": source, "raw": raw, "sample_id": "",
+                   "messages": None, "reason": "", "detail": "", "tokenized_prompt": None}
+            text = None
+            try:
+                messages = first_user_messages(parse_turns(raw))
+                for m in messages:
+                    found = control.search(m["content"])
+                    if found:
+                        raise Skip("special_token_in_content",
+                                   f"{m['role']} text contains control token {found.group()!r}")
+                out["messages"] = messages
+                out["sample_id"] = sample_id_of(messages)
+                text = tokenizer.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=True,
+                    **self.chat_template_kwargs,
+                )
+            except Skip as s:
+                out["reason"], out["detail"] = s.reason, s.detail
+            except Exception as e:  # a chat template may raise on odd conversations
+                out["reason"], out["detail"] = "template_error", f"{type(e).__name__}: {e}"
+            rows.append(out)
+            texts.append(text)
+
+        ok = [i for i, t in enumerate(texts) if t is not None]
+        if ok:
+            # The template renders the special tokens itself: none added on top.
+            encoded = tokenizer([texts[i] for i in ok], add_special_tokens=False)["input_ids"]
+            for i, ids in zip(ok, encoded):
+                row = rows[i]
+                row["tokenized_prompt"] = ids
+                if len(ids) > self.max_prompt_tokens:
+                    row["reason"] = "prompt_too_long"
+                    row["detail"] = (f"{len(ids)} prompt tokens > {self.max_prompt_tokens} "
+                                     "(engine.max_model_len - sampling.max_tokens)")
+        for row in rows:
+            ids = row["tokenized_prompt"]
+            row["num_prompt_tokens"] = len(ids) if ids is not None else 0
+            if row["reason"]:
+                row["tokenized_prompt"] = None
+        return pa.Table.from_pylist(rows, schema=PROMPT_SCHEMA)

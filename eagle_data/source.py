@@ -1,0 +1,149 @@
+"""Reading the chat dataset and picking the seeded sample.
+
+Every row becomes `row_id` (hash of its content), `source` and `raw` (the row as JSON text).
+Keeping the row as text until the prompts stage parses it means a malformed row (wrong
+types, missing keys, a line that is not JSON) cannot break Arrow's schema inference or
+crash a reader: it reaches the prompts stage and is skipped there with a reason.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import heapq
+import json
+import os
+
+import numpy as np
+import pyarrow as pa
+import ray
+
+from eagle_data.config import SourceConfig
+
+JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+PARQUET_SUFFIXES = (".parquet",)
+RAW_SCHEMA = pa.schema([("row_id", pa.string()), ("source", pa.string()), ("raw", pa.string())])
+
+
+def local_files(dataset: str) -> list[str] | None:
+    """The data files a local path or glob names, or None when `dataset` is a hub id."""
+    if glob.has_magic(dataset):
+        files = sorted(glob.glob(dataset, recursive=True))
+    elif os.path.isdir(dataset):
+        files = sorted(
+            os.path.join(root, f)
+            for root, _, names in os.walk(dataset)
+            for f in names
+            if f.endswith(JSON_SUFFIXES + PARQUET_SUFFIXES)
+        )
+    elif os.path.isfile(dataset):
+        files = [dataset]
+    elif dataset.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"source.dataset {dataset!r} does not exist")
+    else:
+        return None
+    if not files:
+        raise FileNotFoundError(f"source.dataset {dataset!r} matches no parquet/jsonl files")
+    return [os.path.abspath(f) for f in files]
+
+
+def read_source(cfg: SourceConfig) -> ray.data.Dataset:
+    files = local_files(cfg.dataset)
+    if files is None:
+        import datasets  # hub id: datasets downloads (or reuses its cache), Ray reads it
+
+        hf = datasets.load_dataset(cfg.dataset, split=cfg.split)
+        return ray.data.from_huggingface(hf).map_batches(table_to_raw, batch_format="pyarrow")
+    parquet = [f for f in files if f.endswith(PARQUET_SUFFIXES)]
+    jsonl = [f for f in files if f.endswith(JSON_SUFFIXES)]
+    if len(parquet) + len(jsonl) != len(files):
+        other = sorted(set(files) - set(parquet) - set(jsonl))[:3]
+        raise ValueError(f"source.dataset: unsupported file type(s) {other}; use parquet or jsonl")
+    parts = []
+    if parquet:
+        parts.append(ray.data.read_parquet(parquet).map_batches(table_to_raw, batch_format="pyarrow"))
+    if jsonl:
+        parts.append(ray.data.read_text(jsonl).map_batches(lines_to_raw, batch_format="pyarrow"))
+    return parts[0] if len(parts) == 1 else parts[0].union(*parts[1:])
+
+
+def _row_id(raw: str) -> str:
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def _source_of(row) -> str:
+    source = row.get("source") if isinstance(row, dict) else None
+    return source if isinstance(source, str) else ""
+
+
+def table_to_raw(table: pa.Table) -> pa.Table:
+    rows = []
+    for row in table.to_pylist():
+        raw = json.dumps(row, sort_keys=True, ensure_ascii=False, default=str)
+        rows.append((_row_id(raw), _source_of(row), raw))
+    return _raw_table(rows)
+
+
+def lines_to_raw(table: pa.Table) -> pa.Table:
+    rows = []
+    for line in table.column("text").to_pylist():
+        line = line.strip()
+        if not line:
+            continue  # blank lines are not rows
+        try:
+            source = _source_of(json.loads(line))
+        except ValueError:
+            source = ""  # not JSON: skipped later as bad_json
+        rows.append((_row_id(line), source, line))
+    return _raw_table(rows)
+
+
+def _raw_table(rows: list[tuple[str, str, str]]) -> pa.Table:
+    columns = list(zip(*rows)) if rows else [[], [], []]
+    return pa.Table.from_arrays([pa.array(c, pa.string()) for c in columns], schema=RAW_SCHEMA)
+
+
+def sample_scores(row_ids: list[str], seed: int) -> np.ndarray:
+    """A seeded pseudo-random score per row that depends only on the row's content."""
+    prefix = f"{seed}:".encode()
+    return np.array(
+        [int.from_bytes(hashlib.blake2b(prefix + r.encode(), digest_size=8).digest(), "big")
+         for r in row_ids],
+        dtype=np.uint64,
+    )
+
+
+def select_sample(ds: ray.data.Dataset, n: int | None, seed: int) -> ray.data.Dataset:
+    """Keep the n rows with the smallest scores: the same rows whatever the read order or
+    block layout. Identical rows share a score, so all copies are kept (and later skipped
+    as duplicates); the selection can then exceed n by the number of such copies.
+
+    Two passes over the source: the first keeps at most n scores per block and merges them
+    in a heap of size n on the driver (memory O(n), not O(rows)); the second filters.
+    """
+    if n is None:
+        return ds
+
+    def smallest_scores(batch: pa.Table) -> pa.Table:
+        scores = sample_scores(batch.column("row_id").to_pylist(), seed)
+        keep = np.sort(scores)[:n]
+        return pa.table({"score": pa.array(keep, pa.uint64())})
+
+    heap: list[int] = []  # max-heap of the n smallest scores, as negatives
+    for batch in ds.map_batches(smallest_scores, batch_format="pyarrow").iter_batches(
+        batch_format="numpy", batch_size=None
+    ):
+        for s in batch["score"].tolist():
+            if len(heap) < n:
+                heapq.heappush(heap, -s)
+            elif s < -heap[0]:
+                heapq.heapreplace(heap, -s)
+    if len(heap) < n:
+        return ds  # fewer rows than asked for: take them all
+    threshold = -heap[0]
+
+    def below_threshold(batch: pa.Table) -> pa.Table:
+        scores = sample_scores(batch.column("row_id").to_pylist(), seed)
+        return batch.filter(pa.array(scores <= threshold))
+
+    return ds.map_batches(below_threshold, batch_format="pyarrow")
