@@ -1,0 +1,24 @@
+"""The engine stage: one contract, two backends.
+
+In: `sample_id`, `tokenized_prompt` (list[int]), `sampling_params` (dict) and carried columns.
+Out: the columns of Ray's vLLM stage (`vLLMOutputData`: `prompt`, `prompt_token_ids`,
+`num_input_tokens`, `generated_tokens`, `generated_text`, `num_generated_tokens`, ...) plus
+`__inference_error__` ("" on success) and the carried columns. A row the engine fails on
+is an error row, not a crashed job.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from eagle_data.config import Config
+
+
+def apply_engine(ds: ray.data.Dataset, cfg: Config, pad_id: int) -> ray.data.Dataset:
+    if cfg.engine.backend == "vllm":
+        from eagle_data.engines.vllm_backend import build_vllm_processor
+
+        return build_vllm_processor(cfg)(ds)
+    from eagle_data.engines.transformers_backend import transformers_stage
+
+    return transformers_stage(ds, cfg, pad_id)

@@ -1,0 +1,134 @@
+"""The small-model backend: a Ray actor pool running transformers `generate` on CPU (or GPU).
+
+Same contract as Ray's vLLM stage (see engines/__init__.py), so everything after the
+engine is shared and exercised by tests and the demo.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pyarrow as pa
+import ray
+
+from eagle_data.config import Config
+from eagle_data.model_files import pretrained_args
+
+log = logging.getLogger(__name__)
+
+# The fields of ray.llm's vLLMOutputData, in its order, + the stage's error column.
+OUTPUT_FIELDS = (
+    "prompt", "prompt_token_ids", "num_input_tokens", "generated_tokens", "generated_text",
+    "num_generated_tokens", "embeddings", "metrics", "logprobs", "prompt_logprobs",
+)
+ERROR_COLUMN = "__inference_error__"
+CONSUMED = ("tokenized_prompt", "sampling_params")  # popped by the engine, as Ray's stage does
+
+
+class TransformersEngine:
+    """Loads the model once per actor; generates a batch of rows per call."""
+
+    def __init__(self, model_path: str, trust_remote_code: bool, engine_kwargs: dict, pad_id: int):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        name, kwargs = pretrained_args(model_path)
+        self.torch = torch
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model = AutoModelForCausalLM.from_pretrained(
+            name, trust_remote_code=trust_remote_code, **kwargs, **engine_kwargs
+        ).to(self.device).eval()
+        self.pad_id = pad_id
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = batch.to_pylist()
+        results: list[dict] = [None] * len(rows)
+        groups: dict[tuple, list[int]] = {}
+        for i, row in enumerate(rows):
+            params = row["sampling_params"]
+            key = (params["max_tokens"], params["temperature"], params["top_p"],
+                   tuple(params["stop_token_ids"]))
+            groups.setdefault(key, []).append(i)
+        for indices in groups.values():
+            try:
+                outputs = self._generate([rows[i] for i in indices])
+            except Exception:  # find the row(s) that fail; the others still get answers
+                outputs = [self._generate_one(rows[i]) for i in indices]
+            for i, out in zip(indices, outputs):
+                results[i] = out
+        carried = [{k: v for k, v in row.items() if k not in CONSUMED} for row in rows]
+        return pa.Table.from_pylist([{**c, **r} for c, r in zip(carried, results)])
+
+    def _generate_one(self, row: dict) -> dict:
+        try:
+            return self._generate([row])[0]
+        except Exception as e:
+            log.warning("generation failed for sample %s: %s", row.get("sample_id"), e)
+            return error_output(f"{type(e).__name__}: {e}")
+
+    def _generate(self, rows: list[dict]) -> list[dict]:
+        from transformers import GenerationConfig
+
+        torch = self.torch
+        params = rows[0]["sampling_params"]
+        prompts = [list(r["tokenized_prompt"]) for r in rows]
+        width = max(len(p) for p in prompts)
+        # Left padding, so every row's generation starts at column `width`.
+        input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])
+        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        stop_ids = list(params["stop_token_ids"])
+        sample = params["temperature"] > 0
+        # A fresh GenerationConfig: the model's own defaults (top_k=50, repetition
+        # penalties, ...) must not apply, as vLLM would not apply them either.
+        gen_config = GenerationConfig(
+            max_new_tokens=params["max_tokens"], do_sample=sample,
+            temperature=params["temperature"] if sample else None,
+            top_p=params["top_p"] if sample else None, top_k=0 if sample else None,
+            eos_token_id=stop_ids, pad_token_id=self.pad_id,
+        )
+        if sample:
+            # Seeded per batch: a row's sample depends on the rows batched with it.
+            torch.manual_seed(params["seed"])
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
+                generation_config=gen_config,
+            )
+        results = []
+        stops = set(stop_ids)
+        for prompt, row_out in zip(prompts, out[:, width:].tolist()):
+            # Rows that finished early are padded after their stop token: cut there.
+            end = next((j + 1 for j, t in enumerate(row_out) if t in stops), len(row_out))
+            generated = row_out[:end]
+            results.append({
+                "prompt": "", "prompt_token_ids": prompt, "num_input_tokens": len(prompt),
+                "generated_tokens": generated, "generated_text": "",
+                "num_generated_tokens": len(generated), "embeddings": None, "metrics": None,
+                "logprobs": None, "prompt_logprobs": None, ERROR_COLUMN: "",
+            })
+        return results
+
+
+def error_output(message: str) -> dict:
+    """An error row with the defaults Ray's vLLM stage gives failed rows."""
+    return {
+        "prompt": "", "prompt_token_ids": None, "num_input_tokens": 0, "generated_tokens": [],
+        "generated_text": "", "num_generated_tokens": 0, "embeddings": None, "metrics": None,
+        "logprobs": None, "prompt_logprobs": None, ERROR_COLUMN: message,
+    }
+
+
+def transformers_stage(ds: ray.data.Dataset, cfg: Config, pad_id: int) -> ray.data.Dataset:
+    gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+    return ds.map_batches(
+        TransformersEngine,
+        fn_constructor_kwargs=dict(
+            model_path=cfg.model.path, trust_remote_code=cfg.model.trust_remote_code,
+            engine_kwargs=cfg.engine.engine_kwargs, pad_id=pad_id,
+        ),
+        batch_size=cfg.engine.batch_size,
+        batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(size=cfg.engine.replicas),
+        num_cpus=cfg.engine.num_cpus,
+        num_gpus=gpus,
+    )

@@ -1,0 +1,67 @@
+"""The production backend: Ray's vLLM engine stage (`ray.data.llm`), kept thin.
+
+We tokenize with the chat template ourselves (prompts phase) and decode ourselves
+(postprocess), so Ray's chat-template, tokenize and detokenize stages are off and the
+engine gets `tokenized_prompt` + per-row `sampling_params`.
+
+Feeding rule: Ray's stage hands back a batch only when its slowest row is done, so one
+8K-token straggler holds its whole batch. Batches are therefore small (engine.batch_size,
+default 16) and many are in flight per replica (engine.max_concurrent_batches, default 64),
+keeping batch_size x max_concurrent_batches >= 1.5 x the engine's max_num_seqs: when a
+batch finishes, the engine still holds enough queued rows to fill every sequence slot.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from eagle_data.config import Config
+from eagle_data.model_files import resolve_model_path
+
+log = logging.getLogger(__name__)
+
+FEED_FACTOR = 1.5
+
+
+def engine_kwargs(cfg: Config) -> dict:
+    kwargs = {
+        "tensor_parallel_size": cfg.engine.tensor_parallel_size,
+        "max_model_len": cfg.engine.max_model_len,
+        "trust_remote_code": cfg.model.trust_remote_code,
+    }
+    if cfg.model.tokenizer:
+        kwargs["tokenizer"] = resolve_model_path(cfg.model.tokenizer)
+    kwargs.update(cfg.engine.engine_kwargs)  # anything else passes through
+    return kwargs
+
+
+def processor_config(cfg: Config):
+    from ray.data.llm import vLLMEngineProcessorConfig
+
+    kwargs = engine_kwargs(cfg)
+    in_flight = cfg.engine.batch_size * cfg.engine.max_concurrent_batches
+    max_num_seqs = kwargs.get("max_num_seqs")
+    if max_num_seqs and in_flight < FEED_FACTOR * max_num_seqs:
+        log.warning(
+            "engine.batch_size x engine.max_concurrent_batches = %d rows in flight per replica, "
+            "below %.1f x max_num_seqs (%d): the engine will idle while batches drain",
+            in_flight, FEED_FACTOR, max_num_seqs,
+        )
+    return vLLMEngineProcessorConfig(
+        model_source=resolve_model_path(cfg.model.path),
+        engine_kwargs=kwargs,
+        batch_size=cfg.engine.batch_size,
+        max_concurrent_batches=cfg.engine.max_concurrent_batches,
+        # A fixed pool: every replica starts at once instead of autoscaling up from one.
+        concurrency=(cfg.engine.replicas, cfg.engine.replicas),
+        chat_template_stage=False,
+        tokenize_stage=False,
+        detokenize_stage=False,
+        should_continue_on_error=True,
+    )
+
+
+def build_vllm_processor(cfg: Config):
+    from ray.data.llm import build_processor
+
+    return build_processor(processor_config(cfg))

@@ -1,0 +1,166 @@
+"""Engine output -> training rows (a `map_batches` stage): exact tokens, reasoning split,
+decoded text, finish reason, loss mask.
+
+Stage contract: takes the engine's columns (`prompt_token_ids`, `generated_tokens`,
+`__inference_error__`) + carried `sample_id`, `source`, `messages`; makes the `data/`
+columns plus `error` ("" for ok rows; failed rows keep only sample_id, source, error).
+
+`input_ids = prompt_token_ids + generated_tokens`, nothing re-tokenized. The reasoning
+boundary is the end-of-reasoning token id (looked up from the tokenizer by its string):
+reasoning tokens are the generated tokens up to and including it, response tokens the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from eagle_data.model_files import load_tokenizer
+
+DATA_SCHEMA = pa.schema([
+    ("sample_id", pa.string()),
+    ("source", pa.string()),
+    ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+    ("reasoning", pa.string()),
+    ("response", pa.string()),
+    ("input_ids", pa.list_(pa.int32())),
+    ("loss_mask", pa.list_(pa.int8())),
+    ("num_prompt_tokens", pa.int32()),
+    ("num_reasoning_tokens", pa.int32()),
+    ("num_response_tokens", pa.int32()),
+    ("finish_reason", pa.string()),
+])
+OUT_SCHEMA = DATA_SCHEMA.append(pa.field("error", pa.string()))
+
+
+def reasoning_split(prompt: np.ndarray, generated: np.ndarray,
+                    start_id: int | None, end_id: int | None) -> tuple[int, int, int]:
+    """(n_reasoning, lo, hi): generated[:n_reasoning] are reasoning tokens (markers
+    included), generated[lo:hi] the reasoning text's tokens (markers excluded).
+
+    Cases: the template opened the reasoning in the prompt (DeepSeek-R1, Kimi thinking),
+    the model emits the start marker itself (Qwen3), no reasoning at all, and reasoning
+    cut off by max_tokens before the end marker (then every generated token is reasoning).
+    """
+    if end_id is None:
+        return 0, 0, 0
+    starts = np.flatnonzero(generated == start_id) if start_id is not None else np.empty(0, int)
+    ends = np.flatnonzero(generated == end_id)
+    if ends.size:
+        end = int(ends[0])
+        first_start = starts[starts < end]
+        lo = int(first_start[0]) + 1 if first_start.size else 0
+        return end + 1, lo, end
+    opened_in_prompt = False
+    if start_id is not None:
+        p_starts = np.flatnonzero(prompt == start_id)
+        p_ends = np.flatnonzero(prompt == end_id)
+        opened_in_prompt = p_starts.size > 0 and (p_ends.size == 0 or p_starts[-1] > p_ends[-1])
+    if starts.size or opened_in_prompt:
+        lo = int(starts[0]) + 1 if starts.size else 0
+        return len(generated), lo, len(generated)
+    return 0, 0, 0
+
+
+def _list_parts(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, values) of a list column, offsets rebased to start at 0."""
+    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    offsets = arr.offsets.to_numpy()
+    values = arr.values.to_numpy(zero_copy_only=False)
+    return offsets - offsets[0], values[offsets[0]:offsets[-1]]
+
+
+@dataclass(frozen=True)
+class Postprocessor:
+    tokenizer_path: str
+    trust_remote_code: bool
+    eos_ids: tuple[int, ...]
+    reasoning_start_id: int | None
+    reasoning_end_id: int | None
+    train_on: str  # "generated" | "response"
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        errors = batch.column("__inference_error__").to_pylist()
+        ok_idx = [i for i, e in enumerate(errors) if not e]
+        failed_idx = [i for i, e in enumerate(errors) if e]
+        parts = []
+        if ok_idx:
+            parts.append(self._ok_rows(batch.take(ok_idx)))
+        if failed_idx:
+            failed = batch.take(failed_idx)
+            parts.append(pa.table({
+                "sample_id": failed.column("sample_id"),
+                "source": failed.column("source"),
+                "error": failed.column("__inference_error__"),
+            }))
+        if not parts:
+            return OUT_SCHEMA.empty_table()
+        return pa.concat_tables([_conform(t) for t in parts])
+
+    def _ok_rows(self, batch: pa.Table) -> pa.Table:
+        tokenizer = load_tokenizer(self.tokenizer_path, self.trust_remote_code)
+        p_off, p_vals = _list_parts(batch.column("prompt_token_ids").cast(pa.list_(pa.int32())))
+        g_off, g_vals = _list_parts(batch.column("generated_tokens").cast(pa.list_(pa.int32())))
+        n = batch.num_rows
+        p_len, g_len = np.diff(p_off), np.diff(g_off)
+        eos = np.array(self.eos_ids, dtype=np.int32)
+
+        n_reasoning = np.zeros(n, dtype=np.int32)
+        reasoning_spans, response_spans, finish = [], [], []
+        for i in range(n):
+            gen = g_vals[g_off[i]:g_off[i + 1]]
+            nr, lo, hi = reasoning_split(p_vals[p_off[i]:p_off[i + 1]], gen,
+                                         self.reasoning_start_id, self.reasoning_end_id)
+            n_reasoning[i] = nr
+            stopped = gen.size > 0 and bool(np.isin(gen[-1], eos))
+            finish.append("stop" if stopped else "length")
+            # The stop token is trained on but is not part of the text.
+            reasoning_spans.append(gen[lo:min(hi, gen.size - stopped)].tolist())
+            response_spans.append(gen[nr:gen.size - stopped].tolist() if nr < gen.size else [])
+        reasoning = [t.strip() for t in tokenizer.batch_decode(reasoning_spans)]
+        response = [t.strip() for t in tokenizer.batch_decode(response_spans)]
+
+        # input_ids = prompt + generated for every row, built as one flat array: a prompt
+        # token moves right by the generated tokens of earlier rows, a generated token by
+        # the prompt tokens of its own and earlier rows.
+        rows_p = np.repeat(np.arange(n), p_len)
+        rows_g = np.repeat(np.arange(n), g_len)
+        out_off = p_off + g_off
+        p_pos = np.arange(p_vals.size) + g_off[rows_p]
+        g_pos = np.arange(g_vals.size) + p_off[rows_g + 1]
+        ids = np.empty(p_vals.size + g_vals.size, dtype=np.int32)
+        ids[p_pos], ids[g_pos] = p_vals, g_vals
+        mask = np.zeros(ids.size, dtype=np.int8)
+        if self.train_on == "generated":
+            mask[g_pos] = 1
+        else:  # "response": reasoning tokens are context only
+            within = np.arange(g_vals.size) - g_off[rows_g]
+            mask[g_pos[within >= n_reasoning[rows_g]]] = 1
+
+        offsets = pa.array(out_off.astype(np.int32))
+        return pa.table({
+            "sample_id": batch.column("sample_id"),
+            "source": batch.column("source"),
+            "messages": batch.column("messages"),
+            "reasoning": pa.array(reasoning, pa.string()),
+            "response": pa.array(response, pa.string()),
+            "input_ids": pa.ListArray.from_arrays(offsets, pa.array(ids)),
+            "loss_mask": pa.ListArray.from_arrays(offsets, pa.array(mask)),
+            "num_prompt_tokens": pa.array(p_len.astype(np.int32)),
+            "num_reasoning_tokens": pa.array(n_reasoning),
+            "num_response_tokens": pa.array((g_len - n_reasoning).astype(np.int32)),
+            "finish_reason": pa.array(finish, pa.string()),
+            "error": pa.array([""] * n, pa.string()),
+        })
+
+
+def _conform(table: pa.Table) -> pa.Table:
+    """Fill the columns a part lacks with nulls and cast to OUT_SCHEMA."""
+    columns = [
+        table.column(f.name).cast(f.type) if f.name in table.column_names
+        else pa.nulls(table.num_rows, f.type)
+        for f in OUT_SCHEMA
+    ]
+    return pa.Table.from_arrays(columns, schema=OUT_SCHEMA)

