@@ -49,8 +49,10 @@ class EngineConfig(_Section):
     max_concurrent_batches: int = Field(default=64, ge=1)
     # Passed through to the engine (vLLM engine_kwargs / transformers from_pretrained).
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
-    # CPUs reserved by one transformers engine actor.
+    # transformers backend: CPUs reserved by one engine actor, and the torch threads it
+    # runs (null = all cores of its node; Ray would otherwise limit it to num_cpus).
     num_cpus: float = Field(default=1, gt=0)
+    cpu_threads: int | None = Field(default=None, ge=1)
 
 
 class SamplingConfig(_Section):

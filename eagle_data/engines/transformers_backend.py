@@ -7,6 +7,7 @@ engine is shared and exercised by tests and the demo.
 from __future__ import annotations
 
 import logging
+import os
 
 import pyarrow as pa
 import ray
@@ -28,8 +29,11 @@ CONSUMED = ("tokenized_prompt", "sampling_params")  # popped by the engine, as R
 class TransformersEngine:
     """Loads the model once per actor; generates a batch of rows per call."""
 
-    def __init__(self, model_path: str, trust_remote_code: bool, engine_kwargs: dict, pad_id: int):
+    def __init__(self, model_path: str, trust_remote_code: bool, engine_kwargs: dict, pad_id: int,
+                 cpu_threads: int | None = None):
         import torch
+
+        torch.set_num_threads(cpu_threads or os.cpu_count() or 1)
         from transformers import AutoModelForCausalLM
 
         name, kwargs = pretrained_args(model_path)
@@ -125,6 +129,7 @@ def transformers_stage(ds: ray.data.Dataset, cfg: Config, pad_id: int) -> ray.da
         fn_constructor_kwargs=dict(
             model_path=cfg.model.path, trust_remote_code=cfg.model.trust_remote_code,
             engine_kwargs=cfg.engine.engine_kwargs, pad_id=pad_id,
+            cpu_threads=cfg.engine.cpu_threads,
         ),
         batch_size=cfg.engine.batch_size,
         batch_format="pyarrow",
