@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import pyarrow as pa
 import pytest
-from transformers import AutoTokenizer
 
-from eagle_data.model_files import special_tokens
+from eagle_data.model_files import load_tokenizer, special_tokens
 from eagle_data.postprocess import OUT_SCHEMA, Postprocessor
 
 QUESTION = [{"role": "user", "content": "What is 2+2?"}]
 
 
 def postprocess(tokenizer_dir, rows, train_on="generated"):
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer = load_tokenizer(str(tokenizer_dir))
     special = special_tokens(tokenizer, "<think>", "</think>")
     post = Postprocessor(str(tokenizer_dir), False, special.eos_ids, special.reasoning_start_id,
                          special.reasoning_end_id, train_on)
@@ -27,13 +26,13 @@ def postprocess(tokenizer_dir, rows, train_on="generated"):
 
 
 def encode(tokenizer_dir, text, eos=False):
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer = load_tokenizer(str(tokenizer_dir))
     ids = tokenizer.encode(text, add_special_tokens=False)
     return ids + ([tokenizer.eos_token_id] if eos else [])
 
 
 def prompt_ids(tokenizer_dir, **kwargs):
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer = load_tokenizer(str(tokenizer_dir))
     return tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True,
                                          return_dict=False, **kwargs)
 
@@ -52,7 +51,7 @@ def test_qwen3_model_emits_think(qwen3_tokenizer_dir, train_on):
     gen = encode(d, "<think>\nTwo plus two.\n</think>\n\nThe answer is 4.", eos=True)
     [row] = postprocess(d, [(prompt, gen, "")], train_on)
     check_exact(row, prompt, gen)
-    end = gen.index(AutoTokenizer.from_pretrained(d).convert_tokens_to_ids("</think>"))
+    end = gen.index(load_tokenizer(str(d)).convert_tokens_to_ids("</think>"))
     assert row["num_reasoning_tokens"] == end + 1
     assert row["reasoning"] == "Two plus two."
     assert row["response"] == "The answer is 4."
@@ -91,7 +90,7 @@ def test_qwen3_reasoning_cut_off_by_max_tokens(qwen3_tokenizer_dir):
 def test_deepseek_r1_template_opens_think(deepseek_r1_tokenizer_dir):
     d = deepseek_r1_tokenizer_dir
     prompt = prompt_ids(d)
-    assert AutoTokenizer.from_pretrained(d).decode(prompt).endswith("<think>\n")
+    assert load_tokenizer(str(d)).decode(prompt).endswith("<think>\n")
     gen = encode(d, "Okay, 2+2 is 4.\n</think>\n\nIt is 4.", eos=True)
     cut = encode(d, "Okay, so the user asks")
     unclosed = encode(d, "Hmm, I give up", eos=True)
@@ -113,7 +112,7 @@ def test_deepseek_r1_template_opens_think(deepseek_r1_tokenizer_dir):
 def test_no_reasoning_tokens_in_vocab_means_all_response(qwen3_tokenizer_dir):
     """A tokenizer without the end marker as one token: everything generated is response."""
     d = qwen3_tokenizer_dir
-    tokenizer = AutoTokenizer.from_pretrained(d)
+    tokenizer = load_tokenizer(str(d))
     special = special_tokens(tokenizer, "<reason>", "</reason>")
     assert special.reasoning_end_id is None
     post = Postprocessor(str(d), False, special.eos_ids, None, None, "response")

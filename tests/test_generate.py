@@ -1,0 +1,128 @@
+"""The generate phase end to end on a real local Ray: tiny random-weight Qwen3 with the real
+Qwen3 tokenizer, transformers backend, real Parquet shards."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+import pytest
+from ray.llm._internal.batch.stages.vllm_engine_stage import vLLMOutputData
+
+from conftest import SAMPLE
+from eagle_data.config import load_config
+from eagle_data.engines.transformers_backend import TransformersEngine
+from eagle_data.model_files import load_tokenizer
+from eagle_data.pipeline import run
+
+
+def make_cfg(tmp_path, model_dir, *sets):
+    return load_config(None, [
+        f"source.dataset={SAMPLE}", f"model.path={model_dir}", f"output.path={tmp_path / 'out'}",
+        "engine.backend=transformers", "engine.batch_size=4", "engine.max_model_len=1024",
+        "sampling.max_tokens=12", "output.rows_per_shard=10", *sets,
+    ])
+
+
+def read(out, folder):
+    files = sorted((out / folder).glob("*.parquet"))
+    return pads.dataset(files).to_table().to_pylist() if files else []
+
+
+@pytest.mark.parametrize("train_on", ["generated", "response"])
+def test_data_rows_are_the_exact_engine_tokens(ray_local, tmp_path, tiny_qwen3, train_on):
+    cfg = make_cfg(tmp_path, tiny_qwen3, f"mask.train_on={train_on}", "source.sample=30")
+    result = run(cfg)
+    out = tmp_path / "out"
+    prompts = {p["sample_id"]: p for p in read(out, "prompts")}
+    data, failed = read(out, "data"), read(out, "failed")
+    assert len(data) + len(failed) == len(prompts) == result["prompts"]["prompts"] > 0
+    assert failed == []
+    assert result["generate"]["ok"] == len(data)
+    assert len({d["sample_id"] for d in data}) == len(data)
+    # Shards of output.rows_per_shard rows (the last may be short).
+    sizes = [pq.read_metadata(f).num_rows for f in sorted((out / "data").glob("*.parquet"))]
+    assert max(sizes) == 10 and sum(sizes) == len(data)
+
+    eos = set(json.loads((out / "manifest.json").read_text())["phases"]["generate"]["tokenizer"]["eos_ids"])
+    tokenizer = load_tokenizer(str(tiny_qwen3))
+    for d in data:
+        p = prompts[d["sample_id"]]
+        n = d["num_prompt_tokens"]
+        assert d["input_ids"][:n] == p["tokenized_prompt"]
+        generated = d["input_ids"][n:]
+        assert 0 < len(generated) <= 12
+        assert d["num_reasoning_tokens"] + d["num_response_tokens"] == len(generated)
+        assert len(d["loss_mask"]) == len(d["input_ids"])
+        assert d["loss_mask"][:n] == [0] * n
+        if train_on == "generated":
+            assert d["loss_mask"][n:] == [1] * len(generated)
+        else:
+            r = d["num_reasoning_tokens"]
+            assert d["loss_mask"][n:] == [0] * r + [1] * (len(generated) - r)
+        assert d["finish_reason"] == ("stop" if generated[-1] in eos else "length")
+        assert (d["finish_reason"] == "length") == (len(generated) == 12 and generated[-1] not in eos)
+        assert d["messages"] == p["messages"] and d["source"] == p["source"]
+        text = tokenizer.decode([t for t in generated if t not in eos])
+        assert d["response"] in text
+
+    # Rerunning the same command finds nothing left to do and writes nothing.
+    files = sorted(p.name for p in (out / "data").iterdir())
+    again = run(cfg)
+    assert again["generate"]["ok"] == len(data)
+    assert sorted(p.name for p in (out / "data").iterdir()) == files
+    runs = json.loads((out / "manifest.json").read_text())["phases"]["generate"]["runs"]
+    assert [r["todo"] for r in runs] == [len(prompts), 0]
+
+
+def test_engine_failure_on_a_row_is_an_error_row(ray_local, tmp_path, tiny_qwen3):
+    """A prompt with a token id outside the vocabulary makes the model raise: that row is
+    recorded in failed/ with the error, every other row still gets its answer."""
+    cfg = make_cfg(tmp_path, tiny_qwen3, "source.sample=8")
+    run(cfg, phase="prompts")
+    out = tmp_path / "out"
+    shard = sorted((out / "prompts").glob("*.parquet"))[0]
+    table = pq.read_table(shard)
+    rows = table.to_pylist()
+    rows[0]["tokenized_prompt"] = rows[0]["tokenized_prompt"] + [10**7]
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), shard)
+
+    result = run(cfg, phase="generate")["generate"]
+    data, failed = read(out, "data"), read(out, "failed")
+    assert [f["sample_id"] for f in failed] == [rows[0]["sample_id"]]
+    assert "IndexError" in failed[0]["error"] or "index" in failed[0]["error"].lower()
+    assert len(data) == result["prompts"] - 1
+    assert result["pending_retry"] == 1 and result["failed_rows"] == 1
+
+
+def test_transformers_engine_emits_the_vllm_stage_columns(tiny_qwen3):
+    """Same contract as Ray's vLLM stage: vLLMOutputData's fields + __inference_error__,
+    with the engine's inputs consumed and every other column carried."""
+    tokenizer = load_tokenizer(str(tiny_qwen3))
+    engine = TransformersEngine(str(tiny_qwen3), False, {}, pad_id=tokenizer.pad_token_id)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}],
+                                           add_generation_prompt=True, tokenize=True, return_dict=False)
+    params = {"max_tokens": 5, "temperature": 0.0, "top_p": 1.0, "seed": 0,
+              "stop_token_ids": [tokenizer.eos_token_id], "detokenize": False}
+    batch = pa.Table.from_pylist([
+        {"sample_id": "a", "source": "x", "tokenized_prompt": prompt, "sampling_params": params},
+        {"sample_id": "b", "source": "y", "tokenized_prompt": prompt[:4], "sampling_params": params},
+        {"sample_id": "c", "source": "z", "tokenized_prompt": [10**7], "sampling_params": params},
+    ])
+    out = engine(batch)
+    expected = set(vLLMOutputData.model_fields) | {"__inference_error__", "sample_id", "source"}
+    assert set(out.column_names) == expected
+    rows = out.to_pylist()
+    assert [r["sample_id"] for r in rows] == ["a", "b", "c"]
+    for r, p in zip(rows[:2], [prompt, prompt[:4]]):
+        assert r["__inference_error__"] == ""
+        assert r["prompt_token_ids"] == p and r["num_input_tokens"] == len(p)
+        assert 0 < r["num_generated_tokens"] == len(r["generated_tokens"]) <= 5
+        # Each ok row validates as Ray's own output model.
+        vLLMOutputData(**{k: r[k] for k in vLLMOutputData.model_fields})
+    assert rows[2]["__inference_error__"] and rows[2]["generated_tokens"] == []
+    # Greedy decoding is deterministic, whatever else is in the batch.
+    alone = engine(batch.slice(0, 1)).to_pylist()[0]
+    assert alone["generated_tokens"] == rows[0]["generated_tokens"]

@@ -1,0 +1,72 @@
+"""The vLLM backend is a thin layer over ray.data.llm: build the processor from the
+production config (vLLM is not installed here) and check what it would run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from eagle_data.config import load_config
+from eagle_data.engines.vllm_backend import build_vllm_processor, processor_config
+from eagle_data.generate import engine_sampling, requests
+
+KIMI = Path(__file__).resolve().parent.parent / "configs" / "kimi-k2.5.yaml"
+
+
+@pytest.fixture
+def kimi(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the hub is unreachable: fail fast, not retry
+    return load_config(KIMI)
+
+
+def test_kimi_config_is_the_production_run(kimi):
+    assert kimi.model.path == "moonshotai/Kimi-K2.5" and kimi.model.trust_remote_code
+    assert kimi.engine.backend == "vllm" and kimi.engine.tensor_parallel_size == 8
+    assert kimi.sampling.max_tokens == 8192 and kimi.source.sample == 25000
+    assert kimi.engine.max_model_len >= kimi.sampling.max_tokens + 2048
+    assert kimi.model.reasoning_end == "</think>"
+    engine = kimi.engine
+    assert engine.batch_size * engine.max_concurrent_batches >= 1.5 * engine.engine_kwargs["max_num_seqs"]
+
+
+def test_processor_from_kimi_config(ray_local, kimi):
+    processor = build_vllm_processor(kimi)
+    # Chat template, tokenize and detokenize are ours: only the engine stage remains.
+    assert processor.list_stage_names() == ["vLLMEngineStage"]
+    stage = processor.get_stage_by_name("vLLMEngineStage")
+    kwargs = stage.fn_constructor_kwargs
+    assert kwargs["model"] == "moonshotai/Kimi-K2.5"
+    assert kwargs["engine_kwargs"]["tensor_parallel_size"] == 8
+    assert kwargs["engine_kwargs"]["max_model_len"] == 16384
+    assert kwargs["engine_kwargs"]["trust_remote_code"] is True
+    assert kwargs["engine_kwargs"]["max_num_seqs"] == 512  # passed through
+    assert kwargs["should_continue_on_error"] is True
+    assert kwargs["batch_size"] == 16 and kwargs["max_concurrent_batches"] == 48
+    compute = stage.map_batches_kwargs["compute"]
+    assert (compute.min_size, compute.max_size) == (1, 1)  # replicas, fixed pool
+    assert stage.map_batches_kwargs["max_concurrency"] == 48
+
+    # Our engine input satisfies the stage's contract.
+    batch = pa.Table.from_pylist([{"sample_id": "abcdef0123", "source": "s",
+                                   "messages": [{"role": "user", "content": "hi"}],
+                                   "tokenized_prompt": [1, 2, 3]}])
+    rows = requests(batch, ray_local.put(pa.array([], pa.string())), engine_sampling(kimi.sampling),
+                    [163586]).to_pylist()
+    required = set(stage.get_required_input_keys())
+    assert required == {"sampling_params"} and required <= set(rows[0])
+    assert "tokenized_prompt" in stage.get_optional_input_keys() and "tokenized_prompt" in rows[0]
+    params = rows[0]["sampling_params"]
+    assert params["max_tokens"] == 8192 and params["stop_token_ids"] == [163586]
+    assert params["detokenize"] is False
+
+
+def test_replicas_and_pass_through(kimi):
+    cfg = load_config(KIMI, ["engine.replicas=4", "engine.engine_kwargs.kv_cache_dtype=fp8",
+                             "model.tokenizer=/models/kimi-tokenizer"])
+    pc = processor_config(cfg)
+    assert pc.concurrency == (4, 4)
+    assert pc.engine_kwargs["kv_cache_dtype"] == "fp8"
+    assert pc.engine_kwargs["tokenizer"] == "/models/kimi-tokenizer"
+    assert (pc.chat_template_stage, pc.tokenize_stage, pc.detokenize_stage) == (False, False, False)
