@@ -10,9 +10,12 @@ import argparse
 import logging
 import sys
 
+import pyarrow.parquet as pq
+
 from eagle_data.config import ConfigError, load_config
 from eagle_data.manifest import OutputMismatch
 from eagle_data.pipeline import run
+from eagle_data.sink import filesystem, shard_files
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,11 +30,42 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         cfg = load_config(args.config, args.overrides)
-        run(cfg, phase=args.phase, fresh=args.fresh)
+        result = run(cfg, phase=args.phase, fresh=args.fresh)
     except (ConfigError, OutputMismatch, FileNotFoundError, PermissionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    print(summary(cfg.output.path, result))
     return 0
+
+
+def summary(out: str, result: dict) -> str:
+    lines = [f"OUT = {out}"]
+    if "prompts" in result:
+        p = result["prompts"]
+        reasons = ", ".join(f"{k} {v}" for k, v in p["skipped_by_reason"].items()) or "none"
+        lines.append(f"  prompts/  {p['prompts']} prompts ({p['prompt_tokens']} tokens) of "
+                     f"{p['selected']} selected rows")
+        lines.append(f"  skipped/  {p['skipped']} rows ({reasons})")
+    if "generate" in result:
+        g = result["generate"]
+        lines.append(f"  data/     {g['ok']} ok samples")
+        lines.append(f"  failed/   {g['failed_rows']} failed attempts; {g['failed_final']} samples gave up, "
+                     f"{g['pending_retry']} to retry (rerun the same command)")
+        example = first_sample(out)
+        if example:
+            lines.append(f"  example:  Q: {example['messages'][-1]['content'][:200]!r}")
+            lines.append(f"            A: {example['response'][:300]!r}")
+    lines.append(f"  manifest: {out}/manifest.json")
+    return "\n".join(lines)
+
+
+def first_sample(out: str) -> dict | None:
+    fs, root = filesystem(out)
+    files = shard_files(fs, f"{root}/data")
+    if not files:
+        return None
+    table = pq.read_table(files[0], filesystem=fs, columns=["messages", "response"])
+    return table.slice(0, 1).to_pylist()[0]
 
 
 if __name__ == "__main__":
