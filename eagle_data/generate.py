@@ -13,10 +13,8 @@ import ray
 from eagle_data import manifest as mf
 from eagle_data.config import Config, SamplingConfig
 from eagle_data.engines import apply_engine
-from eagle_data.model_files import (
-    check_tokenizer_path, generation_eos_ids, load_tokenizer, special_tokens,
-)
-from eagle_data.pipeline import Output, new_run_id
+from eagle_data.model_files import generation_eos_ids, load_tokenizer, special_tokens
+from eagle_data.output import Output, new_run_id
 from eagle_data.postprocess import DATA_SCHEMA, OUT_SCHEMA, Postprocessor
 from eagle_data.resume import Progress
 from eagle_data.sink import shard_files
@@ -54,16 +52,12 @@ def engine_sampling(s: SamplingConfig) -> dict:
 def run_generate(cfg: Config, out: Output) -> dict:
     if not out.manifest.prompts_complete():
         raise FileNotFoundError(f"{out.root} has no finished prompts phase: run with --phase prompts (or all) first")
-    out.manifest.check_generate_config(cfg)
-    check_tokenizer_path(cfg.model.path)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path, cfg.model.trust_remote_code)
     special = special_tokens(tokenizer, cfg.model.reasoning_start, cfg.model.reasoning_end,
                              generation_eos_ids(cfg.model.path, cfg.model.trust_remote_code))
     if special.reasoning_end_id is None:
         log.warning("%r is not one token of this tokenizer: every generated token counts as response",
                     cfg.model.reasoning_end)
-    out.clear_staging()
-
     total = out.manifest.phase("prompts")["counts"]["prompts"]
     before = Progress.read(out.fs, out.root, cfg.output.max_attempts)
     finished = before.finished()
@@ -84,6 +78,9 @@ def run_generate(cfg: Config, out: Output) -> dict:
         finished=ray.put(pa.array(sorted(finished), pa.string())),
         sampling=engine_sampling(cfg.sampling), stop_ids=list(special.eos_ids),
     ))
+    # One engine batch per block: an engine task's output reaches the driver (and a shard)
+    # when the task ends, so a block of 1,000 prompts would hold back 1,000 finished rows.
+    ds = ds.repartition(target_num_rows_per_block=cfg.engine.batch_size)
     ds = apply_engine(ds, cfg, special.pad_id)
     ds = ds.map_batches(Postprocessor(
         tokenizer_path=cfg.model.tokenizer_path, trust_remote_code=cfg.model.trust_remote_code,

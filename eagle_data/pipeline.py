@@ -4,8 +4,6 @@ whose rows the driver publishes shard by shard (see sink.py)."""
 from __future__ import annotations
 
 import logging
-import time
-import uuid
 from collections import Counter
 
 import pyarrow as pa
@@ -16,7 +14,7 @@ from eagle_data import manifest as mf
 from eagle_data.config import Config
 from eagle_data.model_files import check_tokenizer_path, load_tokenizer
 from eagle_data.prompts import PROMPT_SCHEMA, PromptBuilder
-from eagle_data.sink import STAGING, ShardWriter, filesystem
+from eagle_data.output import Output, new_run_id
 from eagle_data.source import read_source, select_sample
 
 log = logging.getLogger("eagle_data")
@@ -27,44 +25,14 @@ SKIPPED_OUT = pa.schema([PROMPT_SCHEMA.field(n) for n in
                          ("row_id", "sample_id", "source", "reason", "detail", "raw")])
 
 
-def new_run_id() -> str:
-    return time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
-
-
-class Output:
-    """OUT: its filesystem, manifest and folders."""
-
-    def __init__(self, path: str):
-        self.fs, self.root = filesystem(path)
-        self.manifest = mf.Manifest(self.fs, self.root)
-
-    def folder(self, name: str) -> str:
-        return f"{self.root}/{name}"
-
-    def remove(self, *folders: str) -> None:
-        for name in folders:
-            self.fs.delete_dir_contents(self.folder(name), missing_dir_ok=True)
-
-    def clear_staging(self) -> None:
-        """Files a killed run left half-written; nothing reads them."""
-        self.remove(STAGING)
-
-    def writer(self, folder: str, schema: pa.Schema, run_id: str, cfg: Config, flush: bool) -> ShardWriter:
-        return ShardWriter(self.fs, self.root, folder, schema, run_id, cfg.output.rows_per_shard,
-                           cfg.output.flush_seconds if flush else float("inf"))
-
-
 def run_prompts(cfg: Config, out: Output) -> dict:
     """Phase 1. Reuses a finished prompts phase made with the same prompt config."""
-    out.manifest.check_prompts_config(cfg)
     if out.manifest.prompts_complete():
         counts = out.manifest.phase("prompts")["counts"]
         log.info("prompts: reusing finished phase in %s (%s)", out.root, counts)
         return counts
-    check_tokenizer_path(cfg.model.tokenizer_path)
     # An unfinished prompts phase is cheap to redo and may be partial: start it over.
     out.remove("prompts", "skipped")
-    out.clear_staging()
     run_id = new_run_id()
     phase = out.manifest.phase("prompts")
     phase.update(status="running", started_at=mf.now(), run_id=run_id,
@@ -131,20 +99,43 @@ def run_prompts(cfg: Config, out: Output) -> dict:
 
 
 def run(cfg: Config, phase: str = "all", fresh: bool = False) -> dict:
-    """Run the phases on OUT = cfg.output.path; rerunning the same command resumes."""
-    out = Output(cfg.output.path)
-    if fresh:
-        log.warning("--fresh: deleting everything in %s", out.root)
-        out.fs.delete_dir_contents(out.root, missing_dir_ok=True)
-        out.manifest = mf.Manifest(out.fs, out.root)
-    out.manifest.check_prompts_config(cfg)
-    if not ray.is_initialized():
-        ray.init()  # joins the cluster when there is one, else starts a local instance
-    result = {}
-    if phase in ("prompts", "all"):
-        result["prompts"] = run_prompts(cfg, out)
-    if phase in ("generate", "all"):
-        from eagle_data.generate import run_generate
+    """Run the phases on OUT = cfg.output.path; rerunning the same command resumes.
 
-        result["generate"] = run_generate(cfg, out)
+    Everything that can be wrong with the setup (paths, OUT, config vs OUT) is checked
+    before any Ray work starts."""
+    out = Output(cfg.output.path)
+    out.check_writable()
+    if not fresh:
+        out.manifest.check_prompts_config(cfg)
+        if phase != "prompts":
+            out.manifest.check_generate_config(cfg)
+    check_model_files(cfg, need_weights=phase != "prompts")
+    with out.lock():
+        if fresh:
+            log.warning("--fresh: deleting what earlier runs wrote in %s", out.root)
+            out.wipe()
+        out.clear_staging()
+        out.quarantine_corrupt()
+        if not ray.is_initialized():
+            ray.init()  # joins the cluster when there is one, else starts a local instance
+        result = {}
+        if phase in ("prompts", "all"):
+            result["prompts"] = run_prompts(cfg, out)
+        if phase in ("generate", "all"):
+            from eagle_data.generate import run_generate
+
+            result["generate"] = run_generate(cfg, out)
     return result
+
+
+def check_model_files(cfg: Config, need_weights: bool) -> None:
+    check_tokenizer_path(cfg.model.tokenizer_path)
+    if need_weights:
+        check_tokenizer_path(cfg.model.path)
+    try:
+        load_tokenizer(cfg.model.tokenizer_path, cfg.model.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise FileNotFoundError(
+            f"cannot load the tokenizer from model.tokenizer/model.path {cfg.model.tokenizer_path!r}: {e}. "
+            "A local path must hold a tokenizer; a hub id needs the hub or a filled HF cache."
+        ) from None

@@ -49,7 +49,8 @@ def publish_table(fs: pafs.FileSystem, out: str, folder: str, name: str, table: 
 
 def write_json(fs: pafs.FileSystem, path: str, data: dict) -> None:
     """Atomically replace a small JSON file (the manifest)."""
-    tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+    tmp = f"{path.rsplit('/', 1)[0]}/{STAGING}/{uuid.uuid4().hex}.json"
+    fs.create_dir(tmp.rsplit("/", 1)[0], recursive=True)
     with fs.open_output_stream(tmp) as f:
         f.write(json.dumps(data, indent=2, sort_keys=True, default=str).encode())
     fs.move(tmp, path)

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 
 from eagle_data.config import ConfigError, load_config
 from eagle_data.manifest import OutputMismatch
+from eagle_data.output import OutputLocked
 from eagle_data.pipeline import run
 from eagle_data.sink import filesystem, shard_files
 
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         result = run(cfg, phase=args.phase, fresh=args.fresh)
-    except (ConfigError, OutputMismatch, FileNotFoundError, PermissionError) as e:
+    except (ConfigError, OutputMismatch, OutputLocked, FileNotFoundError, PermissionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(summary(cfg.output.path, result))

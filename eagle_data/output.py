@@ -1,0 +1,130 @@
+"""OUT: its filesystem, manifest and folders; the checks made before any work starts."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from eagle_data import manifest as mf
+from eagle_data.config import Config
+from eagle_data.sink import STAGING, ShardWriter, filesystem, shard_files
+
+log = logging.getLogger("eagle_data")
+
+FOLDERS = ("prompts", "skipped", "data", "failed")
+QUARANTINE = "quarantine"
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
+
+
+class OutputLocked(RuntimeError):
+    """Another run is writing this OUT: two writers would break exactly-once."""
+
+
+class Output:
+    def __init__(self, path: str):
+        self.fs, self.root = filesystem(path)
+        self.manifest = mf.Manifest(self.fs, self.root)
+
+    def folder(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def remove(self, *folders: str) -> None:
+        for name in folders:
+            self.fs.delete_dir_contents(self.folder(name), missing_dir_ok=True)
+
+    def clear_staging(self) -> None:
+        """Files a killed run left half-written; nothing reads them."""
+        self.remove(STAGING)
+
+    def writer(self, folder: str, schema: pa.Schema, run_id: str, cfg: Config, flush: bool) -> ShardWriter:
+        return ShardWriter(self.fs, self.root, folder, schema, run_id, cfg.output.rows_per_shard,
+                           cfg.output.flush_seconds if flush else float("inf"))
+
+    def wipe(self) -> None:
+        """--fresh: delete what earlier runs made (not the lock this run holds)."""
+        self.remove(*FOLDERS, QUARANTINE, STAGING)
+        if self.fs.get_file_info(self.manifest.path).is_file:
+            self.fs.delete_file(self.manifest.path)
+        self.manifest = mf.Manifest(self.fs, self.root)
+
+    def check_writable(self) -> None:
+        probe = f"{self.folder(STAGING)}/probe-{uuid.uuid4().hex}"
+        try:
+            self.fs.create_dir(self.folder(STAGING), recursive=True)
+            with self.fs.open_output_stream(probe) as f:
+                f.write(b"ok")
+            self.fs.delete_file(probe)
+        except OSError as e:
+            raise PermissionError(
+                f"output.path {self.root} is not writable ({e}); choose another output.path"
+            ) from None
+
+    @contextlib.contextmanager
+    def lock(self):
+        """One run at a time per OUT. A lock left by a killed run (its process is gone) is taken over."""
+        path = f"{self.root}/.lock"
+        held = self._read_lock(path)
+        if held and held.get("host") == socket.gethostname() and _alive(held.get("pid")):
+            raise OutputLocked(f"{self.root} is being written by another run (pid {held['pid']}, "
+                               f"started {held.get('started')}); wait for it or stop it first")
+        if held and held.get("host") != socket.gethostname():
+            raise OutputLocked(f"{self.root} is locked by a run on host {held.get('host')} "
+                               f"(pid {held.get('pid')}); if that run is gone, delete {path}")
+        with self.fs.open_output_stream(path) as f:
+            f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                "started": mf.now()}).encode())
+        try:
+            yield
+        finally:
+            self.fs.delete_file(path)
+
+    def _read_lock(self, path: str) -> dict | None:
+        try:
+            with self.fs.open_input_stream(path) as f:
+                return json.loads(f.read() or b"{}")
+        except (OSError, ValueError):  # none, or unreadable: nobody holds it
+            return None
+
+    def quarantine_corrupt(self) -> list[str]:
+        """Move shards whose Parquet footer cannot be read (truncated, overwritten) out of
+        the folders that are read, into OUT/quarantine/, so that resume and readers never take
+        them as data. Their samples are then simply not done and get generated again; a
+        damaged prompts/ or skipped/ shard makes the prompts phase run again."""
+        moved = []
+        for folder in FOLDERS:
+            for path in shard_files(self.fs, self.folder(folder)):
+                try:
+                    with self.fs.open_input_file(path) as f:
+                        pq.read_metadata(f)
+                except (OSError, pa.ArrowException) as e:
+                    dest = f"{self.folder(QUARANTINE)}/{folder}/{os.path.basename(path)}"
+                    self.fs.create_dir(os.path.dirname(dest), recursive=True)
+                    self.fs.move(path, dest)
+                    log.warning("quarantined unreadable shard %s -> %s (%s)", path, dest, e)
+                    moved.append(path)
+                    if folder in ("prompts", "skipped"):
+                        self.manifest.phase("prompts")["status"] = "damaged"
+        if moved:
+            self.manifest.save()
+        return moved
+
+
+def _alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, TypeError, ValueError):
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,247 @@
+"""Never lose work: kills of the driver and of engine actors, rows the engine fails on,
+damaged shards, and bad setup, on a real local Ray with the tiny Qwen3 model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from conftest import REPO, SAMPLE
+from eagle_data.config import load_config
+from eagle_data.manifest import OutputMismatch
+from eagle_data.output import Output, OutputLocked
+from eagle_data.pipeline import run
+from eagle_data.verify import verify
+
+
+def settings(tmp_path, model_dir, **extra):
+    cfg = {
+        "source": {"dataset": str(SAMPLE)},
+        "model": {"path": str(model_dir)},
+        "engine": {"backend": "transformers", "batch_size": 2, "max_model_len": 1024},
+        "sampling": {"max_tokens": 16, "temperature": 0.0},
+        "output": {"path": str(tmp_path / "out"), "rows_per_shard": 2, "max_attempts": 2},
+    }
+    for key, value in extra.items():
+        section, name = key.split("__")
+        cfg[section][name] = value
+    return cfg
+
+
+def as_config(cfg: dict):
+    return load_config(None, [f"{s}.{k}={json.dumps(v)}" for s, sec in cfg.items() for k, v in sec.items()])
+
+
+def shards(out, folder):
+    return sorted((out / folder).glob("*.parquet"))
+
+
+def read(out, folder):
+    files = shards(out, folder)
+    return pads.dataset(files).to_table().to_pylist() if files else []
+
+
+def assert_verified(out):
+    problems, counts = verify(str(out))
+    assert problems == [], problems
+    return counts
+
+
+def test_driver_sigkill_at_several_points_then_resume(ray_local, tmp_path, tiny_qwen3):
+    """SIGKILL the job's driver from outside while it generates, rerun the same command
+    each time; in the end every sample is in data/ exactly once and the counts add up."""
+    config = tmp_path / "job.yaml"
+    # One row per engine batch and shard, so that kills land between shards.
+    config.write_text(yaml.safe_dump(settings(tmp_path, tiny_qwen3, engine__batch_size=1,
+                                              sampling__max_tokens=32)))
+    out = tmp_path / "out"
+    env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
+    command = [sys.executable, "-m", "ray_jobs.generate", "--config", str(config)]
+
+    def start():
+        return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+
+    kills = []
+    for shards_before_kill in (1, 4, 8):
+        job = start()
+        deadline = time.monotonic() + 240
+        while len(shards(out, "data")) < shards_before_kill and job.poll() is None:
+            assert time.monotonic() < deadline, "no progress"
+            time.sleep(0.05)
+        assert job.poll() is None, "the job finished before it could be killed"
+        os.kill(job.pid, signal.SIGKILL)
+        job.wait()
+        kills.append(len(read(out, "data")))
+        # What a killed run published stays valid data.
+        assert not verify(str(out))[0]
+    assert kills[0] < kills[-1]
+
+    assert subprocess.run(command, cwd=REPO, env=env, capture_output=True).returncode == 0
+    counts = assert_verified(out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    prompts = manifest["phases"]["prompts"]["counts"]
+    assert counts["ok"] == prompts["prompts"] and counts["failed"] == 0
+    assert counts["ok"] + counts["skipped"] == prompts["selected"]
+    runs = manifest["phases"]["generate"]["runs"]
+    # Each rerun only did what earlier runs had not published.
+    assert [r["todo"] for r in runs][1:] == [prompts["prompts"] - k for k in kills]
+    assert runs[-1]["status"] == "complete" and runs[-1]["ok"] == prompts["prompts"] - kills[-1]
+
+
+def _engine_actor_pids():
+    """Ray names an actor's process after it: ray::MapWorker(MapBatches(TransformersEngine))..."""
+    import psutil
+
+    pids = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if "TransformersEngine" in " ".join(proc.info["cmdline"] or []):
+            pids.append(proc.pid)
+    return pids
+
+
+def test_engine_actor_killed_mid_run_loses_nothing(ray_local, tmp_path, tiny_qwen3):
+    cfg = as_config(settings(tmp_path, tiny_qwen3))
+    out = tmp_path / "out"
+    killed = []
+
+    def kill_engine_once_data_flows():
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not killed:
+            pids = _engine_actor_pids()
+            if pids and len(shards(out, "data")) >= 2:
+                os.kill(pids[0], signal.SIGKILL)
+                killed.append(pids[0])
+            time.sleep(0.1)
+
+    killer = threading.Thread(target=kill_engine_once_data_flows)
+    killer.start()
+    result = run(cfg)["generate"]
+    killer.join()
+    assert killed, "the engine actor was never killed"
+    counts = assert_verified(out)
+    assert result["ok"] == counts["ok"] == counts["prompts"] and counts["failed"] == 0
+    assert len(read(out, "data")) == counts["prompts"]
+
+
+def _plant_bad_prompts(out, n):
+    """Give n prompts a token id outside the vocabulary: the model raises on them, every time."""
+    shard = shards(out, "prompts")[0]
+    table = pq.read_table(shard)
+    rows = table.to_pylist()
+    for row in rows[:n]:
+        row["tokenized_prompt"] = row["tokenized_prompt"] + [10**7]
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), shard)
+    return {r["sample_id"] for r in rows[:n]}
+
+
+def test_rows_the_engine_fails_on_are_retried_then_given_up(ray_local, tmp_path, tiny_qwen3):
+    cfg = as_config(settings(tmp_path, tiny_qwen3))  # max_attempts: 2
+    out = tmp_path / "out"
+    run(cfg, phase="prompts")
+    bad = _plant_bad_prompts(out, 2)
+
+    first = run(cfg)["generate"]
+    assert {f["sample_id"] for f in read(out, "failed")} == bad
+    assert first["pending_retry"] == 2 and first["failed_final"] == 0
+    assert all("IndexError" in f["error"] or "index" in f["error"] for f in read(out, "failed"))
+
+    second = run(cfg)["generate"]  # retries exactly the failed rows; they fail again
+    assert sorted(f["sample_id"] for f in read(out, "failed")) == sorted(list(bad) * 2)
+    assert second["failed_final"] == 2 and second["pending_retry"] == 0
+
+    third = run(cfg)["generate"]  # gave up: reported, not retried
+    runs = json.loads((out / "manifest.json").read_text())["phases"]["generate"]["runs"]
+    assert [r["todo"] for r in runs] == [first["prompts"], 2, 0]
+    assert third["failed_final"] == 2 and len(read(out, "failed")) == 4
+    counts = assert_verified(out)
+    assert counts["ok"] + counts["failed"] + counts["skipped"] == counts["selected"]
+    assert counts["failed_final"] == 2
+
+
+def test_truncated_shard_is_quarantined_and_regenerated(ray_local, tmp_path, tiny_qwen3):
+    cfg = as_config(settings(tmp_path, tiny_qwen3, source__sample=20, output__rows_per_shard=5))
+    out = tmp_path / "out"
+    run(cfg)
+    victim = shards(out, "data")[1]
+    lost = {r["sample_id"] for r in pq.read_table(victim).to_pylist()}
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+
+    problems, _ = verify(str(out))
+    assert any("unreadable shard" in p and victim.name in p for p in problems)
+    result = subprocess.run([sys.executable, "-m", "eagle_data", "verify", str(out)],
+                            cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 1 and "unreadable shard" in result.stderr
+
+    run(cfg)
+    assert not victim.exists() and (out / "quarantine" / "data" / victim.name).exists()
+    counts = assert_verified(out)
+    assert counts["ok"] == counts["prompts"]
+    runs = json.loads((out / "manifest.json").read_text())["phases"]["generate"]["runs"]
+    assert runs[-1]["todo"] == len(lost)
+    # Readers see only good shards.
+    assert pads.dataset(shards(out, "data")).count_rows() == counts["prompts"]
+
+
+def test_damaged_prompts_shard_makes_the_prompts_phase_run_again(ray_local, tmp_path, tiny_qwen3):
+    cfg = as_config(settings(tmp_path, tiny_qwen3, source__sample=12, output__rows_per_shard=4))
+    out = tmp_path / "out"
+    run(cfg, phase="prompts")
+    shards(out, "prompts")[0].write_bytes(b"PAR1 not really")
+    run(cfg)
+    counts = assert_verified(out)
+    assert counts["ok"] == counts["prompts"] and counts["prompts"] + counts["skipped"] == 12
+
+
+def test_verify_catches_a_duplicated_sample(ray_local, tmp_path, tiny_qwen3):
+    cfg = as_config(settings(tmp_path, tiny_qwen3, source__sample=6))
+    out = tmp_path / "out"
+    run(cfg)
+    first = shards(out, "data")[0]
+    (out / "data" / "part-copy-00000.parquet").write_bytes(first.read_bytes())
+    problems, _ = verify(str(out))
+    assert any("times in data/ (exactly-once broken)" in p for p in problems)
+
+
+def test_bad_setup_fails_fast_with_a_message(ray_local, tmp_path, tiny_qwen3):
+    base = settings(tmp_path, tiny_qwen3, source__sample=4)
+
+    missing = as_config({**base, "model": {"path": str(tmp_path / "no-such-model")}})
+    with pytest.raises(FileNotFoundError, match="no-such-model"):
+        run(missing)
+
+    (tmp_path / "a-file").write_text("x")
+    unwritable = as_config({**base, "output": {"path": str(tmp_path / "a-file" / "out")}})
+    with pytest.raises(PermissionError, match="is not writable.*choose another output.path"):
+        run(unwritable)
+
+    run(as_config(base))
+    changed = as_config({**base, "sampling": {"max_tokens": 16, "temperature": 0.1, "seed": 5}})
+    with pytest.raises(OutputMismatch, match=r"changed: sampling\.seed, sampling\.temperature\).*--fresh"):
+        run(changed, phase="generate")
+
+    # A live run holds the lock: a second one on the same OUT is refused.
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / "out" / ".lock").write_text(json.dumps(
+            {"pid": holder.pid, "host": __import__("socket").gethostname(), "started": "now"}))
+        with pytest.raises(OutputLocked, match=f"pid {holder.pid}"):
+            run(as_config(base))
+    finally:
+        holder.kill()
+        holder.wait()
+    # Its process gone, the lock is stale and taken over.
+    run(as_config(base))
+    assert not (tmp_path / "out" / ".lock").exists()
+    assert Output(str(tmp_path / "out")).manifest.prompts_complete()
