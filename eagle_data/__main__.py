@@ -1,4 +1,4 @@
-"""`python -m eagle_data COMMAND OUT`: tools that work on an OUT folder."""
+"""`python -m eagle_data COMMAND OUT ...`: tools that work on an OUT folder."""
 
 from __future__ import annotations
 
@@ -10,8 +10,13 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eagle_data")
     commands = parser.add_subparsers(dest="command", required=True)
-    check = commands.add_parser("verify", help="check the exactly-once and accounting invariants of OUT")
-    check.add_argument("out")
+    commands.add_parser("verify", help="check the exactly-once and accounting invariants of OUT").add_argument("out")
+    commands.add_parser("report", help="(re)write OUT/report.json and OUT/report.html from the shards").add_argument("out")
+    look = commands.add_parser("inspect", help="a summary of OUT, or samples with their loss mask")
+    look.add_argument("out")
+    which = look.add_mutually_exclusive_group()
+    which.add_argument("--sample-id")
+    which.add_argument("--n", type=int, help="show the first N samples")
     args = parser.parse_args(argv)
 
     if args.command == "verify":
@@ -24,6 +29,23 @@ def main(argv: list[str] | None = None) -> int:
         if not problems:
             print(f"OK: {args.out} holds every invariant")
         return 1 if problems else 0
+    if args.command == "report":
+        from eagle_data.output import Output
+        from eagle_data.report import write_report
+
+        report = write_report(Output(args.out))
+        print(json.dumps(report["counts"], sort_keys=True))
+        print(f"wrote {report['out']}/report.json, report.html and report/*.png")
+        return 0
+    if args.command == "inspect":
+        from eagle_data.inspect import inspect
+
+        try:
+            print(inspect(args.out, args.sample_id, args.n))
+        except LookupError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        return 0
     return 2
 
 

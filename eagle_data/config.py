@@ -73,6 +73,8 @@ class OutputConfig(_Section):
     # kill loses at most this much finished work even when rows arrive slowly.
     flush_seconds: float = Field(default=60, gt=0)
     max_attempts: int = Field(default=3, ge=1)
+    # The generate phase's progress line in the job log.
+    log_every_s: float = Field(default=30, gt=0)
 
 
 class Config(_Section):

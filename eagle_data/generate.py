@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import ray
@@ -16,6 +15,8 @@ from eagle_data.engines import apply_engine
 from eagle_data.model_files import generation_eos_ids, load_tokenizer, special_tokens
 from eagle_data.output import Output, new_run_id
 from eagle_data.postprocess import DATA_SCHEMA, OUT_SCHEMA, Postprocessor
+from eagle_data.progress import Progress as RunProgress
+from eagle_data.report import write_report
 from eagle_data.resume import Progress
 from eagle_data.sink import shard_files
 
@@ -24,7 +25,6 @@ log = logging.getLogger("eagle_data")
 FAILED_SCHEMA = pa.schema([OUT_SCHEMA.field("sample_id"), OUT_SCHEMA.field("source"),
                            OUT_SCHEMA.field("error"), pa.field("run_id", pa.string())])
 PROMPT_COLUMNS = ["sample_id", "source", "messages", "tokenized_prompt"]
-LOG_EVERY_S = 30
 
 
 def row_seed(seed: int, sample_id: str) -> int:
@@ -90,22 +90,19 @@ def run_generate(cfg: Config, out: Output) -> dict:
 
     data = out.writer("data", DATA_SCHEMA, run_id, cfg, flush=True)
     failed = out.writer("failed", FAILED_SCHEMA, run_id, cfg, flush=True)
-    started = last_log = time.monotonic()
-    generated_tokens = 0
-    for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
-        ok = pc.equal(batch.column("error"), "")
-        good = batch.filter(ok)
-        bad = batch.filter(pc.invert(ok))
-        data.add(good)
-        failed.add(bad.append_column("run_id", pa.array([run_id] * bad.num_rows, pa.string())))
-        generated_tokens += int(np.sum(pc.list_value_length(good.column("input_ids")).to_numpy())
-                                - np.sum(good.column("num_prompt_tokens").to_numpy())) if good.num_rows else 0
-        if time.monotonic() - last_log >= LOG_EVERY_S:
-            last_log = time.monotonic()
-            _log_progress(len(before.ok), total, data, failed, generated_tokens, started, run_info["todo"])
-    data.close()
-    failed.close()
-    _log_progress(len(before.ok), total, data, failed, generated_tokens, started, run_info["todo"])
+    progress = RunProgress(total=total, done_before=len(finished), todo=run_info["todo"],
+                           max_tokens=cfg.sampling.max_tokens, every_s=cfg.output.log_every_s,
+                           data_writer=data, failed_writer=failed)
+    with progress:
+        for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+            ok = pc.equal(batch.column("error"), "")
+            good = batch.filter(ok)
+            bad = batch.filter(pc.invert(ok))
+            data.add(good)
+            failed.add(bad.append_column("run_id", pa.array([run_id] * bad.num_rows, pa.string())))
+            progress.update(good)
+        data.close()
+        failed.close()
 
     after = Progress.read(out.fs, out.root, cfg.output.max_attempts)
     counts = {
@@ -116,20 +113,11 @@ def run_generate(cfg: Config, out: Output) -> dict:
         "failed_rows": sum(after.failures.values()),
     }
     run_info.update(status="complete", finished_at=mf.now(), ok=data.written, failed=failed.written,
-                    generated_tokens=generated_tokens, wall_s=round(time.monotonic() - started, 1))
+                    generated_tokens=progress.generated_tokens,
+                    wall_s=round(time.monotonic() - progress.started, 1))
     phase["counts"] = counts
     out.manifest.save()
+    write_report(out)
     log.info("generate: run %s wrote %d ok, %d failed; OUT totals %s", run_id, data.written,
              failed.written, counts)
     return counts
-
-
-def _log_progress(done_before, total, data, failed, tokens, started, todo):
-    elapsed = max(time.monotonic() - started, 1e-9)
-    this_run = data.written + failed.written + data.buffered + failed.buffered
-    rate = this_run / elapsed
-    eta = (todo - this_run) / rate if rate > 0 else float("inf")
-    log.info("progress: %d/%d done (%.1f%%), this run ok %d failed %d, %.2f rows/s, %.1f gen tok/s, ETA %.0fs",
-             done_before + data.written + data.buffered, total,
-             100 * (done_before + data.written + data.buffered) / max(total, 1),
-             data.written + data.buffered, failed.written + failed.buffered, rate, tokens / elapsed, eta)

@@ -14,6 +14,7 @@ from eagle_data import manifest as mf
 from eagle_data.config import Config
 from eagle_data.model_files import check_tokenizer_path, load_tokenizer
 from eagle_data.prompts import PROMPT_SCHEMA, PromptBuilder
+from eagle_data.report import write_report
 from eagle_data.output import Output, new_run_id
 from eagle_data.source import read_source, select_sample
 
@@ -94,6 +95,7 @@ def run_prompts(cfg: Config, out: Output) -> dict:
     }
     phase.update(status="complete", finished_at=mf.now(), counts=counts)
     out.manifest.save()
+    write_report(out)
     log.info("prompts: %s", counts)
     return counts
 

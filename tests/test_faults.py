@@ -73,6 +73,13 @@ def test_driver_sigkill_at_several_points_then_resume(ray_local, tmp_path, tiny_
         return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
 
+    # First a kill as soon as the prompts phase has published anything (usually mid-phase).
+    job = start()
+    while not shards(out, "prompts") and job.poll() is None:
+        time.sleep(0.01)
+    os.kill(job.pid, signal.SIGKILL)
+    job.wait()
+
     kills = []
     for shards_before_kill in (1, 4, 8):
         job = start()
@@ -98,6 +105,9 @@ def test_driver_sigkill_at_several_points_then_resume(ray_local, tmp_path, tiny_
     # Each rerun only did what earlier runs had not published.
     assert [r["todo"] for r in runs][1:] == [prompts["prompts"] - k for k in kills]
     assert runs[-1]["status"] == "complete" and runs[-1]["ok"] == prompts["prompts"] - kills[-1]
+    print(f"\nfault matrix: driver SIGKILL; ok rows on disk after each kill {kills}; "
+          f"todo per run {[r['todo'] for r in runs]}; final ok {counts['ok']} of {prompts['prompts']} "
+          f"prompts, skipped {counts['skipped']}, selected {prompts['selected']}")
 
 
 def _engine_actor_pids():

@@ -1,0 +1,113 @@
+"""`python -m eagle_data inspect OUT [--sample-id ID | --n K]`: look at the data as a trainer
+will see it. Without options: a one-screen summary of the whole OUT.
+
+A sample shows its prompt turns, reasoning and response, token counts, finish reason, and
+the token sequence decoded with the loss-mask boundary visible: in colour on a terminal
+(trained-on tokens green, context grey), with [[loss: ... ]] markers when piped.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pyarrow.compute as pc
+import pyarrow.dataset as pads
+
+from eagle_data.model_files import load_tokenizer
+from eagle_data.output import Output
+from eagle_data.report import build_report
+from eagle_data.sink import shard_files
+
+GREY, GREEN, BOLD, RESET = "\033[90m", "\033[32m", "\033[1m", "\033[0m"
+
+
+def samples(out: Output, sample_id: str | None, n: int) -> list[dict]:
+    files = shard_files(out.fs, out.folder("data"))
+    if not files:
+        return []
+    dataset = pads.dataset(files, filesystem=out.fs, format="parquet")
+    if sample_id is not None:
+        return dataset.to_table(filter=pc.field("sample_id") == sample_id).to_pylist()
+    return dataset.head(n).to_pylist()
+
+
+def mask_runs(input_ids: list[int], loss_mask: list[int]) -> list[tuple[int, list[int]]]:
+    """Consecutive tokens with the same mask value: [(mask, ids), ...]."""
+    runs: list[tuple[int, list[int]]] = []
+    for token, m in zip(input_ids, loss_mask):
+        if runs and runs[-1][0] == m:
+            runs[-1][1].append(token)
+        else:
+            runs.append((m, [token]))
+    return runs
+
+
+def render_sample(row: dict, tokenizer, colour: bool) -> str:
+    def heading(text):
+        return f"{BOLD}{text}{RESET}" if colour else text
+
+    mask = row["loss_mask"]
+    lines = [
+        heading(f"sample {row['sample_id']}  source {row['source']}  finish_reason {row['finish_reason']}"),
+        f"tokens: prompt {row['num_prompt_tokens']}, reasoning {row['num_reasoning_tokens']}, "
+        f"response {row['num_response_tokens']}; loss on {sum(mask)} of {len(mask)}",
+        heading("--- prompt"),
+        *(f"[{m['role']}] {m['content']}" for m in row["messages"]),
+        heading("--- reasoning"), row["reasoning"] or "(none)",
+        heading("--- response"), row["response"] or "(none)",
+    ]
+    if tokenizer is not None:
+        lines.append(heading("--- input_ids decoded; " + (
+            "green = loss on, grey = context" if colour else "[[loss: ... ]] = loss on")))
+        parts = []
+        for m, ids in mask_runs(row["input_ids"], mask):
+            text = tokenizer.decode(ids)
+            if colour:
+                parts.append(f"{GREEN if m else GREY}{text}{RESET}")
+            else:
+                parts.append(f"[[loss: {text} ]]" if m else text)
+        lines.append("".join(parts))
+    return "\n".join(lines)
+
+
+def summary(out: Output) -> str:
+    r = build_report(out)
+    c, t = r["counts"], r["tokens"]
+    lines = [
+        f"OUT {out.root}",
+        f"rows: selected {c['selected']} = prompts {c['prompts']} + skipped {c['skipped']}; "
+        f"ok {c['ok']}, failed attempts {c['failed_rows']} ({c['failed_final']} samples gave up)",
+        "skipped: " + (", ".join(f"{k} {v}" for k, v in r["skipped_by_reason"].items()) or "none"),
+        "finish reasons: " + (", ".join(f"{k} {v}" for k, v in r["finish_reasons"].items()) or "none"),
+    ]
+    for name in ("prompt", "reasoning", "response"):
+        s = t[name]
+        if s.get("count"):
+            lines.append(f"{name:>9} tokens: mean {s['mean']}, p50 {s['p50']}, p95 {s['p95']}, "
+                         f"max {s['max']}, total {s['total']}")
+    lines.append(f"{'source':<45} {'prompts':>8} {'skipped':>8} {'ok':>8} {'failed':>7}")
+    for source, counts in r["by_source"].items():
+        lines.append(f"{source[:45]:<45} {counts.get('prompts', 0):>8} {counts.get('skipped', 0):>8} "
+                     f"{counts.get('ok', 0):>8} {counts.get('failed', 0):>7}")
+    return "\n".join(lines)
+
+
+def inspect(path: str, sample_id: str | None = None, n: int | None = None,
+            colour: bool | None = None) -> str:
+    out = Output(path)
+    if sample_id is None and n is None:
+        return summary(out)
+    rows = samples(out, sample_id, n or 1)
+    if not rows:
+        raise LookupError(f"no sample {sample_id!r} in {out.root}/data" if sample_id
+                          else f"{out.root}/data has no samples yet")
+    colour = sys.stdout.isatty() if colour is None else colour
+    manifest = out.manifest.data
+    tokenizer_info = manifest.get("phases", {}).get("generate", {}).get("tokenizer", {})
+    try:
+        trust = manifest.get("config", {}).get("model", {}).get("trust_remote_code", False)
+        tokenizer = load_tokenizer(tokenizer_info["path"], trust)
+    except Exception as e:  # the text fields still tell most of the story
+        print(f"(token view off: cannot load the tokenizer: {e})", file=sys.stderr)
+        tokenizer = None
+    return "\n\n".join(render_sample(row, tokenizer, colour) for row in rows)

@@ -1,0 +1,210 @@
+"""OUT/report.json and OUT/report.html (+ OUT/report/*.png), computed from the shards alone.
+
+Written at the end of each phase and by `python -m eagle_data report OUT`. Only small
+columns are read (counts and lengths, never token lists).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from collections import Counter, defaultdict
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as pads
+
+from eagle_data import manifest as mf
+from eagle_data.output import Output
+from eagle_data.resume import Progress
+from eagle_data.sink import shard_files, write_json
+
+COLUMNS = {
+    "prompts": ["source", "num_prompt_tokens"],
+    "skipped": ["source", "reason"],
+    "data": ["sample_id", "source", "num_prompt_tokens", "num_reasoning_tokens", "num_response_tokens", "finish_reason"],
+    "failed": ["sample_id", "source"],
+}
+
+
+def read_columns(out: Output, folder: str) -> pa.Table:
+    files = shard_files(out.fs, out.folder(folder))
+    if not files:
+        return pa.table({c: pa.array([], pa.string()) for c in COLUMNS[folder]})
+    return pads.dataset(files, filesystem=out.fs, format="parquet").to_table(columns=COLUMNS[folder])
+
+
+def stats(values: np.ndarray) -> dict:
+    if values.size == 0:
+        return {"count": 0}
+    return {"count": int(values.size), "total": int(values.sum()), "mean": round(float(values.mean()), 1),
+            "p50": int(np.percentile(values, 50)), "p95": int(np.percentile(values, 95)),
+            "max": int(values.max())}
+
+
+def throughput(out: Output) -> list[dict]:
+    """Cumulative ok rows and generated tokens at each data shard's publish time."""
+    points = []
+    for path in shard_files(out.fs, out.folder("data")):
+        info = out.fs.get_file_info(path)
+        table = pads.dataset(path, filesystem=out.fs, format="parquet").to_table(
+            columns=["num_reasoning_tokens", "num_response_tokens"])
+        tokens = int(np.sum(table.column(0).to_numpy()) + np.sum(table.column(1).to_numpy()))
+        points.append((info.mtime.timestamp(), table.num_rows, tokens))
+    points.sort()
+    rows = np.cumsum([p[1] for p in points]).tolist()
+    tokens = np.cumsum([p[2] for p in points]).tolist()
+    return [{"time": t, "rows": r, "tokens": k} for (t, _, _), r, k in zip(points, rows, tokens)]
+
+
+def build_report(out: Output) -> dict:
+    manifest = out.manifest.data
+    prompts, skipped = read_columns(out, "prompts"), read_columns(out, "skipped")
+    data, failed = read_columns(out, "data"), read_columns(out, "failed")
+    max_attempts = manifest.get("config", {}).get("output", {}).get("max_attempts", 1)
+    progress = Progress(set(data.column("sample_id").to_pylist()),
+                        Counter(failed.column("sample_id").to_pylist()), max_attempts)
+    by_source: dict = defaultdict(Counter)
+    for name, table in (("prompts", prompts), ("skipped", skipped), ("ok", data)):
+        for source, n in Counter(table.column("source").to_pylist()).items():
+            by_source[source][name] = n
+    failed_ids = dict(zip(failed.column("sample_id").to_pylist(), failed.column("source").to_pylist()))
+    for sample_id, source in failed_ids.items():
+        if sample_id not in progress.ok:  # failed samples that have no ok row (yet)
+            by_source[source]["failed"] += 1
+
+    def col(name):
+        return data.column(name).to_numpy(zero_copy_only=False).astype(np.int64)
+
+    completion = col("num_reasoning_tokens") + col("num_response_tokens") if data.num_rows else np.empty(0)
+    prompt_phase = manifest.get("phases", {}).get("prompts", {})
+    generate_phase = manifest.get("phases", {}).get("generate", {})
+    return {
+        "out": out.root,
+        "generated_at": mf.now(),
+        "counts": {
+            "selected": prompt_phase.get("counts", {}).get("selected"),
+            "prompts": prompts.num_rows,
+            "skipped": skipped.num_rows,
+            "ok": data.num_rows,
+            "failed_rows": failed.num_rows,
+            "failed_final": len(progress.given_up),
+        },
+        "skipped_by_reason": dict(Counter(skipped.column("reason").to_pylist()).most_common()),
+        "finish_reasons": dict(Counter(data.column("finish_reason").to_pylist()).most_common()),
+        "by_source": {s: dict(c) for s, c in sorted(by_source.items())},
+        "tokens": {
+            "prompt": stats(col("num_prompt_tokens")) if data.num_rows else stats(
+                prompts.column("num_prompt_tokens").to_numpy(zero_copy_only=False)),
+            "reasoning": stats(col("num_reasoning_tokens")) if data.num_rows else stats(np.empty(0)),
+            "response": stats(col("num_response_tokens")) if data.num_rows else stats(np.empty(0)),
+            "completion": stats(completion),
+        },
+        "throughput": throughput(out),
+        "runs": {"prompts": {k: v for k, v in prompt_phase.items() if k != "prompt_config"},
+                 "generate": generate_phase.get("runs", [])},
+        "_lengths": {  # for the plots only; not written to report.json
+            "data_source": data.column("source").to_pylist(), "completion": completion,
+            "prompt": col("num_prompt_tokens") if data.num_rows else np.empty(0),
+            "finish": data.column("finish_reason").to_pylist(),
+        },
+    }
+
+
+def plots(report: dict) -> dict[str, bytes]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures = {}
+    lengths = report["_lengths"]
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    sources = sorted(set(lengths["data_source"]))
+    for ax, key, title in ((axes[0], "completion", "completion tokens (reasoning + response)"),
+                           (axes[1], "prompt", "prompt tokens")):
+        values = np.asarray(lengths[key])
+        for source in sources:
+            mask = np.array([s == source for s in lengths["data_source"]], dtype=bool)
+            if mask.any():
+                ax.hist(values[mask], bins=30, histtype="step", linewidth=1.5, label=f"{source} ({mask.sum()})")
+        ax.set_title(title)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("samples")
+    if sources:
+        axes[0].legend(fontsize=7)
+    figures["lengths.png"] = _png(fig, plt)
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    finish = report["finish_reasons"] or {"(no data)": 0}
+    colours = {"stop": "tab:green", "length": "tab:orange"}
+    axes[0].bar(list(finish), list(finish.values()), color=[colours.get(k, "tab:gray") for k in finish])
+    axes[0].set_title("finish reasons (ok rows)")
+    reasons = report["skipped_by_reason"] or {"(none)": 0}
+    axes[1].barh(list(reasons), list(reasons.values()), color="tab:red")
+    axes[1].set_title(f"skipped rows by reason ({report['counts']['skipped']})")
+    fig.tight_layout()
+    figures["finish_and_skips.png"] = _png(fig, plt)
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    points = report["throughput"]
+    if points:
+        t0 = points[0]["time"]
+        minutes = [(p["time"] - t0) / 60 for p in points]
+        axes[0].step(minutes, [p["rows"] for p in points], where="post")
+        rates = [0.0] + [(b["tokens"] - a["tokens"]) / max(b["time"] - a["time"], 1e-3)
+                         for a, b in zip(points, points[1:])]
+        axes[1].plot(minutes, rates, marker=".")
+    axes[0].set_title("ok rows published (cumulative)")
+    axes[0].set_xlabel("minutes since first shard")
+    axes[1].set_title("generated tokens/s between shards")
+    axes[1].set_xlabel("minutes since first shard")
+    figures["throughput.png"] = _png(fig, plt)
+    return figures
+
+
+def _png(fig, plt) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def to_html(report: dict, figures: dict[str, bytes]) -> str:
+    def table(rows: dict, header: tuple) -> str:
+        body = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(json.dumps(v))}</td></tr>"
+                       for k, v in rows.items())
+        return f"<table><tr><th>{header[0]}</th><th>{header[1]}</th></tr>{body}</table>"
+
+    images = "".join(f'<h3>{name}</h3><img src="data:image/png;base64,{base64.b64encode(png).decode()}">'
+                     for name, png in figures.items())
+    return (
+        "<!doctype html><meta charset=utf-8><title>eagle-data report</title>"
+        "<style>body{font-family:sans-serif;margin:2em}td,th{border:1px solid #ccc;padding:2px 8px}"
+        "table{border-collapse:collapse;margin-bottom:1em}</style>"
+        f"<h1>eagle-data report</h1><p>{html.escape(report['out'])} &middot; {report['generated_at']}</p>"
+        f"<h2>Counts</h2>{table(report['counts'], ('', 'rows'))}"
+        f"<h2>Tokens</h2>{table(report['tokens'], ('', 'statistics'))}"
+        f"<h2>By source</h2>{table(report['by_source'], ('source', 'rows'))}"
+        f"<h2>Plots</h2>{images}"
+    )
+
+
+def write_report(out: Output) -> dict:
+    report = build_report(out)
+    figures = plots(report)
+    public = {k: v for k, v in report.items() if not k.startswith("_")}
+    write_json(out.fs, f"{out.root}/report.json", public)
+    out.fs.create_dir(f"{out.root}/report", recursive=True)
+    for name, png in figures.items():
+        _write_bytes(out, f"{out.root}/report/{name}", png)
+    _write_bytes(out, f"{out.root}/report.html", to_html(public, figures).encode())
+    return public
+
+
+def _write_bytes(out: Output, path: str, payload: bytes) -> None:
+    with out.fs.open_output_stream(path) as f:
+        f.write(payload)
