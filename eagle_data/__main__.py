@@ -17,6 +17,9 @@ def main(argv: list[str] | None = None) -> int:
     which = look.add_mutually_exclusive_group()
     which.add_argument("--sample-id")
     which.add_argument("--n", type=int, help="show the first N samples")
+    from eagle_data.export import add_cli as add_export, run_cli as run_export
+
+    add_export(commands)
     args = parser.parse_args(argv)
 
     if args.command == "verify":
@@ -46,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 1
         return 0
+    if args.command == "export":
+        return run_export(args)
     return 2
 
 

@@ -22,7 +22,7 @@ def make_cfg(tmp_path, model_dir, *sets):
     return load_config(None, [
         f"source.dataset={SAMPLE}", f"model.path={model_dir}", f"output.path={tmp_path / 'out'}",
         "engine.backend=transformers", "engine.batch_size=4", "engine.max_model_len=1024",
-        "sampling.max_tokens=12", "output.rows_per_shard=10", *sets,
+        "sampling.max_tokens=12", "sampling.temperature=0", "output.rows_per_shard=10", *sets,
     ])
 
 
@@ -31,9 +31,10 @@ def read(out, folder):
     return pads.dataset(files).to_table().to_pylist() if files else []
 
 
-@pytest.mark.parametrize("train_on", ["generated", "response"])
-def test_data_rows_are_the_exact_engine_tokens(ray_local, tmp_path, tiny_qwen3, train_on):
-    cfg = make_cfg(tmp_path, tiny_qwen3, f"mask.train_on={train_on}", "source.sample=30")
+@pytest.mark.parametrize("train_on, temperature", [("generated", 0.7), ("response", 0)])
+def test_data_rows_are_the_exact_engine_tokens(ray_local, tmp_path, tiny_qwen3, train_on, temperature):
+    cfg = make_cfg(tmp_path, tiny_qwen3, f"mask.train_on={train_on}", "source.sample=24",
+                   f"sampling.temperature={temperature}")
     result = run(cfg)
     out = tmp_path / "out"
     prompts = {p["sample_id"]: p for p in read(out, "prompts")}

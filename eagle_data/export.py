@@ -1,0 +1,114 @@
+"""`export OUT DEST --format specforge|speculators|jsonl`: data/ as a JSONL file a peer
+trainer reads directly. Streams record batches, so an OUT of any size exports in bounded
+memory; DEST (a local path or URI) appears only once complete (written aside, then moved).
+
+Formats, matched against the peers' current readers (field names and types, not code):
+
+- specforge (sgl-project/SpecForge): one conversation per line,
+      {"id": str, "conversations": [{"role": str, "content": str}, ...,
+                                    {"role": "assistant", "content": response,
+                                     "reasoning_content": reasoning}]}
+  The `id` + `conversations` contract is docs/basic_usage/data_preparation.md and
+  scripts/prepare_data.py; the assistant's `reasoning_content` key is where
+  scripts/regenerate_train_data.py (--reasoning save) stores the target's reasoning and
+  where specforge/data/parse.py (ThinkingParser) reads it back into the chat template. It
+  is written only when the sample has reasoning, as their regeneration does. No other
+  keys: specforge/data/preprocessing.py passes every extra column to the chat template
+  as a keyword argument. SpecForge re-renders and re-tokenizes the text with its own
+  template, so the exact engine tokens are not preserved in this format.
+- speculators (vllm-project/speculators): pre-tokenized rows,
+      {"input_ids": [int, ...], "loss_mask": [0|1, ...]}
+  src/speculators/data_generation/preprocessing.py takes rows that carry both columns as
+  already masked (passthrough, no re-rendering) and loads local data only as .json/.jsonl
+  (load_raw_dataset), hence JSONL, not Parquet. Its mask convention is ours (1 on target
+  tokens, aligned with input_ids; src/speculators/models/eagle3/data.py shifts it by one).
+- jsonl: every data/ column, one sample per line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import uuid
+from typing import Callable, Sequence
+
+from eagle_data.postprocess import DATA_SCHEMA
+from eagle_data.reader import Out, resolve_filesystem, row_filter
+
+
+def specforge_row(r: dict) -> dict:
+    assistant = {"role": "assistant", "content": r["response"]}
+    if r["reasoning"]:
+        assistant["reasoning_content"] = r["reasoning"]
+    return {"id": r["sample_id"], "conversations": [*r["messages"], assistant]}
+
+
+def speculators_row(r: dict) -> dict:
+    return {"input_ids": r["input_ids"], "loss_mask": r["loss_mask"]}
+
+
+# format -> (columns read, row converter, finish reasons exported by default)
+FORMATS: dict[str, tuple[tuple[str, ...], Callable[[dict], dict], tuple[str, ...] | None]] = {
+    # A cut-off answer re-rendered through a chat template gets an end-of-turn token the
+    # model never produced, teaching the draft to stop mid-answer: only finished rows.
+    "specforge": (("sample_id", "messages", "reasoning", "response"), specforge_row, ("stop",)),
+    # Token-exact formats keep cut-off rows as generated (no stop token is invented).
+    "speculators": (("input_ids", "loss_mask"), speculators_row, None),
+    "jsonl": (tuple(DATA_SCHEMA.names), dict, None),
+}
+
+
+def export(out_path: str, dest: str, fmt: str, finish_reason: Sequence[str] | None = None,
+           source: Sequence[str] | None = None) -> dict:
+    """Write OUT's data/ to DEST as JSONL in `fmt`. finish_reason None = the format's
+    default (specforge: "stop" only; others: all rows). Returns counts."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    columns, convert, default_finish = FORMATS[fmt]
+    out = Out(out_path)
+    if not out.files:
+        raise FileNotFoundError(f"{out_path} has no data/ shards to export")
+    expr = row_filter(finish_reason if finish_reason is not None else default_finish, source)
+
+    fs, path = resolve_filesystem(dest)
+    parent = path.rsplit("/", 1)[0] if "/" in path else "."
+    fs.create_dir(parent, recursive=True)
+    tmp = f"{parent}/.{path.rsplit('/', 1)[-1]}.{uuid.uuid4().hex}.tmp"
+    rows = 0
+    try:
+        with fs.open_output_stream(tmp) as f:
+            for batch in out.batches(columns, filter=expr):
+                lines = [json.dumps(convert(r), ensure_ascii=False) for r in batch.to_pylist()]
+                if lines:
+                    f.write(("\n".join(lines) + "\n").encode())
+                rows += len(lines)
+        fs.move(tmp, path)
+    except BaseException:
+        if fs.get_file_info(tmp).is_file:
+            fs.delete_file(tmp)
+        raise
+    return {"format": fmt, "dest": dest, "rows": rows}
+
+
+def add_cli(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "export", help="write OUT/data as JSONL for a peer trainer (SpecForge, speculators)")
+    p.add_argument("out", help="the OUT folder (local path or URI)")
+    p.add_argument("dest", help="the JSONL file to write (local path or URI); speculators "
+                                "needs a name ending in .jsonl")
+    p.add_argument("--format", required=True, choices=sorted(FORMATS), dest="format")
+    p.add_argument("--finish-reason", nargs="+", choices=["stop", "length"], default=None,
+                   help="rows to keep (default: specforge 'stop', other formats all)")
+    p.add_argument("--source", nargs="+", default=None, help="keep only these sources")
+    return p
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    try:
+        counts = export(args.out, args.dest, args.format, args.finish_reason, args.source)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"export: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(counts, sort_keys=True))
+    return 0

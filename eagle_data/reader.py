@@ -1,0 +1,283 @@
+"""Read an OUT for training: lazy Parquet access, torch Datasets, data-parallel sharding, collate.
+
+Alignment of `loss_mask` with `input_ids` (the contract every trainer must follow):
+
+    input_ids  = prompt tokens + generated tokens          (length n)
+    loss_mask  has length n, aligned 1:1 with input_ids:
+        loss_mask[t] == 1  <=>  input_ids[t] is a generated token that is a training TARGET
+        (mask.train_on=response: only the response tokens, not the reasoning ones)
+        loss_mask[t] == 0  on every prompt token (never a target)
+
+A next-token trainer (EAGLE-3 included) predicts input_ids[t+1] from position t, so it
+shifts the mask like the labels:
+
+    labels      = input_ids[1:]          # target of position t is input_ids[t+1]
+    pred_mask   = loss_mask[1:]          # applies to predictions at positions 0..n-2
+    loss        = sum(CE(logits[:-1], labels) * pred_mask) / sum(pred_mask)
+
+So at the last prompt position p = num_prompt_tokens - 1, pred_mask[p] == 1 (it predicts
+the first generated token) and at p - 1 it is 0 (it predicts the last prompt token).
+vllm-project/speculators applies the same shift (src/speculators/models/eagle3/data.py:
+`loss_mask = loss_mask[1:]` next to `input_ids = input_ids[1:]`).
+
+Memory: only a per-row index (row group id + row number, 8 bytes a row, after filters) is
+built up front, from the small num_*_tokens / source / finish_reason columns. Token lists
+are read one Parquet row group at a time, and at most `window` row groups are held, so an
+OUT of any size iterates in bounded memory (about `window` x one row group).
+
+Order and sharding: an epoch's order is a function of (index, seed, epoch) only, so every
+rank computes the same one; rank r takes the r-th contiguous slice of it (the slices
+partition the samples: each is seen exactly once per epoch; sizes differ by at most one).
+Shuffling is two-level so that reads stay sequential: row groups are permuted, then rows
+are permuted within each group of `window` consecutive row groups. All ranks must see the
+same shard list: read an OUT whose generate phase finished (not one still being written).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as pads
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+from eagle_data.sink import filesystem as local_or_uri_filesystem
+from eagle_data.sink import read_json, shard_files
+
+TOKEN_COLUMNS = ("input_ids", "loss_mask")
+LENGTH_COLUMNS = ("num_prompt_tokens", "num_reasoning_tokens", "num_response_tokens")
+FILTER_COLUMNS = ("finish_reason", "source", *LENGTH_COLUMNS)  # small: read for the index
+
+
+def resolve_filesystem(path: str, fs=None) -> tuple[pafs.FileSystem, str]:
+    """(pyarrow filesystem, path in it) for a local path, a pyarrow URI (s3://, gs://,
+    hdfs://, file://) or any fsspec URI (memory://, az://, ...); `fs` may be given as a
+    pyarrow or fsspec filesystem, then `path` is a path within it."""
+    if fs is None:
+        try:
+            return local_or_uri_filesystem(path)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError):
+            import fsspec
+
+            fs, path = fsspec.core.url_to_fs(path)
+    if not isinstance(fs, pafs.FileSystem):  # an fsspec filesystem
+        fs = pafs.PyFileSystem(pafs.FSSpecHandler(fs))
+    return fs, path.rstrip("/")
+
+
+class Out:
+    """An OUT folder opened for reading; nothing but the shard list and manifest is read here."""
+
+    def __init__(self, path: str, filesystem=None):
+        self.fs, self.root = resolve_filesystem(path, filesystem)
+        self.files = shard_files(self.fs, f"{self.root}/data")
+        self.manifest = read_json(self.fs, f"{self.root}/manifest.json") or {}
+
+    @property
+    def tokenizer(self) -> dict:
+        return self.manifest.get("phases", {}).get("generate", {}).get("tokenizer", {})
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer["pad_id"]
+
+    def dataset(self) -> pads.Dataset:
+        return pads.dataset(self.files, format="parquet", filesystem=self.fs)
+
+    def batches(self, columns: Sequence[str] | None = None, filter: pc.Expression | None = None,
+                batch_size: int = 1024) -> Iterator[pa.RecordBatch]:
+        """Stream record batches of the chosen columns; filter columns need not be among them."""
+        if not self.files:
+            return iter(())
+        return self.dataset().to_batches(columns=list(columns) if columns else None,
+                                         filter=filter, batch_size=batch_size)
+
+    def row_group_sizes(self, file: str) -> list[int]:
+        with self.fs.open_input_file(file) as f:
+            meta = pq.ParquetFile(f).metadata
+            return [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+
+    def read_row_group(self, file: str, group: int, columns: Sequence[str]) -> pa.Table:
+        with self.fs.open_input_file(file) as f:
+            return pq.ParquetFile(f).read_row_group(group, columns=list(columns))
+
+
+def row_filter(finish_reason: Sequence[str] | None = None, source: Sequence[str] | None = None,
+               min_len: int | None = None, max_len: int | None = None) -> pc.Expression | None:
+    """A pyarrow expression over the small columns; None when nothing is filtered.
+    Lengths are total lengths (prompt + generated), bounds inclusive."""
+    conds = []
+    if finish_reason is not None:
+        conds.append(pc.field("finish_reason").isin(list(finish_reason)))
+    if source is not None:
+        conds.append(pc.field("source").isin(list(source)))
+    if min_len is not None or max_len is not None:
+        total = (pc.field("num_prompt_tokens").cast(pa.int64())
+                 + pc.field("num_reasoning_tokens") + pc.field("num_response_tokens"))
+        if min_len is not None:
+            conds.append(total >= min_len)
+        if max_len is not None:
+            conds.append(total <= max_len)
+    if not conds:
+        return None
+    expr = conds[0]
+    for c in conds[1:]:
+        expr = expr & c
+    return expr
+
+
+class _Samples:
+    """What both torch Datasets share: the filtered row index, the epoch order, the rank's
+    slice of it, and a small LRU cache of decoded row groups."""
+
+    def __init__(self, out: str | Out, *, finish_reason=None, source=None, min_len=None,
+                 max_len=None, overflow: str = "drop", columns: Sequence[str] = (),
+                 rank: int = 0, world_size: int = 1, shuffle: bool = True, seed: int = 0,
+                 window: int = 4, filesystem=None):
+        if overflow not in ("drop", "truncate"):
+            raise ValueError("overflow must be 'drop' (filter out rows longer than max_len) "
+                             "or 'truncate' (cut them to max_len)")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} not in [0, world_size={world_size})")
+        self.out = out if isinstance(out, Out) else Out(out, filesystem)
+        self.columns = tuple(c for c in columns if c not in (*TOKEN_COLUMNS, "attention_mask"))
+        self.max_len = max_len
+        self.truncate = overflow == "truncate" and max_len is not None
+        self.rank, self.world_size = rank, world_size
+        self.shuffle, self.seed, self.window = shuffle, seed, max(1, window)
+        expr = row_filter(finish_reason, source, min_len, None if self.truncate else max_len)
+        self._build_index(expr)
+        self._cache: OrderedDict = OrderedDict()
+        self.set_epoch(0)
+
+    def _build_index(self, expr: pc.Expression | None) -> None:
+        """Per row group: its (file, row group) and the kept row numbers in it. Reads only
+        the row group sizes, or with a filter the small FILTER_COLUMNS, one row group at a
+        time; never the token lists."""
+        self.blocks: list[tuple[int, int]] = []  # (file number, row group number)
+        rows, block_ids = [], []
+        for f, path in enumerate(self.out.files):
+            for g, n in enumerate(self.out.row_group_sizes(path)):
+                keep = np.arange(n, dtype=np.int32)
+                if expr is not None:
+                    table = self.out.read_row_group(path, g, FILTER_COLUMNS)
+                    table = table.append_column("__row", pa.array(keep))
+                    keep = table.filter(expr).column("__row").to_numpy()
+                if keep.size:
+                    block_ids.append(np.full(keep.size, len(self.blocks), dtype=np.int32))
+                    rows.append(keep)
+                    self.blocks.append((f, g))
+        self.row = np.concatenate(rows) if rows else np.empty(0, np.int32)
+        self.block = np.concatenate(block_ids) if block_ids else np.empty(0, np.int32)
+        # Positions of each block's rows in the index (rows are stored block by block).
+        self.block_start = np.searchsorted(self.block, np.arange(len(self.blocks) + 1))
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """Every index position once; the same on every rank for a given (seed, epoch)."""
+        n_blocks = len(self.blocks)
+        if not self.shuffle:
+            return np.arange(self.row.size, dtype=np.int64)
+        rng = np.random.default_rng([self.seed, epoch])
+        blocks = rng.permutation(n_blocks)
+        parts = []
+        for i in range(0, n_blocks, self.window):
+            group = np.concatenate([np.arange(self.block_start[b], self.block_start[b + 1])
+                                    for b in blocks[i:i + self.window]])
+            parts.append(rng.permutation(group))
+        return np.concatenate(parts) if parts else np.empty(0, np.int64)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.order = np.array_split(self.epoch_order(epoch), self.world_size)[self.rank]
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def sample(self, pos: int) -> dict:
+        """The sample at index position `pos` (not a rank-local number)."""
+        lists, meta = self._row_group(int(self.block[pos]))
+        r = int(self.row[pos])
+        item = {}
+        for name, (offsets, values) in lists.items():
+            a, b = offsets[r], offsets[r + 1]
+            if self.truncate:
+                b = min(b, a + self.max_len)
+            item[name] = torch.from_numpy(values[a:b].astype(np.int64))
+        item["attention_mask"] = torch.ones_like(item["input_ids"])
+        for name in self.columns:
+            item[name] = meta.column(name)[r].as_py()
+        return item
+
+    def _row_group(self, block: int):
+        if block in self._cache:
+            self._cache.move_to_end(block)
+            return self._cache[block]
+        f, g = self.blocks[block]
+        table = self.out.read_row_group(self.out.files[f], g, [*TOKEN_COLUMNS, *self.columns])
+        # numpy views of the list columns: a sample is then a slice, not a Python list.
+        lists = {}
+        for name in TOKEN_COLUMNS:
+            arr = table.column(name).combine_chunks()
+            lists[name] = (arr.offsets.to_numpy(), arr.values.to_numpy(zero_copy_only=False))
+        entry = (lists, table.select(list(self.columns)))
+        self._cache[block] = entry
+        while len(self._cache) > self.window:
+            self._cache.popitem(last=False)
+        return entry
+
+    def __getstate__(self):
+        # DataLoader workers start with an empty cache, not a copy of the parent's.
+        state = dict(self.__dict__)
+        state["_cache"] = OrderedDict()
+        return state
+
+
+class OutDataset(_Samples, Dataset):
+    """Map-style: item i is the i-th sample of this rank's slice of the epoch order.
+
+    Use it with a DataLoader without shuffle or sampler (the order is already shuffled and
+    sharded) and call set_epoch(e) before each epoch (with persistent_workers, recreate the
+    DataLoader instead). Reading i = 0, 1, 2, ... reads each row group once; any other access
+    order reads a whole row group per cache miss, and with num_workers > 1 every worker
+    reads the row groups of its own batches (prefer OutIterableDataset for big OUTs)."""
+
+    def __getitem__(self, i: int) -> dict:
+        return self.sample(int(self.order[i]))
+
+
+class OutIterableDataset(_Samples, IterableDataset):
+    """Iterable: streams this rank's slice of the epoch order; DataLoader workers split it
+    further into contiguous parts, so each reads only its own row groups. Call set_epoch(e)
+    before each epoch (with persistent_workers, recreate the DataLoader instead)."""
+
+    def __iter__(self) -> Iterator[dict]:
+        order = self.order
+        info = get_worker_info()
+        if info is not None:
+            order = np.array_split(order, info.num_workers)[info.id]
+        for pos in order:
+            yield self.sample(int(pos))
+
+
+def collate(batch: list[dict], pad_id: int, pad_to_multiple_of: int | None = None) -> dict:
+    """Right-pad to the longest sample (rounded up to a multiple if asked): input_ids with
+    pad_id, loss_mask and attention_mask with 0. Other keys are returned as lists."""
+    longest = max(len(b["input_ids"]) for b in batch)
+    if pad_to_multiple_of:
+        longest = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
+    out = {}
+    for name, fill in (("input_ids", pad_id), ("loss_mask", 0), ("attention_mask", 0)):
+        padded = torch.full((len(batch), longest), fill, dtype=torch.long)
+        for i, b in enumerate(batch):
+            padded[i, :len(b[name])] = b[name]
+        out[name] = padded
+    for name in batch[0]:
+        if name not in out:
+            out[name] = [b[name] for b in batch]
+    return out

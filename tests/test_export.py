@@ -1,0 +1,150 @@
+"""`export` to the peers' formats, read back the way the peers read them: both load local
+JSONL with `datasets.load_dataset("json", ...)` (SpecForge's build_eagle3_dataset input,
+speculators' load_raw_dataset), then use the fields checked here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import datasets
+import pyarrow.dataset as pads
+import pytest
+
+from eagle_data.export import FORMATS, add_cli, export, run_cli
+from eagle_data.postprocess import DATA_SCHEMA
+from test_reader import make_out, synthetic_row, write_out
+
+
+@pytest.fixture(scope="module")
+def out(ray_local, tiny_qwen3, tmp_path_factory) -> Path:
+    return make_out(tmp_path_factory, tiny_qwen3, rows_per_shard=5)
+
+
+@pytest.fixture(scope="module")
+def rows(out) -> dict[str, dict]:
+    table = pads.dataset(sorted((out / "data").glob("*.parquet"))).to_table()
+    return {r["sample_id"]: r for r in table.to_pylist()}
+
+
+@pytest.fixture
+def mixed_out(tmp_path) -> tuple[Path, list[dict]]:
+    """Rows with and without reasoning, finished and cut off, from two sources."""
+    rows = [synthetic_row(i, 4, 3 if i % 2 else 0, 2, "stop" if i % 3 else "length",
+                          "a" if i < 4 else "b") for i in range(8)]
+    rows[1]["messages"] = [{"role": "system", "content": "be brief"},
+                           {"role": "user", "content": "question 1"}]
+    return write_out(tmp_path / "mixed", rows, rows_per_shard=3), rows
+
+
+def load_json(path: Path) -> datasets.Dataset:
+    return datasets.load_dataset("json", data_files=str(path), split="train")
+
+
+def check_specforge_conversation(conv: list[dict]) -> None:
+    """SpecForge's conversation rules: optional leading system turn, then user/assistant
+    alternating from a user turn, ending with the assistant turn to train on."""
+    roles = [m["role"] for m in conv]
+    if roles[0] == "system":
+        roles = roles[1:]
+    assert roles and roles[-1] == "assistant"
+    assert roles == ["user", "assistant"] * (len(roles) // 2)
+    for m in conv:
+        assert isinstance(m["role"], str) and isinstance(m["content"], str)
+
+
+def test_speculators_rows_are_pretokenized_input_ids_and_loss_mask(out, rows, tmp_path):
+    dest = tmp_path / "spec" / "train.jsonl"
+    assert export(str(out), str(dest), "speculators")["rows"] == len(rows)
+    hf = load_json(dest)
+    # speculators treats a dataset whose columns include input_ids and loss_mask as already
+    # masked (src/speculators/data_generation/preprocessing.py); lists of ints, same length.
+    assert set(hf.column_names) == {"input_ids", "loss_mask"}
+    assert hf.features["input_ids"].feature.dtype == "int64"
+    assert hf.features["loss_mask"].feature.dtype == "int64"
+    exported = {tuple(r["input_ids"]): r["loss_mask"] for r in hf}
+    assert exported == {tuple(r["input_ids"]): r["loss_mask"] for r in rows.values()}
+    for r in hf:
+        assert len(r["input_ids"]) == len(r["loss_mask"]) and sum(r["loss_mask"]) > 0
+        assert set(r["loss_mask"]) <= {0, 1}
+
+
+def test_specforge_rows_are_id_and_conversations_with_reasoning_content(mixed_out, tmp_path,
+                                                                         qwen3_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    src, rows = mixed_out
+    dest = tmp_path / "sf.jsonl"
+    counts = export(str(src), str(dest), "specforge")
+    finished = [r for r in rows if r["finish_reason"] == "stop"]
+    assert counts["rows"] == len(finished) < len(rows)  # cut-off answers left out by default
+    hf = load_json(dest)
+    assert set(hf.column_names) == {"id", "conversations"}
+    by_id = {r["sample_id"]: r for r in finished}
+    assert sorted(hf["id"]) == sorted(by_id)
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir)
+    with open(dest) as f:
+        raw = [json.loads(line) for line in f]  # the file itself, before HF unifies keys
+    for line in raw:
+        r = by_id[line["id"]]
+        conv = line["conversations"]
+        check_specforge_conversation(conv)
+        assert conv[:-1] == r["messages"]
+        assert conv[-1]["content"] == r["response"]
+        if r["reasoning"]:
+            assert conv[-1]["reasoning_content"] == r["reasoning"]
+            # SpecForge's ThinkingParser hands the messages to the tokenizer's chat template,
+            # which is where reasoning_content becomes the think block.
+            text = tokenizer.apply_chat_template(conv, tokenize=False)
+            assert f"<think>\n{r['reasoning']}\n</think>\n\n{r['response']}<|im_end|>" in text
+        else:
+            assert "reasoning_content" not in conv[-1]
+    assert any(by_id[line["id"]]["reasoning"] for line in raw)
+    assert any(not by_id[line["id"]]["reasoning"] for line in raw)
+
+    # Explicit filters override the default.
+    every = export(str(src), str(tmp_path / "all.jsonl"), "specforge", finish_reason=["stop", "length"],
+                   source=["a"])
+    assert every["rows"] == sum(r["source"] == "a" for r in rows)
+
+
+def test_specforge_on_a_real_out(out, rows, tmp_path):
+    dest = tmp_path / "sf.jsonl"
+    export(str(out), str(dest), "specforge", finish_reason=["stop", "length"])
+    hf = load_json(dest)
+    assert hf.num_rows == len(rows)
+    for r in hf:
+        check_specforge_conversation(r["conversations"])
+        prompt = [{"role": m["role"], "content": m["content"]} for m in r["conversations"][:-1]]
+        assert prompt == rows[r["id"]]["messages"]
+        assert r["conversations"][-1]["content"] == rows[r["id"]]["response"]
+
+
+def test_jsonl_has_every_data_column(out, rows, tmp_path):
+    dest = tmp_path / "all.jsonl"
+    export(str(out), str(dest), "jsonl")
+    with open(dest) as f:
+        lines = [json.loads(line) for line in f]
+    assert len(lines) == len(rows)
+    for line in lines:
+        assert list(line) == DATA_SCHEMA.names
+        assert line == rows[line["sample_id"]]
+
+
+def test_cli_hook(out, rows, tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers(dest="command"))
+    for fmt in FORMATS:
+        dest = tmp_path / f"{fmt}.jsonl"
+        args = parser.parse_args(["export", str(out), str(dest), "--format", fmt,
+                                  "--finish-reason", "stop", "length"])
+        assert run_cli(args) == 0
+        assert json.loads(capsys.readouterr().out)["rows"] == len(rows)
+        assert sum(1 for _ in open(dest)) == len(rows)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp file left
+    missing = parser.parse_args(["export", str(tmp_path / "nope"), str(tmp_path / "x.jsonl"),
+                                 "--format", "jsonl"])
+    assert run_cli(missing) == 1 and "no data/ shards" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser.parse_args(["export", str(out), "x.jsonl", "--format", "parquet"])

@@ -1,0 +1,231 @@
+"""The training-side reader on a real OUT (tiny random-weight Qwen3, transformers backend,
+real Parquet shards) plus a small synthetic OUT where the data must hold chosen values."""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from conftest import SAMPLE
+from eagle_data.config import load_config
+from eagle_data.pipeline import run
+from eagle_data.postprocess import DATA_SCHEMA
+from eagle_data.reader import Out, OutDataset, OutIterableDataset, collate
+from eagle_data.sink import filesystem, write_json
+
+
+def make_out(tmp_path_factory, model_dir, rows_per_shard: int) -> Path:
+    out = tmp_path_factory.mktemp("reader") / "out"
+    run(load_config(None, [
+        f"source.dataset={SAMPLE}", f"model.path={model_dir}", f"output.path={out}",
+        "engine.backend=transformers", "engine.batch_size=4", "engine.max_model_len=1024",
+        "sampling.max_tokens=12", "sampling.temperature=0", "source.sample=20",
+        f"output.rows_per_shard={rows_per_shard}",
+    ]))
+    return out
+
+
+def write_out(root: Path, rows: list[dict], rows_per_shard: int, pad_id: int = 0) -> Path:
+    """A synthetic OUT: data/ shards of DATA_SCHEMA rows and a manifest with the tokenizer ids."""
+    (root / "data").mkdir(parents=True)
+    for i in range(0, len(rows), rows_per_shard):
+        table = pa.Table.from_pylist(rows[i:i + rows_per_shard], schema=DATA_SCHEMA)
+        pq.write_table(table, root / "data" / f"part-{i // rows_per_shard:05d}.parquet")
+    fs, path = filesystem(str(root))
+    write_json(fs, f"{path}/manifest.json", {"phases": {"generate": {"tokenizer": {
+        "path": "synthetic", "vocab_size": 1000, "eos_ids": [2], "pad_id": pad_id,
+        "reasoning_start_id": 5, "reasoning_end_id": 6}}}})
+    return root
+
+
+def synthetic_row(i: int, n_prompt: int, n_reasoning: int, n_response: int, finish: str,
+                  source: str) -> dict:
+    n_gen = n_reasoning + n_response
+    return {
+        "sample_id": f"s{i:04d}", "source": source,
+        "messages": [{"role": "user", "content": f"question {i}"}],
+        "reasoning": f"thought {i}" if n_reasoning else "", "response": f"answer {i}",
+        "input_ids": [100 + i] * n_prompt + [200 + i] * n_gen,
+        "loss_mask": [0] * n_prompt + [1] * n_gen,
+        "num_prompt_tokens": n_prompt, "num_reasoning_tokens": n_reasoning,
+        "num_response_tokens": n_response, "finish_reason": finish,
+    }
+
+
+@pytest.fixture(scope="module")
+def out(ray_local, tiny_qwen3, tmp_path_factory) -> Path:
+    return make_out(tmp_path_factory, tiny_qwen3, rows_per_shard=4)
+
+
+@pytest.fixture(scope="module")
+def rows(out) -> dict[str, dict]:
+    table = pads.dataset(sorted((out / "data").glob("*.parquet"))).to_table()
+    return {r["sample_id"]: r for r in table.to_pylist()}
+
+
+def ids_of(ds) -> list[str]:
+    return [s["sample_id"] for s in ds]
+
+
+def test_samples_are_the_data_rows_as_long_tensors(out, rows):
+    ds = OutDataset(str(out), shuffle=False, columns=["sample_id", "source", "num_prompt_tokens"])
+    assert len(ds) == len(rows) > 8
+    assert len(Out(str(out)).files) > 1  # the index spans several shards
+    for i in range(len(ds)):
+        s = ds[i]
+        r = rows[s["sample_id"]]
+        for name in ("input_ids", "loss_mask", "attention_mask"):
+            assert s[name].dtype == torch.long and s[name].shape == (len(r["input_ids"]),)
+        assert s["input_ids"].tolist() == r["input_ids"]
+        assert s["loss_mask"].tolist() == r["loss_mask"]
+        assert s["attention_mask"].tolist() == [1] * len(r["input_ids"])
+        assert (s["source"], s["num_prompt_tokens"]) == (r["source"], r["num_prompt_tokens"])
+    # Without columns= only the three tensors come back.
+    assert set(OutDataset(str(out))[0]) == {"input_ids", "loss_mask", "attention_mask"}
+
+
+def test_shifted_loss_mask_convention_on_a_real_sample(out, rows):
+    """The module docstring's convention: labels = input_ids[1:], mask = loss_mask[1:]."""
+    s = OutDataset(str(out), shuffle=False, columns=["num_prompt_tokens"])[0]
+    input_ids, loss_mask, n = s["input_ids"], s["loss_mask"], s["num_prompt_tokens"]
+    labels, pred_mask = input_ids[1:], loss_mask[1:]
+    p = n - 1  # last prompt position
+    assert loss_mask[:n].sum() == 0 and loss_mask[n] == 1  # first generated token is a target
+    assert pred_mask[p] == 1 and labels[p] == input_ids[n]  # predicts the first generated token
+    assert pred_mask[p - 1] == 0 and labels[p - 1] == input_ids[p]  # predicts a prompt token
+    assert pred_mask.sum() == loss_mask.sum()  # no target is lost by the shift
+
+
+def test_collate_pads_ids_with_the_manifest_pad_id_and_masks_with_zero(out):
+    pad_id = Out(str(out)).pad_id
+    assert pad_id == 151643  # Qwen3's <|endoftext|>, from phases.generate.tokenizer
+    ds = OutDataset(str(out), shuffle=False)
+    batch = [ds[i] for i in range(6)]
+    lengths = [len(b["input_ids"]) for b in batch]
+    assert len(set(lengths)) > 1
+    for multiple, width in ((None, max(lengths)), (16, -(-max(lengths) // 16) * 16)):
+        out_batch = collate(batch, pad_id, pad_to_multiple_of=multiple)
+        for name in ("input_ids", "loss_mask", "attention_mask"):
+            assert out_batch[name].shape == (6, width) and out_batch[name].dtype == torch.long
+        for i, (b, n) in enumerate(zip(batch, lengths)):
+            assert torch.equal(out_batch["input_ids"][i, :n], b["input_ids"])
+            assert torch.equal(out_batch["loss_mask"][i, :n], b["loss_mask"])
+            assert (out_batch["input_ids"][i, n:] == pad_id).all()
+            assert (out_batch["loss_mask"][i, n:] == 0).all()
+            assert out_batch["attention_mask"][i].tolist() == [1] * n + [0] * (width - n)
+
+
+@pytest.mark.parametrize("kind", [OutDataset, OutIterableDataset])
+def test_ranks_partition_the_samples_and_shuffle_is_deterministic(out, rows, kind):
+    cols = ["sample_id"]
+    for world in (1, 2, 3):
+        for epoch in (0, 1):
+            parts = []
+            for rank in range(world):
+                ds = kind(str(out), rank=rank, world_size=world, seed=7, columns=cols, window=2)
+                ds.set_epoch(epoch)
+                parts.append(ids_of(ds))
+            flat = [i for p in parts for i in p]
+            assert sorted(flat) == sorted(rows)  # union = all, and no sample twice
+            assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    # Same (seed, epoch) -> same order from a fresh reader; another seed or epoch -> another.
+    first = ids_of(kind(str(out), seed=7, columns=cols))
+    assert ids_of(kind(str(out), seed=7, columns=cols)) == first
+    assert ids_of(kind(str(out), seed=8, columns=cols)) != first
+    other_epoch = kind(str(out), seed=7, columns=cols)
+    other_epoch.set_epoch(1)
+    assert ids_of(other_epoch) != first and sorted(ids_of(other_epoch)) == sorted(first)
+    # shuffle=False: file order, then row order.
+    files = sorted((out / "data").glob("*.parquet"))
+    in_files = pads.dataset(files).to_table(columns=["sample_id"]).column(0).to_pylist()
+    assert ids_of(kind(str(out), shuffle=False, columns=cols)) == in_files
+
+
+def test_iterable_splits_a_rank_across_dataloader_workers(out, rows):
+    pad_id = Out(str(out)).pad_id
+    seen = []
+    for rank in range(2):
+        ds = OutIterableDataset(str(out), rank=rank, world_size=2, seed=3, columns=["sample_id"])
+        loader = DataLoader(ds, batch_size=3, num_workers=2,
+                            collate_fn=functools.partial(collate, pad_id=pad_id))
+        got = [sid for batch in loader for sid in batch["sample_id"]]
+        assert sorted(got) == sorted(ids_of(ds))
+        seen += got
+    assert sorted(seen) == sorted(rows)
+
+
+def test_filters_on_source_and_length(out, rows):
+    counts = Counter(r["source"] for r in rows.values())
+    keep = sorted(counts)[:2]
+    ds = OutDataset(str(out), source=keep, columns=["source"])
+    assert len(ds) == counts[keep[0]] + counts[keep[1]]
+    assert {s["source"] for s in ds} == set(keep)
+
+    lengths = sorted(len(r["input_ids"]) for r in rows.values())
+    lo, hi = lengths[2], lengths[-3]
+    ds = OutIterableDataset(str(out), min_len=lo, max_len=hi)
+    assert sorted(len(s["input_ids"]) for s in ds) == [n for n in lengths if lo <= n <= hi]
+
+    finished = Counter(r["finish_reason"] for r in rows.values())
+    for reason in ("stop", "length"):
+        assert len(OutDataset(str(out), finish_reason=[reason])) == finished[reason]
+
+
+def test_finish_reason_filter_on_mixed_rows(tmp_path):
+    rows = [synthetic_row(i, 5, 0, 3, "stop" if i % 3 else "length", "a") for i in range(9)]
+    out = write_out(tmp_path / "out", rows, rows_per_shard=4)
+    ds = OutDataset(str(out), finish_reason=["stop"], columns=["sample_id", "finish_reason"])
+    assert sorted(ids_of(ds)) == [r["sample_id"] for r in rows if r["finish_reason"] == "stop"]
+    assert len(OutDataset(str(out), finish_reason=["stop", "length"])) == 9
+
+
+def test_max_len_truncates_or_drops(out, rows):
+    cut = sorted(len(r["input_ids"]) for r in rows.values())[len(rows) // 2]
+    ds = OutDataset(str(out), max_len=cut, overflow="truncate", columns=["sample_id"])
+    assert len(ds) == len(rows)  # nothing dropped
+    for s in ds:
+        full = rows[s["sample_id"]]
+        n = min(cut, len(full["input_ids"]))
+        assert s["input_ids"].tolist() == full["input_ids"][:n]
+        assert s["loss_mask"].tolist() == full["loss_mask"][:n]
+        assert s["attention_mask"].tolist() == [1] * n
+    dropped = OutDataset(str(out), max_len=cut, columns=["sample_id"])
+    assert sorted(ids_of(dropped)) == sorted(k for k, r in rows.items() if len(r["input_ids"]) <= cut)
+
+
+def test_data_reads_as_is_with_datasets_and_pyarrow(out, rows):
+    import datasets
+
+    hf = datasets.load_dataset("parquet", data_files=str(out / "data" / "*.parquet"), split="train")
+    assert hf.num_rows == len(rows)
+    assert hf.features["input_ids"].feature.dtype == "int32"
+    assert hf.features["loss_mask"].feature.dtype == "int8"
+    for r in hf:
+        assert r["input_ids"] == rows[r["sample_id"]]["input_ids"]
+        assert r["messages"] == rows[r["sample_id"]]["messages"]
+    table = pads.dataset(str(out / "data"), format="parquet").to_table()
+    assert table.schema.equals(DATA_SCHEMA) and table.num_rows == len(rows)
+
+
+def test_reads_through_an_fsspec_uri(out, rows):
+    import fsspec
+
+    mem = fsspec.filesystem("memory")
+    for f in [out / "manifest.json", *sorted((out / "data").glob("*.parquet"))]:
+        mem.pipe(f"/eagle-test/out/{f.relative_to(out)}", f.read_bytes())
+    try:
+        reader = Out("memory://eagle-test/out")
+        assert reader.pad_id == Out(str(out)).pad_id
+        ds = OutIterableDataset("memory://eagle-test/out", columns=["sample_id"])
+        got = {s["sample_id"]: s["input_ids"].tolist() for s in ds}
+        assert got == {k: r["input_ids"] for k, r in rows.items()}
+    finally:
+        mem.rm("/eagle-test", recursive=True)
