@@ -50,27 +50,23 @@ class Manifest:
 
     def check_prompts_config(self, cfg: Config) -> None:
         """Refuse to mix prompts made under another prompt-affecting config."""
-        before = self.phase("prompts").get("prompt_config")
-        now_cfg = normalised(prompt_config(cfg))
-        if before is None or before == now_cfg:
-            return
-        changed = sorted(k for k in set(before) | set(now_cfg) if before.get(k) != now_cfg.get(k))
-        raise OutputMismatch(
-            f"{self.out} holds prompts made with a different prompt config "
-            f"(changed: {', '.join(changed) or 'unknown'}). Use another output.path, or rerun "
-            "with --fresh to delete this OUT and start over."
-        )
+        self._check(self.phase("prompts").get("prompt_config"), prompt_config(cfg),
+                    f"{self.out} holds prompts made with a different prompt config")
 
     def check_generate_config(self, cfg: Config) -> None:
-        made = self.phase("generate").get("generate_config")
-        now_cfg = normalised(generate_config(cfg))
-        if made is None or made == now_cfg:
+        """Refuse to mix data generated with other model/sampling/mask settings."""
+        self._check(self.phase("generate").get("generate_config"), generate_config(cfg),
+                    f"{self.out}/data was generated with different settings")
+
+    def _check(self, made: dict | None, config: dict, what: str) -> None:
+        config = normalised(config)
+        if made is None or made == config:
             return
-        changed = sorted(k for k in set(made) | set(now_cfg) if made.get(k) != now_cfg.get(k))
+        changed = sorted(k for k in set(made) | set(config) if made.get(k) != config.get(k))
         raise OutputMismatch(
-            f"{self.out}/data was generated with different settings (changed: {', '.join(changed)}); "
-            "mixing them would make an inconsistent data set. Use another output.path, or rerun "
-            "with --fresh to delete this OUT and start over."
+            f"{what} (changed: {', '.join(changed)}); mixing them would make an inconsistent "
+            "data set. Use another output.path, or rerun with --fresh to delete this OUT and "
+            "start over."
         )
 
 

@@ -17,11 +17,6 @@ from eagle_data.model_files import pretrained_args
 
 log = logging.getLogger(__name__)
 
-# The fields of ray.llm's vLLMOutputData, in its order, + the stage's error column.
-OUTPUT_FIELDS = (
-    "prompt", "prompt_token_ids", "num_input_tokens", "generated_tokens", "generated_text",
-    "num_generated_tokens", "embeddings", "metrics", "logprobs", "prompt_logprobs",
-)
 ERROR_COLUMN = "__inference_error__"
 CONSUMED = ("tokenized_prompt", "sampling_params")  # popped by the engine, as Ray's stage does
 
@@ -68,7 +63,7 @@ class TransformersEngine:
             return self._generate([row])[0]
         except Exception as e:
             log.warning("generation failed for sample %s: %s", row.get("sample_id"), e)
-            return error_output(f"{type(e).__name__}: {e}")
+            return engine_output(error=f"{type(e).__name__}: {e}")
 
     def _generate(self, rows: list[dict]) -> list[dict]:
         from transformers import GenerationConfig
@@ -103,22 +98,18 @@ class TransformersEngine:
         for prompt, row_out in zip(prompts, out[:, width:].tolist()):
             # Rows that finished early are padded after their stop token: cut there.
             end = next((j + 1 for j, t in enumerate(row_out) if t in stops), len(row_out))
-            generated = row_out[:end]
-            results.append({
-                "prompt": "", "prompt_token_ids": prompt, "num_input_tokens": len(prompt),
-                "generated_tokens": generated, "generated_text": "",
-                "num_generated_tokens": len(generated), "embeddings": None, "metrics": None,
-                "logprobs": None, "prompt_logprobs": None, ERROR_COLUMN: "",
-            })
+            results.append(engine_output(prompt, row_out[:end]))
         return results
 
 
-def error_output(message: str) -> dict:
-    """An error row with the defaults Ray's vLLM stage gives failed rows."""
+def engine_output(prompt: list[int] | None = None, generated: list[int] = (), error: str = "") -> dict:
+    """One row of Ray's vLLM stage output (the fields of its vLLMOutputData + the error
+    column); an error row gets the defaults that stage gives failed rows."""
     return {
-        "prompt": "", "prompt_token_ids": None, "num_input_tokens": 0, "generated_tokens": [],
-        "generated_text": "", "num_generated_tokens": 0, "embeddings": None, "metrics": None,
-        "logprobs": None, "prompt_logprobs": None, ERROR_COLUMN: message,
+        "prompt": "", "prompt_token_ids": prompt, "num_input_tokens": len(prompt or ()),
+        "generated_tokens": list(generated), "generated_text": "",
+        "num_generated_tokens": len(generated), "embeddings": None, "metrics": None,
+        "logprobs": None, "prompt_logprobs": None, ERROR_COLUMN: error,
     }
 
 
