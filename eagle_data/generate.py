@@ -49,7 +49,8 @@ def engine_sampling(s: SamplingConfig) -> dict:
     return {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed}
 
 
-def run_generate(cfg: Config, out: Output) -> dict:
+def run_generate(cfg: Config, out: Output, engine=apply_engine) -> dict:
+    """`engine(ds, cfg, pad_id) -> ds` is the engine stage (benchmarks put a simulated one there)."""
     if not out.manifest.prompts_complete():
         raise FileNotFoundError(f"{out.root} has no finished prompts phase: run with --phase prompts (or all) first")
     tokenizer = load_tokenizer(cfg.model.tokenizer_path, cfg.model.trust_remote_code)
@@ -81,7 +82,7 @@ def run_generate(cfg: Config, out: Output) -> dict:
     # One engine batch per block: an engine task's output reaches the driver (and a shard)
     # when the task ends, so a block of 1,000 prompts would hold back 1,000 finished rows.
     ds = ds.repartition(target_num_rows_per_block=cfg.engine.batch_size)
-    ds = apply_engine(ds, cfg, special.pad_id)
+    ds = engine(ds, cfg, special.pad_id)
     ds = ds.map_batches(Postprocessor(
         tokenizer_path=cfg.model.tokenizer_path, trust_remote_code=cfg.model.trust_remote_code,
         eos_ids=special.eos_ids, reasoning_start_id=special.reasoning_start_id,

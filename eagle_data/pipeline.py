@@ -100,7 +100,7 @@ def run_prompts(cfg: Config, out: Output) -> dict:
     return counts
 
 
-def run(cfg: Config, phase: str = "all", fresh: bool = False) -> dict:
+def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None) -> dict:
     """Run the phases on OUT = cfg.output.path; rerunning the same command resumes.
 
     Everything that can be wrong with the setup (paths, OUT, config vs OUT) is checked
@@ -126,7 +126,7 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False) -> dict:
         if phase in ("generate", "all"):
             from eagle_data.generate import run_generate
 
-            result["generate"] = run_generate(cfg, out)
+            result["generate"] = run_generate(cfg, out, **({"engine": engine} if engine else {}))
     return result
 
 
