@@ -49,8 +49,10 @@ def engine_sampling(s: SamplingConfig) -> dict:
     return {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed}
 
 
-def run_generate(cfg: Config, out: Output, engine=apply_engine) -> dict:
-    """`engine(ds, cfg, pad_id) -> ds` is the engine stage (benchmarks put a simulated one there)."""
+def run_generate(cfg: Config, out: Output, engine=None) -> dict:
+    """`engine(ds, cfg, pad_id) -> ds` replaces the configured engine stage (benchmarks put
+    a simulated one there)."""
+    engine = engine or apply_engine
     if not out.manifest.prompts_complete():
         raise FileNotFoundError(f"{out.root} has no finished prompts phase: run with --phase prompts (or all) first")
     tokenizer = load_tokenizer(cfg.model.tokenizer_path, cfg.model.trust_remote_code)

@@ -126,7 +126,7 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None) -> di
         if phase in ("generate", "all"):
             from eagle_data.generate import run_generate
 
-            result["generate"] = run_generate(cfg, out, **({"engine": engine} if engine else {}))
+            result["generate"] = run_generate(cfg, out, engine)
     return result
 
 
