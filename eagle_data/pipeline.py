@@ -59,26 +59,7 @@ def run_prompts(cfg: Config, out: Output) -> dict:
     reasons: Counter = Counter()
     tokens = 0
     for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
-        ok = pc.equal(batch.column("reason"), "")
-        kept = []
-        duplicate = []
-        for i, (is_ok, sid) in enumerate(zip(ok.to_pylist(), batch.column("sample_id").to_pylist())):
-            if not is_ok:
-                continue
-            if sid in seen:
-                duplicate.append(i)
-            else:
-                seen.add(sid)
-                kept.append(i)
-        bad = batch.filter(pc.invert(ok))
-        if duplicate:
-            dups = batch.take(duplicate)
-            dups = dups.set_column(dups.schema.get_field_index("reason"), "reason",
-                                   pa.array(["duplicate"] * len(duplicate), pa.string()))
-            dups = dups.set_column(dups.schema.get_field_index("detail"), "detail",
-                                   pa.array(["same prompt as an earlier row with this sample_id"] * len(duplicate)))
-            bad = pa.concat_tables([bad, dups])
-        good = batch.take(kept)
+        good, bad = split_duplicates(batch, seen)
         prompts.add(good)
         skipped.add(bad)
         reasons.update(bad.column("reason").to_pylist())
@@ -98,6 +79,24 @@ def run_prompts(cfg: Config, out: Output) -> dict:
     write_report(out)
     log.info("prompts: %s", counts)
     return counts
+
+
+def split_duplicates(batch: pa.Table, seen: set[str]) -> tuple[pa.Table, pa.Table]:
+    """(rows for prompts/, rows for skipped/). A usable row whose sample_id is already in
+    prompts/ (`seen`, updated here) is skipped as a `duplicate`."""
+    reasons = batch.column("reason").to_pylist()
+    details = batch.column("detail").to_pylist()
+    for i, sample_id in enumerate(batch.column("sample_id").to_pylist()):
+        if reasons[i]:
+            continue
+        if sample_id in seen:
+            reasons[i], details[i] = "duplicate", "same prompt as an earlier row with this sample_id"
+        else:
+            seen.add(sample_id)
+    batch = batch.set_column(batch.schema.get_field_index("reason"), "reason", pa.array(reasons, pa.string()))
+    batch = batch.set_column(batch.schema.get_field_index("detail"), "detail", pa.array(details, pa.string()))
+    ok = pc.equal(batch.column("reason"), "")
+    return batch.filter(ok), batch.filter(pc.invert(ok))
 
 
 def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None) -> dict:
