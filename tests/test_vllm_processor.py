@@ -70,3 +70,13 @@ def test_replicas_and_pass_through(kimi):
     assert pc.engine_kwargs["kv_cache_dtype"] == "fp8"
     assert pc.engine_kwargs["tokenizer"] == "/models/kimi-tokenizer"
     assert (pc.chat_template_stage, pc.tokenize_stage, pc.detokenize_stage) == (False, False, False)
+
+
+def test_cluster_yaml_describes_one_8_gpu_blackwell_node():
+    import yaml
+
+    cluster = yaml.safe_load((KIMI.parent.parent / "cluster.yaml").read_text())
+    head = cluster["available_node_types"][cluster["head_node_type"]]
+    assert head["node_config"]["InstanceType"] == "p6-b200.48xlarge"  # 8x B200
+    assert cluster["max_workers"] == 0  # one node; more nodes = more replicas
+    assert any("eagle-data[vllm]" in c for c in cluster["setup_commands"])
