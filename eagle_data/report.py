@@ -7,6 +7,7 @@ columns are read (counts and lengths, never token lists).
 from __future__ import annotations
 
 import base64
+import datetime
 import html
 import io
 import json
@@ -44,9 +45,13 @@ def stats(values: np.ndarray) -> dict:
             "max": int(values.max())}
 
 
-def throughput(out: Output) -> list[dict]:
-    """Cumulative ok rows and generated tokens at each data shard's publish time."""
+def throughput(out: Output, runs: list[dict]) -> list[dict]:
+    """Cumulative ok rows and generated tokens at each data shard's publish time, starting
+    from zero at the first generate run's start."""
     points = []
+    if runs:
+        start = datetime.datetime.fromisoformat(runs[0]["started_at"]).timestamp()
+        points.append((start, 0, 0))
     for path in shard_files(out.fs, out.folder("data")):
         info = out.fs.get_file_info(path)
         table = pads.dataset(path, filesystem=out.fs, format="parquet").to_table(
@@ -102,7 +107,7 @@ def build_report(out: Output) -> dict:
             "response": stats(col("num_response_tokens")) if data.num_rows else stats(np.empty(0)),
             "completion": stats(completion),
         },
-        "throughput": throughput(out),
+        "throughput": throughput(out, generate_phase.get("runs", [])),
         "runs": {"prompts": {k: v for k, v in prompt_phase.items() if k != "prompt_config"},
                  "generate": generate_phase.get("runs", [])},
         "_lengths": {  # for the plots only; not written to report.json
@@ -159,9 +164,9 @@ def plots(report: dict) -> dict[str, bytes]:
                          for a, b in zip(points, points[1:])]
         axes[1].plot(minutes, rates, marker=".")
     axes[0].set_title("ok rows published (cumulative)")
-    axes[0].set_xlabel("minutes since first shard")
+    axes[0].set_xlabel("minutes since the first generate run started")
     axes[1].set_title("generated tokens/s between shards")
-    axes[1].set_xlabel("minutes since first shard")
+    axes[1].set_xlabel("minutes since the first generate run started")
     figures["throughput.png"] = _png(fig, plt)
     return figures
 
