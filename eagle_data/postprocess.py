@@ -87,7 +87,7 @@ class Postprocessor:
         failed_idx = [i for i, e in enumerate(errors) if e]
         parts = []
         if ok_idx:
-            parts.append(self._ok_rows(batch.take(ok_idx)))
+            parts.append(self._ok_rows(batch.take(ok_idx) if failed_idx else batch))
         if failed_idx:
             failed = batch.take(failed_idx)
             parts.append(pa.table({
@@ -107,20 +107,28 @@ class Postprocessor:
         p_len, g_len = np.diff(p_off), np.diff(g_off)
         eos = np.array(self.eos_ids, dtype=np.int32)
 
+        # A row stopped when its last generated token is a stop token.
+        stopped = (g_len > 0) & np.isin(g_vals[np.maximum(g_off[1:] - 1, 0)] if g_vals.size
+                                        else np.zeros(n, np.int32), eos)
         n_reasoning = np.zeros(n, dtype=np.int32)
-        reasoning_spans, response_spans, finish = [], [], []
+        reasoning_spans, response_spans = [], []
         for i in range(n):
             gen = g_vals[g_off[i]:g_off[i + 1]]
             nr, lo, hi = reasoning_split(p_vals[p_off[i]:p_off[i + 1]], gen,
                                          self.reasoning_start_id, self.reasoning_end_id)
             n_reasoning[i] = nr
-            stopped = gen.size > 0 and bool(np.isin(gen[-1], eos))
-            finish.append("stop" if stopped else "length")
             # The stop token is trained on but is not part of the text.
-            reasoning_spans.append(gen[lo:min(hi, gen.size - stopped)].tolist())
-            response_spans.append(gen[nr:gen.size - stopped].tolist() if nr < gen.size else [])
-        reasoning = [t.strip() for t in tokenizer.batch_decode(reasoning_spans)]
-        response = [t.strip() for t in tokenizer.batch_decode(response_spans)]
+            end = gen.size - int(stopped[i])
+            reasoning_spans.append(gen[lo:min(hi, end)])
+            response_spans.append(gen[nr:end] if nr < gen.size else gen[:0])
+        # One decode per numpy span, not batch_decode of Python lists: transformers checks
+        # every element of a list in Python (to_py_obj, twice in batch_decode), which cost
+        # more than decoding itself; an array is converted with one tolist(). The arguments
+        # are batch_decode's defaults, passed explicitly: a remote-code tokenizer overriding
+        # decode (Kimi's) then takes the same base-class path batch_decode took.
+        reasoning = [_decode(tokenizer, span) for span in reasoning_spans]
+        response = [_decode(tokenizer, span) for span in response_spans]
+        finish = np.where(stopped, "stop", "length")
 
         # input_ids = prompt + generated for every row, built as one flat array: a prompt
         # token moves right by the generated tokens of earlier rows, a generated token by
@@ -151,9 +159,13 @@ class Postprocessor:
             "num_prompt_tokens": pa.array(p_len.astype(np.int32)),
             "num_reasoning_tokens": pa.array(n_reasoning),
             "num_response_tokens": pa.array((g_len - n_reasoning).astype(np.int32)),
-            "finish_reason": pa.array(finish, pa.string()),
+            "finish_reason": pa.array(finish.tolist(), pa.string()),
             "error": pa.array([""] * n, pa.string()),
         })
+
+
+def _decode(tokenizer, span: np.ndarray) -> str:
+    return tokenizer.decode(span, skip_special_tokens=False, clean_up_tokenization_spaces=None).strip()
 
 
 def _conform(table: pa.Table) -> pa.Table:

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 
 from eagle_data.config import load_config
-from eagle_data.engines.vllm_backend import build_vllm_processor, processor_config
+from eagle_data.engines.vllm_backend import build_vllm_processor, feed_factor, processor_config
 from eagle_data.generate import engine_sampling, requests
 
 KIMI = Path(__file__).resolve().parent.parent / "configs" / "kimi-k2.5.yaml"
@@ -28,7 +28,8 @@ def test_kimi_config_is_the_production_run(kimi):
     assert kimi.engine.max_model_len >= kimi.sampling.max_tokens + 2048
     assert kimi.model.reasoning_end == "</think>"
     engine = kimi.engine
-    assert engine.batch_size * engine.max_concurrent_batches >= 1.5 * engine.engine_kwargs["max_num_seqs"]
+    assert engine.batch_size * engine.max_concurrent_batches >= \
+        feed_factor(engine.batch_size) * engine.engine_kwargs["max_num_seqs"]
 
 
 def test_processor_from_kimi_config(ray_local, kimi):
@@ -43,10 +44,10 @@ def test_processor_from_kimi_config(ray_local, kimi):
     assert kwargs["engine_kwargs"]["trust_remote_code"] is True
     assert kwargs["engine_kwargs"]["max_num_seqs"] == 512  # passed through
     assert kwargs["should_continue_on_error"] is True
-    assert kwargs["batch_size"] == 16 and kwargs["max_concurrent_batches"] == 48
+    assert kwargs["batch_size"] == 32 and kwargs["max_concurrent_batches"] == 96
     compute = stage.map_batches_kwargs["compute"]
     assert (compute.min_size, compute.max_size) == (1, 1)  # replicas, fixed pool
-    assert stage.map_batches_kwargs["max_concurrency"] == 48
+    assert stage.map_batches_kwargs["max_concurrency"] == 96
 
     # Our engine input satisfies the stage's contract.
     batch = pa.Table.from_pylist([{"sample_id": "abcdef0123", "source": "s",

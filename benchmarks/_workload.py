@@ -1,0 +1,102 @@
+"""Shared workload for the benchmarks: the real Qwen3 tokenizer, a pool of real English
+text as Qwen3 token ids, and the long-tailed completion-length distribution.
+
+Completion lengths: lognormal (sigma 1.0 by default) clipped to [16, 8192], with mu solved
+(closed form of the clipped mean, bisection) so that the clipped mean is 1,300 tokens. About
+1% of rows hit the 8,192 cap; those are cut: no `</think>`, no eos (finish_reason `length`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))
+
+MIN_TOKENS, MAX_TOKENS, MEAN_TOKENS, SIGMA = 16, 8192, 1300, 1.0
+
+
+def qwen3_dir(dest: Path) -> Path:
+    from conftest import extract_tokenizer
+
+    return extract_tokenizer("qwen-3", Path(dest) / "qwen3")
+
+
+def _phi(x: float) -> float:
+    return 0.5 * (1 + math.erf(x / math.sqrt(2)))
+
+
+def clipped_lognormal_mean(mu: float, sigma: float, lo: float, hi: float) -> float:
+    """E[clip(X, lo, hi)] for X ~ lognormal(mu, sigma)."""
+    a, b = (math.log(lo) - mu) / sigma, (math.log(hi) - mu) / sigma
+    partial = math.exp(mu + sigma**2 / 2) * (_phi(b - sigma) - _phi(a - sigma))
+    return lo * _phi(a) + partial + hi * (1 - _phi(b))
+
+
+@functools.lru_cache(maxsize=None)
+def solve_mu(mean: float = MEAN_TOKENS, sigma: float = SIGMA, lo: float = MIN_TOKENS,
+             hi: float = MAX_TOKENS) -> float:
+    a, b = math.log(lo), math.log(hi)
+    for _ in range(100):
+        mid = (a + b) / 2
+        a, b = (mid, b) if clipped_lognormal_mean(mid, sigma, lo, hi) < mean else (a, mid)
+    return (a + b) / 2
+
+
+def completion_lengths(rng: np.random.Generator, n: int, mean: float = MEAN_TOKENS,
+                       sigma: float = SIGMA, max_tokens: int = MAX_TOKENS) -> np.ndarray:
+    mu = solve_mu(mean, sigma, MIN_TOKENS, max_tokens)
+    return np.clip(np.rint(rng.lognormal(mu, sigma, n)), MIN_TOKENS, max_tokens).astype(np.int64)
+
+
+def length_of(sample_id: str, seed: int = 0, mean: float = MEAN_TOKENS, sigma: float = SIGMA,
+              max_tokens: int = MAX_TOKENS) -> int:
+    """One completion length, seeded by the sample (the same whatever batch it lands in)."""
+    rng = np.random.default_rng([seed, int(sample_id[:12], 16)])
+    return int(completion_lengths(rng, 1, mean, sigma, max_tokens)[0])
+
+
+def english_text() -> str:
+    """Real English prose: the docstrings of a fixed list of standard-library modules and
+    their public members (same text on every machine with the same Python)."""
+    import argparse, asyncio, collections, concurrent.futures, contextlib, csv, dataclasses  # noqa: E401
+    import datetime, decimal, email, fractions, functools, http.client, io, itertools  # noqa: E401
+    import json, logging, os, pathlib, pickle, random, re, shutil, socket, sqlite3  # noqa: E401
+    import statistics, string, subprocess, tarfile, threading, typing, unittest  # noqa: E401
+    import urllib.request, uuid, zipfile  # noqa: E401
+
+    modules = [argparse, asyncio, collections, concurrent.futures, contextlib, csv, dataclasses,
+               datetime, decimal, email, fractions, functools, http.client, io, itertools, json,
+               logging, os, pathlib, pickle, random, re, shutil, socket, sqlite3, statistics,
+               string, subprocess, tarfile, threading, typing, unittest, urllib.request, uuid,
+               zipfile]
+    docs = []
+    for m in modules:
+        docs.append(inspect.getdoc(m) or "")
+        for name in sorted(dir(m)):
+            if name.startswith("_"):
+                continue
+            doc = inspect.getdoc(getattr(m, name, None))
+            if doc and len(doc) > 200:
+                docs.append(doc)
+    seen, unique = set(), []
+    for d in docs:
+        if d not in seen:
+            seen.add(d)
+            unique.append(d)
+    return "\n\n".join(unique)
+
+
+def text_pool_ids(tokenizer) -> np.ndarray:
+    """The English text as Qwen3 token ids (no special tokens: the text has none)."""
+    ids = tokenizer(english_text(), add_special_tokens=False)["input_ids"]
+    specials = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
+    arr = np.asarray(ids, dtype=np.int64)
+    return arr[~np.isin(arr, list(specials))]

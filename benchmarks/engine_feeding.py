@@ -1,0 +1,377 @@
+"""Engine feeding: slot utilisation of a simulated continuous-batching engine placed where the
+engine stage sits, for several batch_size x max_concurrent_batches settings.
+
+    .venv/bin/python benchmarks/engine_feeding.py [--slots 64] [--token-ms 1] [--measure-s 16]
+        [--rows 2000] [--settings 64x1 16x6 4x24 16x16 16x64 naive] [--no-model-table]
+        [--ray-cpus 2]
+
+The real job runs (`eagle_data.pipeline.run`: prompts phase once with the real Qwen3
+tokenizer on synthetic English prompts, then the generate phase per setting on a copy of
+that OUT: requests, repartition, engine, the real postprocess, the real shard writers)
+with `engine=` a stage mapped exactly like Ray's vLLM stage maps its engine
+(ray/llm/_internal/batch/processor/vllm_engine_proc.py): `map_batches(SimEngine,
+batch_size=B, compute=ActorPoolStrategy(size=1, max_tasks_in_flight_per_actor=2*C),
+max_concurrency=C)` with an async callable class.
+
+SimEngine models one continuous-batching replica: N sequence slots (one asyncio semaphore
+shared by every concurrent call of the actor, FIFO), a row holds a slot for
+completion_length x token time (every slot advances one token per step, as in vLLM's
+decode loop), completion lengths from the long-tailed distribution (benchmarks/_workload.py:
+lognormal, mean 1,300, capped at max_tokens 8,192; seeded per sample_id), and a call
+returns its batch only when all its rows are done (as Ray's stage does). It emits the
+engine output columns (random valid Qwen3 token ids: <think> ... </think> ... <|im_end|>,
+no eos when capped), so the real postprocess and sink run.
+
+Utilisation = busy slot-time / (N x window). Window: from the end of the initial ramp (the
+moment the engine stage first holds min(N, B x C) rows, i.e. enough to fill every slot or
+all it will ever be given at once) to the earlier of the last admission (after it there is
+nothing left to feed: the drain is the data's tail, not feeding) and --measure-s seconds
+after the first admission (then the engine finishes the remaining rows at once, to keep
+runs short).
+
+Baselines, measured in the same run: the naive setting, one batch holding every row
+(B = all rows, C = 1), which keeps the engine's queue full from the start and so is the best
+utilisation the engine allows (its cost: nothing is returned before every row is done);
+and "model", the same engine and lengths fed ideally without Ray (C batches always in
+flight, a batch replaced the instant it returns; a discrete-event simulation), i.e. what
+the feeding rule alone allows. The model table at the end (skip: --no-model-table) gives
+that utilisation for several batch sizes and B x C / N over 200 mean row times.
+
+Columns: "avg held" is the time-averaged number of rows inside the engine stage (queued,
+decoding, or finished and waiting for their batch) in the window, i.e. how many rows Ray
+Data actually kept in flight; "held peak" the peak number of rows finished by the engine
+but not yet returned (waiting for their batch's slowest row, up to the window end): what a
+kill would lose. About 3 minutes with the defaults on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
+
+from _workload import MAX_TOKENS, MEAN_TOKENS, english_text, length_of, qwen3_dir  # noqa: E402
+
+VOCAB_TEXT = 151643  # Qwen3: ids below this are ordinary text tokens
+
+
+class SimEngine:
+    """A simulated continuous-batching engine replica (see the module docstring)."""
+
+    def __init__(self, slots: int, token_s: float, measure_s: float, events: str, think: int,
+                 end: int, eos: int, seed: int = 0, mean_tokens: float = MEAN_TOKENS):
+        self.mean_tokens = mean_tokens
+        self.slots, self.token_s, self.measure_s, self.events = slots, token_s, measure_s, events
+        self.think, self.end, self.eos, self.seed = think, end, eos, seed
+        self.sem = None
+        self.deadline = None  # first admission + measure_s
+
+    async def _row(self, tokens: int) -> tuple[float, float]:
+        async with self.sem:
+            start = time.time()
+            if self.deadline is None:
+                self.deadline = start + self.measure_s
+            remaining = self.deadline - start
+            if remaining > 0:  # past the deadline: finish at once (measurement is over)
+                await asyncio.sleep(min(tokens * self.token_s, remaining))
+            return start, time.time()
+
+    def _tokens(self, sample_id: str, n: int, max_tokens: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, int(sample_id[:12], 16), 1])
+        ids = rng.integers(0, VOCAB_TEXT, n)
+        if n >= max_tokens:  # cut inside the reasoning: no </think>, no eos
+            ids[0] = self.think
+            return ids
+        ids[0], ids[-1] = self.think, self.eos
+        if n >= 3:
+            ids[1 + int(rng.integers(0, n - 2))] = self.end
+        return ids
+
+    async def __call__(self, batch: pa.Table):
+        if self.sem is None:  # created on the actor's event loop, shared by all its calls
+            self.sem = asyncio.Semaphore(self.slots)
+        called = time.time()
+        sample_ids = batch.column("sample_id").to_pylist()
+        params = batch.column("sampling_params").to_pylist()
+        lengths = [length_of(s, self.seed, mean=self.mean_tokens, max_tokens=p["max_tokens"])
+                   for s, p in zip(sample_ids, params)]
+        spans = await asyncio.gather(*(self._row(n) for n in lengths))
+        returned = time.time()
+        with open(self.events, "a") as f:
+            f.write(json.dumps({"called": called, "returned": returned, "lengths": lengths,
+                                "spans": spans}) + "\n")
+
+        gen = [self._tokens(s, n, p["max_tokens"]) for s, n, p in zip(sample_ids, lengths, params)]
+        offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+        n = batch.num_rows
+        prompt = batch.column("tokenized_prompt")
+        num_input = [len(p) for p in prompt.to_pylist()]
+        carried = batch.drop_columns(["tokenized_prompt", "sampling_params"])
+        out = {name: carried.column(name) for name in carried.column_names}
+        out.update({
+            "prompt": pa.array([""] * n), "prompt_token_ids": prompt,
+            "num_input_tokens": pa.array(num_input, pa.int64()),
+            "generated_tokens": pa.ListArray.from_arrays(offsets, pa.array(np.concatenate(gen), pa.int64())),
+            "generated_text": pa.array([""] * n), "num_generated_tokens": pa.array(lengths, pa.int64()),
+            "embeddings": pa.nulls(n), "metrics": pa.nulls(n), "logprobs": pa.nulls(n),
+            "prompt_logprobs": pa.nulls(n), "__inference_error__": pa.array([""] * n),
+        })
+        yield pa.table(out)
+
+
+def sim_stage_factory(slots: int, token_s: float, measure_s: float, events: str, special,
+                      mean_tokens: float = MEAN_TOKENS):
+    """`engine(ds, cfg, pad_id) -> ds` for run_generate, mapped like Ray's vLLM stage."""
+    import ray
+
+    def stage(ds, cfg, pad_id):
+        c = cfg.engine.max_concurrent_batches
+        return ds.map_batches(
+            SimEngine,
+            fn_constructor_kwargs=dict(slots=slots, token_s=token_s, measure_s=measure_s,
+                                       events=events, think=special.reasoning_start_id,
+                                       end=special.reasoning_end_id, eos=special.eos_ids[0],
+                                       mean_tokens=mean_tokens),
+            batch_size=cfg.engine.batch_size,
+            batch_format="pyarrow",
+            zero_copy_batch=True,
+            compute=ray.data.ActorPoolStrategy(size=cfg.engine.replicas,
+                                               max_tasks_in_flight_per_actor=2 * c),
+            max_concurrency=c,
+            num_cpus=0.1,  # the engine holds GPUs in production, not the CPUs the rest needs
+        )
+
+    return stage
+
+
+def write_rows(path: Path, n: int, seed: int = 0) -> None:
+    """Synthetic chat rows: one user turn of real English text (20-300 words)."""
+    rng = np.random.default_rng(seed)
+    words = english_text().split()
+    sources = ["math", "code", "chat", "writing", "science"]
+    with open(path, "w") as f:
+        for i in range(n):
+            k = int(rng.integers(20, 300))
+            start = int(rng.integers(0, len(words) - k))
+            text = f"Question {i}: " + " ".join(words[start:start + k])
+            f.write(json.dumps({"conversations": [{"from": "human", "value": text},
+                                                  {"from": "gpt", "value": "ok"}],
+                                "source": sources[i % 5]}) + "\n")
+
+
+def analyse(calls: list[dict], slots: int, measure_s: float, in_flight: int) -> dict:
+    """Window metrics from engine calls: {"called", "returned", "spans": [[admit, release], ...]}."""
+    admit = np.array([s[0] for c in calls for s in c["spans"]])
+    release = np.array([s[1] for c in calls for s in c["spans"]])
+    returned = np.array([c["returned"] for c in calls for _ in c["spans"]])
+    first = admit.min()
+    # End of the ramp: the engine stage first holds enough rows to fill every slot (or all
+    # B x C rows, when that is fewer), counting rows from a call's start to its return.
+    called = np.array([c["called"] for c in calls])
+    back = np.array([c["returned"] for c in calls])
+    sizes = np.array([len(c["spans"]) for c in calls])
+    times = np.concatenate([called, back])
+    steps = np.concatenate([sizes, -sizes])
+    order = np.lexsort((steps, times))  # at equal times, returns first
+    held_rows = np.cumsum(steps[order])
+    fed = np.flatnonzero(held_rows >= min(slots, in_flight, admit.size))
+    start = max(times[order][fed[0]], first) if fed.size else first
+    end = min(admit.max(), first + measure_s)
+    window = max(end - start, 1e-9)
+    slot_time = np.clip(np.minimum(release, end) - np.maximum(admit, start), 0, None).sum()
+    # Rows finished by the engine but not yet returned, over time (up to the window end): peak.
+    t2 = np.concatenate([release, returned])
+    s2 = np.concatenate([np.ones_like(release), -np.ones_like(returned)])
+    o2 = np.lexsort((s2, t2))
+    held = int(np.cumsum(s2[o2])[t2[o2] <= end].max(initial=0))
+    in_window = (admit >= start) & (admit < end)
+    # Rows the engine held (queued, decoding or finished-but-not-returned), time-averaged.
+    held_time = sum(len(c["spans"]) * max(0.0, min(c["returned"], end) - max(c["called"], start))
+                    for c in calls)
+    return {"rows": int(admit.size), "ramp_s": round(float(start - first), 2),
+            "window_s": round(float(window), 1), "util": float(slot_time / (slots * window)),
+            "rows_per_s": float(in_window.sum() / window), "avg_in_flight": float(held_time / window),
+            "first_return_s": round(float(min(c["returned"] for c in calls) - first), 1),
+            "held_peak": held, "calls": len(calls)}
+
+
+def model_calls(lengths, b: int, c: int, slots: int, token_s: float) -> list[dict]:
+    """The same engine fed ideally, without Ray: C batches of B rows always in flight, the
+    next batch handed over the instant one returns (a discrete-event simulation, no real
+    time). What the feeding rule alone allows; the Ray run's shortfall from it is overhead."""
+    import heapq
+    from collections import deque
+
+    batches = [list(lengths[i:i + b]) for i in range(0, len(lengths), b)]
+    calls: list[dict] = []
+    left = [len(x) for x in batches]
+    queue: deque = deque()
+    heap: list = []
+    free, t = slots, 0.0
+
+    def submit(now: float) -> None:
+        if len(calls) < len(batches):
+            i = len(calls)
+            calls.append({"called": now, "spans": [None] * len(batches[i])})
+            queue.extend((i, j) for j in range(len(batches[i])))
+
+    for _ in range(c):
+        submit(0.0)
+    while True:
+        while free and queue:
+            i, j = queue.popleft()
+            done = t + batches[i][j] * token_s
+            calls[i]["spans"][j] = [t, done]
+            heapq.heappush(heap, (done, i, j))
+            free -= 1
+        if not heap:
+            return calls
+        t, i, j = heapq.heappop(heap)
+        free += 1
+        left[i] -= 1
+        if not left[i]:
+            calls[i]["returned"] = t
+            submit(t)
+
+
+def model_table(slots: int, token_s: float, mean_row_times: float = 200, seed: int = 1) -> list[str]:
+    """Model-only utilisation for B x C = f x N: which feed factor f each batch size needs."""
+    from _workload import completion_lengths
+
+    factors, sizes = (1, 1.5, 2, 3, 4, 6, 8), (1, 4, 8, 16, 32)
+    lines = [f"model (no Ray), N = {slots}: steady-state utilisation by batch size B (rows) and "
+             f"B x C / N (columns), {mean_row_times:.0f} mean row times measured",
+             f"{'B':>4s} " + " ".join(f"{f:>6g}N" for f in factors)]
+    rng = np.random.default_rng(seed)
+    measure_s = mean_row_times * MEAN_TOKENS * token_s
+    lengths = completion_lengths(rng, int(slots * mean_row_times * 1.2 + 8 * slots * 8))
+    for b in sizes:
+        row = []
+        for f in factors:
+            c = max(1, int(np.ceil(f * slots / b)))
+            calls = model_calls(lengths, b, c, slots, token_s)
+            row.append(f"{100 * analyse(calls, slots, measure_s, b * c)['util']:6.1f}%")
+        lines.append(f"{b:4d} " + " ".join(row))
+    return lines
+
+
+def parse_setting(text: str, rows: int) -> tuple[int, int, str]:
+    if text == "naive":
+        return rows, 1, "naive (all rows x 1)"
+    b, c = (int(x) for x in text.lower().split("x"))
+    return b, c, f"{b} x {c}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--slots", type=int, default=64, help="N: the engine's sequence slots (max_num_seqs)")
+    parser.add_argument("--token-ms", type=float, default=1.0, help="decode time per token and slot")
+    parser.add_argument("--measure-s", type=float, default=16.0,
+                        help="measure this long after the first admission, then finish the rest at once")
+    parser.add_argument("--rows", type=int, default=2000)
+    parser.add_argument("--settings", nargs="+",
+                        default=["64x1", "16x6", "4x24", "16x16", "16x64", "naive"],
+                        help="BxC (batch_size x max_concurrent_batches) or naive")
+    parser.add_argument("--ray-cpus", type=int, default=2,
+                        help="CPUs Ray may schedule on (default 2, this machine's cores); more lets "
+                             "more small Ray tasks run at once (oversubscribed), to tell this "
+                             "machine's task throughput from the feeding rule")
+    parser.add_argument("--no-model-table", action="store_true",
+                        help="skip the model-only table of utilisation by batch size and feed factor")
+    args = parser.parse_args()
+
+    import ray
+
+    from eagle_data.config import load_config
+    from eagle_data.model_files import load_tokenizer, special_tokens
+    from eagle_data.pipeline import run
+
+    logging.basicConfig(level=logging.WARNING)
+    tmp = Path(tempfile.mkdtemp(prefix="engine_feeding-"))
+    try:
+        tok = qwen3_dir(tmp)
+        write_rows(tmp / "rows.jsonl", args.rows)
+        special = special_tokens(load_tokenizer(str(tok)), "<think>", "</think>")
+        base = [f"source.dataset={tmp / 'rows.jsonl'}", f"model.path={tok}", "engine.backend=transformers",
+                "engine.max_model_len=16384", f"sampling.max_tokens={MAX_TOKENS}",
+                "output.rows_per_shard=200", "output.log_every_s=3600"]
+        ray.init(num_cpus=args.ray_cpus, include_dashboard=False, log_to_driver=False)
+        for name in ("ray", "ray.data"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        t0 = time.perf_counter()
+        prompts = run(load_config(None, base + [f"output.path={tmp / 'base'}"]), phase="prompts")["prompts"]
+        print(f"prompts phase: {prompts['prompts']} prompts ({prompts['prompt_tokens'] / prompts['prompts']:.0f} "
+              f"tokens mean) in {time.perf_counter() - t0:.1f} s; engine: N={args.slots} slots, "
+              f"{args.token_ms} ms/token, lengths mean 1300 / cap {MAX_TOKENS}; measuring {args.measure_s} s per setting",
+              flush=True)
+        # The engine's completion lengths in the order the generate phase reads prompts/.
+        import pyarrow.dataset as pads
+
+        order = pads.dataset(sorted((tmp / "base" / "prompts").glob("*.parquet"))).to_table(
+            columns=["sample_id"]).column("sample_id").to_pylist()
+        lengths = [length_of(sid, 0, max_tokens=MAX_TOKENS) for sid in order]
+
+        results = []
+        for text in args.settings:
+            b, c, label = parse_setting(text, prompts["prompts"])
+            out = tmp / f"out-{text}"
+            shutil.copytree(tmp / "base", out)
+            events = tmp / f"events-{text}.jsonl"
+            cfg = load_config(None, base + [f"output.path={out}", f"engine.batch_size={b}",
+                                            f"engine.max_concurrent_batches={c}"])
+            stage = sim_stage_factory(args.slots, args.token_ms / 1000, args.measure_s, str(events), special)
+            start = time.perf_counter()
+            counts = run(cfg, phase="generate", engine=stage)["generate"]
+            wall = time.perf_counter() - start
+            calls = [json.loads(line) for line in events.read_text().splitlines()]
+            r = analyse(calls, args.slots, args.measure_s, b * c)
+            model = analyse(model_calls(lengths, b, c, args.slots, args.token_ms / 1000), args.slots,
+                            args.measure_s, b * c)
+            r["model_util"] = model["util"]
+            r.update(setting=label, b=b, c=c, wall_s=round(wall, 1), ok=counts["ok"],
+                     in_flight=b * c)
+            results.append(r)
+            print(json.dumps(r), flush=True)
+            shutil.rmtree(out)
+        ray.shutdown()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    naive = next((r for r in results if r["setting"].startswith("naive")), None)
+    print(f"\nN = {args.slots} slots, {args.token_ms} ms/token; utilisation in the steady-state window "
+          f"(engine first holds min(N, B x C) rows -> last admission or first admission +{args.measure_s:.0f} s)")
+    print(f"{'B x C':22s} {'in flight':>9s} {'/N':>5s} {'avg held':>8s} {'util':>6s} {'vs naive':>8s} "
+          f"{'model':>6s} {'vs model':>8s} {'rows/s':>7s} {'ramp s':>6s} {'window s':>8s} "
+          f"{'1st return s':>12s} {'held peak':>9s} {'ok':>5s}")
+    for r in results:
+        ratio = f"{r['util'] / naive['util']:.2f}x" if naive else "-"
+        in_flight = r["in_flight"] if not r["setting"].startswith("naive") else r["b"]
+        print(f"{r['setting']:22s} {in_flight:9d} {in_flight / args.slots:5.1f} {r['avg_in_flight']:8.0f} "
+              f"{100 * r['util']:5.1f}% {ratio:>8s} {100 * r['model_util']:5.1f}% "
+              f"{r['util'] / r['model_util']:7.2f}x {r['rows_per_s']:7.1f} {r['ramp_s']:6.1f} "
+              f"{r['window_s']:8.1f} {r['first_return_s']:12.1f} {r['held_peak']:9d} {r['ok']:5d}")
+    default = next((r for r in results if (r["b"], r["c"]) == (16, 64)), None)
+    if default:
+        print(f"\nproject default 16 x 64 (B x C = {16 * 64} = {16 * 64 / args.slots:.1f} N): "
+              f"{100 * default['util']:.1f}% steady-state utilisation (target >= 90%)")
+    if not args.no_model_table:
+        print()
+        print("\n".join(model_table(args.slots, args.token_ms / 1000)))
+
+
+if __name__ == "__main__":
+    main()
