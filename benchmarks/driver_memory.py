@@ -153,7 +153,7 @@ def child(n: int, mean_tokens: float, take_census: bool = False, batch_size: int
     pipeline.run_prompts = sampler.wrap("prompts phase", pipeline.run_prompts)
     pipeline.write_report = sampler.wrap("prompts report", pipeline.write_report)
     generate.write_report = sampler.wrap("generate report", generate.write_report)
-    read = sampler.wrap("resume read (Progress.read)", generate.Progress.read.__func__)
+    read = sampler.wrap("resume read (SampleStatus.read)", generate.SampleStatus.read.__func__)
     censuses = []
 
     def read_and_count(cls, *a, **k):
@@ -161,7 +161,7 @@ def child(n: int, mean_tokens: float, take_census: bool = False, batch_size: int
             censuses.append(census())
         return read(cls, *a, **k)
 
-    generate.Progress.read = classmethod(read_and_count)
+    generate.SampleStatus.read = classmethod(read_and_count)
     run_generate = generate.run_generate
     generate.run_generate = sampler.wrap("generate phase", run_generate)
 

@@ -10,7 +10,7 @@ random ids) and loss_mask, a one-turn message and a response of a few words; a r
 (prompt ~300 + completion ~1,300 tokens, and their text) is about 10x larger, so the
 ratio below understates the saving. Sample ids are 20 hex characters, as the job makes.
 
-Times `eagle_data.resume.Progress.read(fs, out, max_attempts).finished()` (reads only the
+Times `eagle_data.resume.SampleStatus.read(fs, out, max_attempts).finished()` (reads only the
 sample_id column of data/ and failed/) against reading all of data/ with pyarrow
 (`pyarrow.dataset(...).to_table()`), each --repeats times, alternating; the figure is the
 median. "cold": every shard evicted from the page cache first (posix_fadvise DONTNEED on
@@ -107,7 +107,7 @@ def main() -> None:
     import pyarrow.dataset as pads
     import pyarrow.parquet as pq
 
-    from eagle_data.resume import Progress
+    from eagle_data.resume import SampleStatus
     from eagle_data.sink import filesystem, shard_files
 
     parent = Path(tempfile.mkdtemp(prefix="resume-cost-", dir=args.dir))
@@ -136,7 +136,7 @@ def main() -> None:
         fs, root = filesystem(str(out))
 
         def resume():
-            progress = Progress.read(fs, root, 3)
+            progress = SampleStatus.read(fs, root, 3)
             return len(progress.finished())
 
         def full():
@@ -155,8 +155,8 @@ def main() -> None:
                     timings[(name, cache)].append(time.perf_counter() - t)
                     finished, rows_read = (result, rows_read) if name == "resume" else (finished, result)
         med = {k: statistics.median(v) for k, v in timings.items()}
-        print(f"Progress.read(...).finished(): {finished:,} samples finished; full read: {rows_read:,} rows")
-        print(f"\n{'':8s} {'Progress.read (sample_id)':>26s} {'full data/ read':>16s} {'ratio full/resume':>18s}")
+        print(f"SampleStatus.read(...).finished(): {finished:,} samples finished; full read: {rows_read:,} rows")
+        print(f"\n{'':8s} {'SampleStatus.read (sample_id)':>26s} {'full data/ read':>16s} {'ratio full/resume':>18s}")
         for cache in ("cold", "warm"):
             r, f = med[("resume", cache)], med[("full", cache)]
             print(f"{cache:8s} {r:25.2f}s {f:15.2f}s {f / r:17.1f}x")

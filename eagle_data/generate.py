@@ -15,9 +15,9 @@ from eagle_data.engines import apply_engine
 from eagle_data.model_files import generation_eos_ids, load_tokenizer, special_tokens
 from eagle_data.output import Output, new_run_id
 from eagle_data.postprocess import DATA_SCHEMA, OUT_SCHEMA, Postprocessor
-from eagle_data.progress import Progress as RunProgress
+from eagle_data.progress import Progress
 from eagle_data.report import write_report
-from eagle_data.resume import Progress
+from eagle_data.resume import SampleStatus
 from eagle_data.sink import shard_files
 
 log = logging.getLogger("eagle_data")
@@ -62,7 +62,7 @@ def run_generate(cfg: Config, out: Output, engine=None) -> dict:
         log.warning("%r is not one token of this tokenizer: every generated token counts as response",
                     cfg.model.reasoning_end)
     total = out.manifest.phase("prompts")["counts"]["prompts"]
-    before = Progress.read(out.fs, out.root, cfg.output.max_attempts)
+    before = SampleStatus.read(out.fs, out.root, cfg.output.max_attempts)
     finished = before.finished()
     run_id = new_run_id()
     phase = out.manifest.phase("generate")
@@ -93,7 +93,7 @@ def run_generate(cfg: Config, out: Output, engine=None) -> dict:
 
     data = out.writer("data", DATA_SCHEMA, run_id, cfg, flush=True)
     failed = out.writer("failed", FAILED_SCHEMA, run_id, cfg, flush=True)
-    progress = RunProgress(total=total, done_before=len(finished), todo=run_info["todo"],
+    progress = Progress(total=total, done_before=len(finished), todo=run_info["todo"],
                            max_tokens=cfg.sampling.max_tokens, every_s=cfg.output.log_every_s,
                            data_writer=data, failed_writer=failed)
     with progress:
@@ -107,7 +107,7 @@ def run_generate(cfg: Config, out: Output, engine=None) -> dict:
         data.close()
         failed.close()
 
-    after = Progress.read(out.fs, out.root, cfg.output.max_attempts)
+    after = SampleStatus.read(out.fs, out.root, cfg.output.max_attempts)
     counts = {
         "prompts": total,
         "ok": len(after.ok),

@@ -19,7 +19,7 @@ import pyarrow.dataset as pads
 
 from eagle_data import manifest as mf
 from eagle_data.output import Output
-from eagle_data.resume import Progress
+from eagle_data.resume import SampleStatus
 from eagle_data.sink import shard_files, write_json
 
 COLUMNS = {
@@ -69,7 +69,7 @@ def build_report(out: Output) -> dict:
     prompts, skipped = read_columns(out, "prompts"), read_columns(out, "skipped")
     data, failed = read_columns(out, "data"), read_columns(out, "failed")
     max_attempts = manifest.get("config", {}).get("output", {}).get("max_attempts", 1)
-    progress = Progress(set(data.column("sample_id").to_pylist()),
+    progress = SampleStatus(set(data.column("sample_id").to_pylist()),
                         Counter(failed.column("sample_id").to_pylist()), max_attempts)
     by_source: dict = defaultdict(Counter)
     for name, table in (("prompts", prompts), ("skipped", skipped), ("ok", data)):

@@ -19,13 +19,13 @@ def sample_ids(fs, folder: str) -> list[str]:
 
 
 @dataclass
-class Progress:
+class SampleStatus:
     ok: set[str]
     failures: Counter  # sample_id -> failed attempts so far
     max_attempts: int
 
     @classmethod
-    def read(cls, fs, out: str, max_attempts: int) -> "Progress":
+    def read(cls, fs, out: str, max_attempts: int) -> "SampleStatus":
         return cls(set(sample_ids(fs, f"{out}/data")), Counter(sample_ids(fs, f"{out}/failed")),
                    max_attempts)
 

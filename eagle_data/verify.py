@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from eagle_data.output import FOLDERS, Output
-from eagle_data.resume import Progress
+from eagle_data.resume import SampleStatus
 from eagle_data.sink import shard_files
 
 DATA_CHECK_COLUMNS = ["sample_id", "input_ids", "loss_mask", "num_prompt_tokens",
@@ -66,7 +66,7 @@ def verify(path: str) -> tuple[list[str], dict]:
         problems.append(f"{out.root} has no manifest.json: not an eagle-data OUT")
 
     max_attempts = manifest.get("config", {}).get("output", {}).get("max_attempts", 1)
-    progress = Progress(set(ids["data"]), ids["failed"], max_attempts)
+    progress = SampleStatus(set(ids["data"]), ids["failed"], max_attempts)
     failed_only = set(ids["failed"]) - progress.ok
     counts.update(ok=len(progress.ok), failed=len(failed_only), failed_final=len(progress.given_up),
                   failed_retryable=len(failed_only - progress.given_up))
