@@ -7,7 +7,7 @@ file shipped inside an installed Python package (the demo's SmolLM2 GGUF comes t
 from __future__ import annotations
 
 import functools
-import importlib.resources
+import importlib.util
 import os
 import re
 from dataclasses import dataclass
@@ -16,12 +16,13 @@ from dataclasses import dataclass
 def resolve_model_path(path: str) -> str:
     if path.startswith("package:"):
         package, _, rest = path.removeprefix("package:").partition("/")
-        try:
-            return str(importlib.resources.files(package).joinpath(rest))
-        except ModuleNotFoundError as e:
-            raise FileNotFoundError(
-                f"model path {path!r}: Python package {package!r} is not installed"
-            ) from e
+        # find_spec locates the package without importing it: a data-only install (the
+        # demo model's package is installed without its own dependencies) must not run
+        # the package's __init__.
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(f"model path {path!r}: Python package {package!r} is not installed")
+        return os.path.join(list(spec.submodule_search_locations)[0], rest)
     return path
 
 
