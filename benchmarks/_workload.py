@@ -100,3 +100,21 @@ def text_pool_ids(tokenizer) -> np.ndarray:
     specials = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
     arr = np.asarray(ids, dtype=np.int64)
     return arr[~np.isin(arr, list(specials))]
+
+
+def write_chat_rows(path: Path, n: int, words: tuple[int, int], seed: int = 0) -> None:
+    """Synthetic open-perfectblend rows: one user turn of real English text with a word
+    count drawn from [words[0], words[1]), five sources in turn."""
+    import json
+
+    rng = np.random.default_rng(seed)
+    pool = english_text().split()
+    sources = ["math", "code", "chat", "writing", "science"]
+    with open(path, "w") as f:
+        for i in range(n):
+            k = int(rng.integers(*words))
+            start = int(rng.integers(0, len(pool) - k))
+            text = f"Question {i}: " + " ".join(pool[start:start + k])
+            f.write(json.dumps({"conversations": [{"from": "human", "value": text},
+                                                  {"from": "gpt", "value": "ok"}],
+                                "source": sources[i % 5]}) + "\n")

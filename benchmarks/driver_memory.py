@@ -43,24 +43,10 @@ import time  # noqa: E402
 import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import numpy as np  # noqa: E402
 
-from _workload import english_text, qwen3_dir  # noqa: E402
+from _workload import qwen3_dir, write_chat_rows  # noqa: E402
 
 MAX_TOKENS = 2048
-
-
-def write_rows(path: Path, n: int, seed: int = 0) -> None:
-    rng = np.random.default_rng(seed)
-    words = english_text().split()
-    sources = ["math", "code", "chat", "writing", "science"]
-    with open(path, "w") as f:
-        for i in range(n):
-            k = int(rng.integers(8, 61))
-            start = int(rng.integers(0, len(words) - k))
-            f.write(json.dumps({"conversations": [
-                {"from": "human", "value": f"{i}: " + " ".join(words[start:start + k]) + "?"},
-                {"from": "gpt", "value": "ok"}], "source": sources[i % 5]}) + "\n")
 
 
 class Sampler:
@@ -167,7 +153,7 @@ def child(n: int, mean_tokens: float, take_census: bool = False, batch_size: int
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        write_rows(tmp / "rows.jsonl", n)
+        write_chat_rows(tmp / "rows.jsonl", n, words=(8, 61))
         tok = qwen3_dir(tmp)
         special = special_tokens(load_tokenizer(str(tok)), "<think>", "</think>")
         cfg = load_config(None, [

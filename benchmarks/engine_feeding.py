@@ -63,7 +63,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
-from _workload import MAX_TOKENS, MEAN_TOKENS, english_text, length_of, qwen3_dir  # noqa: E402
+from _workload import MAX_TOKENS, MEAN_TOKENS, length_of, qwen3_dir, write_chat_rows  # noqa: E402
 
 VOCAB_TEXT = 151643  # Qwen3: ids below this are ordinary text tokens
 
@@ -155,21 +155,6 @@ def sim_stage_factory(slots: int, token_s: float, measure_s: float, events: str,
         )
 
     return stage
-
-
-def write_rows(path: Path, n: int, seed: int = 0) -> None:
-    """Synthetic chat rows: one user turn of real English text (20-300 words)."""
-    rng = np.random.default_rng(seed)
-    words = english_text().split()
-    sources = ["math", "code", "chat", "writing", "science"]
-    with open(path, "w") as f:
-        for i in range(n):
-            k = int(rng.integers(20, 300))
-            start = int(rng.integers(0, len(words) - k))
-            text = f"Question {i}: " + " ".join(words[start:start + k])
-            f.write(json.dumps({"conversations": [{"from": "human", "value": text},
-                                                  {"from": "gpt", "value": "ok"}],
-                                "source": sources[i % 5]}) + "\n")
 
 
 def analyse(calls: list[dict], slots: int, measure_s: float, in_flight: int) -> dict:
@@ -303,7 +288,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="engine_feeding-"))
     try:
         tok = qwen3_dir(tmp)
-        write_rows(tmp / "rows.jsonl", args.rows)
+        write_chat_rows(tmp / "rows.jsonl", args.rows, words=(20, 300))
         special = special_tokens(load_tokenizer(str(tok)), "<think>", "</think>")
         base = [f"source.dataset={tmp / 'rows.jsonl'}", f"model.path={tok}", "engine.backend=transformers",
                 "engine.max_model_len=16384", f"sampling.max_tokens={MAX_TOKENS}",
