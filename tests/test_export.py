@@ -9,12 +9,11 @@ import json
 from pathlib import Path
 
 import datasets
-import pyarrow.dataset as pads
 import pytest
 
 from eagle_data.export import FORMATS, add_cli, export, run_cli
 from eagle_data.postprocess import DATA_SCHEMA
-from test_reader import make_out, synthetic_row, write_out
+from test_reader import data_rows, make_out, synthetic_row, write_out
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +23,7 @@ def out(ray_local, tiny_qwen3, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def rows(out) -> dict[str, dict]:
-    table = pads.dataset(sorted((out / "data").glob("*.parquet"))).to_table()
-    return {r["sample_id"]: r for r in table.to_pylist()}
+    return data_rows(out)
 
 
 @pytest.fixture

@@ -65,10 +65,15 @@ def out(ray_local, tiny_qwen3, tmp_path_factory) -> Path:
     return make_out(tmp_path_factory, tiny_qwen3, rows_per_shard=4)
 
 
-@pytest.fixture(scope="module")
-def rows(out) -> dict[str, dict]:
+def data_rows(out: Path) -> dict[str, dict]:
+    """The data/ rows of an OUT by sample_id, read with plain pyarrow (the reference)."""
     table = pads.dataset(sorted((out / "data").glob("*.parquet"))).to_table()
     return {r["sample_id"]: r for r in table.to_pylist()}
+
+
+@pytest.fixture(scope="module")
+def rows(out) -> dict[str, dict]:
+    return data_rows(out)
 
 
 def ids_of(ds) -> list[str]:
