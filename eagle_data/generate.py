@@ -16,6 +16,7 @@ from eagle_data.model_files import generation_eos_ids, load_tokenizer, special_t
 from eagle_data.output import Output, new_run_id
 from eagle_data.postprocess import DATA_SCHEMA, OUT_SCHEMA, Postprocessor
 from eagle_data.progress import Progress
+from eagle_data.queues import bound_queues, read_prompts
 from eagle_data.report import write_report
 from eagle_data.resume import SampleStatus
 from eagle_data.sink import shard_files
@@ -75,8 +76,7 @@ def run_generate(cfg: Config, out: Output, engine=None) -> dict:
     out.manifest.save()
     log.info("generate: %d prompts, %d already done, %d to do", total, len(finished), run_info["todo"])
 
-    ds = ray.data.read_parquet(shard_files(out.fs, out.folder("prompts")), filesystem=out.fs,
-                               columns=PROMPT_COLUMNS)
+    ds = read_prompts(shard_files(out.fs, out.folder("prompts")), out.fs, PROMPT_COLUMNS)
     ds = ds.map_batches(requests, batch_format="pyarrow", fn_kwargs=dict(
         finished=ray.put(pa.array(sorted(finished), pa.string())),
         sampling=engine_sampling(cfg.sampling), stop_ids=list(special.eos_ids),
@@ -90,6 +90,8 @@ def run_generate(cfg: Config, out: Output, engine=None) -> dict:
         eos_ids=special.eos_ids, reasoning_start_id=special.reasoning_start_id,
         reasoning_end_id=special.reasoning_end_id, train_on=cfg.mask.train_on,
     ), batch_format="pyarrow")
+    # Queued blocks live in the driver: at most the engine's in-flight batches between two steps.
+    bound_queues(ds, max_blocks=2 * cfg.engine.max_concurrent_batches * cfg.engine.replicas)
 
     data = out.writer("data", DATA_SCHEMA, run_id, cfg, flush=True)
     failed = out.writer("failed", FAILED_SCHEMA, run_id, cfg, flush=True)

@@ -1,0 +1,73 @@
+"""Bounded queues between the generate stream's operators (driver memory).
+
+Ray Data's own backpressure limits what an operator runs ahead in object-store bytes (a
+share of the object store), and prompts are small: the whole OUT/prompts is read,
+repartitioned into engine batches and queued in front of the engine long before the
+engine gets to it. Blocks under 100 KiB (Ray's `max_direct_call_object_size`; a batch of
+16 prompts is a few KiB) are not in the object store but inlined into the task's reply and
+kept in the driver's heap (its core worker's in-process store), with the driver's
+bookkeeping of each queued block (its `RefBundle`, metadata, schema). So the driver's
+memory grew with the number of engine batches of the whole run (docs/performance.md,
+section 4). Here an operator starts no new task while `max_blocks` blocks wait between it
+and the operator after it (or the driver, for the last one); and the prompts are read in
+tasks of about one shard, since a running task's output is not held back. That bounds
+the queued blocks by the engine's in-flight size plus a few read tasks, not the dataset.
+
+`ray.data._internal` is not a public API: checked against the Ray pinned in pyproject.toml.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pyarrow.fs as pafs
+import ray
+from ray.data._internal.execution.backpressure_policy import (
+    ENABLED_BACKPRESSURE_POLICIES,
+    ENABLED_BACKPRESSURE_POLICIES_CONFIG_KEY,
+    BackpressurePolicy,
+)
+
+MAX_QUEUED_BLOCKS = "eagle_data.max_queued_blocks"
+# Ray's Parquet reader packs files into read tasks of up to this many uncompressed bytes
+# (default 128 MiB: a whole small OUT/prompts in one task); read when the dataset is made.
+BIN_BYTES_ENV = "RAY_DATA_PARQUET_BIN_PACKING_BYTES"
+READ_TASK_BYTES = 1 << 20
+
+
+class QueuedBlocksCap(BackpressurePolicy):
+    """No new task for an operator while `MAX_QUEUED_BLOCKS` of its output blocks wait.
+
+    Running tasks are not paused (a paused task keeps its CPU, which the operators after
+    it may need: a deadlock on a small node), so a read task's batches count in full:
+    `read_prompts` keeps read tasks small."""
+
+    def can_add_input(self, op) -> bool:
+        limit = self._data_context.get_config(MAX_QUEUED_BLOCKS)
+        if limit is None:
+            return True
+        queued = self._topology[op].total_enqueued_output_blocks() + sum(
+            self._topology[after].total_enqueued_input_blocks() for after in op.output_dependencies)
+        return queued < limit
+
+
+def bound_queues(ds: ray.data.Dataset, max_blocks: int) -> None:
+    """Cap the blocks queued between any two operators of `ds`'s execution at `max_blocks`."""
+    ctx = ds.context
+    ctx.set_config(MAX_QUEUED_BLOCKS, max_blocks)
+    policies = ctx.get_config(ENABLED_BACKPRESSURE_POLICIES_CONFIG_KEY, ENABLED_BACKPRESSURE_POLICIES)
+    if QueuedBlocksCap not in policies:
+        ctx.set_config(ENABLED_BACKPRESSURE_POLICIES_CONFIG_KEY, [*policies, QueuedBlocksCap])
+
+
+def read_prompts(files: list[str], fs: pafs.FileSystem, columns: list[str]) -> ray.data.Dataset:
+    """`read_parquet` in read tasks of about one prompts shard (READ_TASK_BYTES) each."""
+    before = os.environ.get(BIN_BYTES_ENV)
+    os.environ[BIN_BYTES_ENV] = str(READ_TASK_BYTES)
+    try:
+        return ray.data.read_parquet(files, filesystem=fs, columns=columns)
+    finally:
+        if before is None:
+            del os.environ[BIN_BYTES_ENV]
+        else:
+            os.environ[BIN_BYTES_ENV] = before
