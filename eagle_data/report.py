@@ -15,6 +15,7 @@ from collections import Counter, defaultdict
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as pads
 
 from eagle_data import manifest as mf
@@ -64,6 +65,13 @@ def throughput(out: Output, runs: list[dict]) -> list[dict]:
     return [{"time": t, "rows": r, "tokens": k} for (t, _, _), r, k in zip(points, rows, tokens)]
 
 
+def value_counts(column: pa.ChunkedArray) -> dict:
+    """{value: rows}, the most common first (ties: first seen first), like Counter.most_common."""
+    counts = pc.value_counts(column)  # in order of first appearance
+    counts = counts.take(pc.array_sort_indices(counts.field("counts"), order="descending"))  # stable
+    return dict(zip(counts.field("values").to_pylist(), counts.field("counts").to_pylist()))
+
+
 def build_report(out: Output) -> dict:
     manifest = out.manifest.data
     prompts, skipped = read_columns(out, "prompts"), read_columns(out, "skipped")
@@ -73,12 +81,13 @@ def build_report(out: Output) -> dict:
                         Counter(failed.column("sample_id").to_pylist()), max_attempts)
     by_source: dict = defaultdict(Counter)
     for name, table in (("prompts", prompts), ("skipped", skipped), ("ok", data)):
-        for source, n in Counter(table.column("source").to_pylist()).items():
+        for source, n in value_counts(table.column("source")).items():
             by_source[source][name] = n
-    failed_ids = dict(zip(failed.column("sample_id").to_pylist(), failed.column("source").to_pylist()))
-    for sample_id, source in failed_ids.items():
-        if sample_id not in progress.ok:  # failed samples that have no ok row (yet)
-            by_source[source]["failed"] += 1
+    # Failed samples that have no ok row (yet), once each.
+    no_ok = failed.filter(pc.invert(pc.is_in(failed.column("sample_id"), value_set=data.column("sample_id"))))
+    failed_samples = no_ok.group_by("sample_id", use_threads=False).aggregate([("source", "last")])
+    for source, n in value_counts(failed_samples.column("source_last")).items():
+        by_source[source]["failed"] += n
 
     def col(name):
         return data.column(name).to_numpy(zero_copy_only=False).astype(np.int64)
@@ -97,8 +106,8 @@ def build_report(out: Output) -> dict:
             "failed_rows": failed.num_rows,
             "failed_final": len(progress.given_up),
         },
-        "skipped_by_reason": dict(Counter(skipped.column("reason").to_pylist()).most_common()),
-        "finish_reasons": dict(Counter(data.column("finish_reason").to_pylist()).most_common()),
+        "skipped_by_reason": value_counts(skipped.column("reason")),
+        "finish_reasons": value_counts(data.column("finish_reason")),
         "by_source": {s: dict(c) for s, c in sorted(by_source.items())},
         "tokens": {
             "prompt": stats(col("num_prompt_tokens")) if data.num_rows else stats(
@@ -111,9 +120,8 @@ def build_report(out: Output) -> dict:
         "runs": {"prompts": {k: v for k, v in prompt_phase.items() if k != "prompt_config"},
                  "generate": generate_phase.get("runs", [])},
         "_lengths": {  # for the plots only; not written to report.json
-            "data_source": data.column("source").to_pylist(), "completion": completion,
+            "data_source": data.column("source"), "completion": completion,
             "prompt": col("num_prompt_tokens") if data.num_rows else np.empty(0),
-            "finish": data.column("finish_reason").to_pylist(),
         },
     }
 
@@ -128,12 +136,12 @@ def plots(report: dict) -> dict[str, bytes]:
     lengths = report["_lengths"]
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    sources = sorted(set(lengths["data_source"]))
+    sources = sorted(lengths["data_source"].unique().to_pylist())
     for ax, key, title in ((axes[0], "completion", "completion tokens (reasoning + response)"),
                            (axes[1], "prompt", "prompt tokens")):
         values = np.asarray(lengths[key])
         for source in sources:
-            mask = np.array([s == source for s in lengths["data_source"]], dtype=bool)
+            mask = pc.equal(lengths["data_source"], source).to_numpy(zero_copy_only=False)
             if mask.any():
                 ax.hist(values[mask], bins=30, histtype="step", linewidth=1.5, label=f"{source} ({mask.sum()})")
         ax.set_title(title)
