@@ -22,7 +22,10 @@ class SourceConfig(_Section):
 
 
 class PromptConfig(_Section):
-    turns: Literal["first_user"] = "first_user"
+    # first_user: one answer per row, to the first user turn. all: every user turn is
+    # answered in order, each conditioned on the target's own earlier answers.
+    turns: Literal["first_user", "all"] = "first_user"
+    max_turns: int | None = Field(default=None, ge=1, description="turns: all: answer at most this many user turns")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -95,6 +98,8 @@ class Config(_Section):
             )
         if self.model.reasoning_start == self.model.reasoning_end:
             raise ValueError("model.reasoning_start and model.reasoning_end must differ")
+        if self.prompt.max_turns is not None and self.prompt.turns != "all":
+            raise ValueError("prompt.max_turns needs prompt.turns=all")
         if self.engine.backend == "transformers" and self.engine.tensor_parallel_size != 1:
             raise ValueError("engine.tensor_parallel_size > 1 needs engine.backend=vllm")
         return self

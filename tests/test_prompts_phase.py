@@ -179,7 +179,7 @@ def test_parquet_in_open_perfectblend_schema(ray_local, tmp_path, qwen3_tokenize
     cfg = make_cfg(tmp_path, qwen3_tokenizer_dir, tmp_path / "train-00000-of-00001.parquet",
                    "source.sample=10")
     counts = run(cfg, phase="prompts")["prompts"]
-    assert counts == {"selected": 10, "prompts": 10, "skipped": 0, "skipped_by_reason": {},
+    assert counts == {"selected": 10, "prompts": 10, "skipped": 0, "skipped_by_reason": {}, "user_turns": 10,
                       "prompt_tokens": counts["prompt_tokens"]}
     prompts = read_rows(tmp_path / "out", "prompts")
     assert {p["source"] for p in prompts} <= {"src0", "src1", "src2"}
