@@ -16,7 +16,7 @@ from eagle_data.model_files import check_tokenizer_path, load_tokenizer
 from eagle_data.prompts import PROMPT_SCHEMA, PromptBuilder
 from eagle_data.report import write_report
 from eagle_data.output import Output, new_run_id
-from eagle_data.source import read_source, select_sample
+from eagle_data.source import read_source, select_rows
 
 log = logging.getLogger("eagle_data")
 
@@ -44,7 +44,7 @@ def run_prompts(cfg: Config, out: Output) -> dict:
     out.manifest.data["versions"] = mf.library_versions()
     out.manifest.save()
 
-    ds = select_sample(read_source(cfg.source), cfg.source.sample, cfg.source.seed)
+    ds, per_source = select_rows(read_source(cfg.source), cfg.source)
     builder = PromptBuilder(
         tokenizer_path=cfg.model.tokenizer_path,
         trust_remote_code=cfg.model.trust_remote_code,
@@ -78,6 +78,8 @@ def run_prompts(cfg: Config, out: Output) -> dict:
         "prompt_tokens": tokens,
         "user_turns": turns,  # = prompts under turns: first_user
     }
+    if per_source is not None:  # source.per_source: rows available and quota per source
+        counts["sources"] = per_source
     phase.update(status="complete", finished_at=mf.now(), counts=counts)
     out.manifest.save()
     write_report(out)

@@ -79,6 +79,10 @@ def build_report(out: Output) -> dict:
     for sample_id, source in failed_ids.items():
         if sample_id not in progress.ok:  # failed samples that have no ok row (yet)
             by_source[source]["failed"] += 1
+    quotas = manifest.get("phases", {}).get("prompts", {}).get("counts", {}).get("sources", {})
+    for source in set(by_source) | set(quotas):  # selected = prompts + skipped; per_source figures
+        by_source[source]["selected"] = by_source[source]["prompts"] + by_source[source]["skipped"]
+        by_source[source].update(quotas.get(source, {}))
 
     def col(name):
         return data.column(name).to_numpy(zero_copy_only=False).astype(np.int64)
