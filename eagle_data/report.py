@@ -15,6 +15,7 @@ from collections import Counter, defaultdict
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as pads
 
 from eagle_data import manifest as mf
@@ -25,8 +26,10 @@ from eagle_data.sink import shard_files, write_json
 COLUMNS = {
     "prompts": ["source", "num_prompt_tokens"],
     "skipped": ["source", "reason"],
-    "data": ["sample_id", "source", "num_prompt_tokens", "num_reasoning_tokens", "num_response_tokens", "finish_reason"],
+    "data": ["sample_id", "turn", "source", "num_prompt_tokens", "num_reasoning_tokens", "num_response_tokens",
+             "finish_reason"],
     "failed": ["sample_id", "source"],
+    "stopped": ["turn", "reason"],
 }
 
 
@@ -35,6 +38,11 @@ def read_columns(out: Output, folder: str) -> pa.Table:
     if not files:
         return pa.table({c: pa.array([], pa.string()) for c in COLUMNS[folder]})
     return pads.dataset(files, filesystem=out.fs, format="parquet").to_table(columns=COLUMNS[folder])
+
+
+def value_counts(column) -> dict:
+    return {str(c["values"]): c["counts"] for c in sorted(
+        pc.value_counts(column).to_pylist(), key=lambda c: c["values"])}
 
 
 def stats(values: np.ndarray) -> dict:
@@ -68,6 +76,7 @@ def build_report(out: Output) -> dict:
     manifest = out.manifest.data
     prompts, skipped = read_columns(out, "prompts"), read_columns(out, "skipped")
     data, failed = read_columns(out, "data"), read_columns(out, "failed")
+    stopped = read_columns(out, "stopped")
     max_attempts = manifest.get("config", {}).get("output", {}).get("max_attempts", 1)
     progress = SampleStatus(set(data.column("sample_id").to_pylist()),
                         Counter(failed.column("sample_id").to_pylist()), max_attempts)
@@ -104,6 +113,9 @@ def build_report(out: Output) -> dict:
         "skipped_by_reason": dict(Counter(skipped.column("reason").to_pylist()).most_common()),
         "finish_reasons": dict(Counter(data.column("finish_reason").to_pylist()).most_common()),
         "by_source": {s: dict(c) for s, c in sorted(by_source.items())},
+        # turns: all: ok rows per turn (0 = first user turn) and why conversations stopped early.
+        "turns": {"ok_by_turn": value_counts(data.column("turn")) if data.num_rows else {},
+                  "stopped_by_reason": value_counts(stopped.column("reason")) if stopped.num_rows else {}},
         "tokens": {
             "prompt": stats(col("num_prompt_tokens")) if data.num_rows else stats(
                 prompts.column("num_prompt_tokens").to_numpy(zero_copy_only=False)),
@@ -202,6 +214,7 @@ def to_html(report: dict, figures: dict[str, bytes]) -> str:
         f"<h2>Counts</h2>{table(report['counts'], ('', 'rows'))}"
         f"<h2>Tokens</h2>{table(report['tokens'], ('', 'statistics'))}"
         f"<h2>By source</h2>{table(report['by_source'], ('source', 'rows'))}"
+        f"<h2>Turns</h2>{table(report['turns'], ('', 'rows'))}"
         f"<h2>Plots</h2>{images}"
     )
 

@@ -169,6 +169,12 @@ def test_each_turn_is_asked_with_the_targets_own_answers(ray_local, tmp_path, mo
     problems, counts = verify(str(out))
     assert problems == [] and counts["ok"] == result["generate"]["ok"]
     assert result["generate"]["stopped"] == len(checked["stopped"])
+    report = json.loads((out / "report.json").read_text())["turns"]
+    turns = [d["turn"] for d in read(out, "data")]
+    assert report["ok_by_turn"] == {str(t): turns.count(t) for t in sorted(set(turns))}
+    assert set(report["ok_by_turn"]) == {"0", "1", "2"}
+    reasons = [s["reason"] for s in checked["stopped"].values()]
+    assert report["stopped_by_reason"] == {r: reasons.count(r) for r in sorted(set(reasons))}
 
     # Rerunning finds every turn done or stopped: nothing is asked again.
     files = {f.name for f in shards(out, "data")}
