@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -14,15 +14,42 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
 
+class PerSourceConfig(_Section):
+    """Source-balanced sampling (see eagle_data/source.py `source_quotas`)."""
+
+    max_rows: int | None = Field(default=None, ge=1, description="cap on the rows of each source")
+    # Share of source.sample per source; "*" = every source not listed. A source with no
+    # weight (and no "*") gets nothing. Absent = equal weights.
+    weights: dict[str, Annotated[float, Field(ge=0, allow_inf_nan=False)]] | None = None
+
+
 class SourceConfig(_Section):
     dataset: str = "mlabonne/open-perfectblend"
     split: str = "train"
     sample: int | None = Field(default=None, ge=1, description="rows to select; null = all")
     seed: int = 0
+    per_source: PerSourceConfig | None = None  # null = one sample over all sources
+
+    @model_validator(mode="after")
+    def _check_per_source(self) -> "SourceConfig":
+        per_source = self.per_source
+        if per_source is None:
+            return self
+        if self.sample is None and per_source.weights is not None:
+            raise ValueError("source.per_source.weights shares out source.sample, which is null: "
+                             "set source.sample, or use source.per_source.max_rows alone")
+        if self.sample is None and per_source.max_rows is None:
+            raise ValueError("source.per_source needs source.sample or source.per_source.max_rows")
+        if per_source.weights is not None and not any(w > 0 for w in per_source.weights.values()):
+            raise ValueError("source.per_source.weights gives no source a positive weight")
+        return self
 
 
 class PromptConfig(_Section):
-    turns: Literal["first_user"] = "first_user"
+    # first_user: one answer per row, to the first user turn. all: every user turn is
+    # answered in order, each conditioned on the target's own earlier answers.
+    turns: Literal["first_user", "all"] = "first_user"
+    max_turns: int | None = Field(default=None, ge=1, description="turns: all: answer at most this many user turns")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -95,6 +122,8 @@ class Config(_Section):
             )
         if self.model.reasoning_start == self.model.reasoning_end:
             raise ValueError("model.reasoning_start and model.reasoning_end must differ")
+        if self.prompt.max_turns is not None and self.prompt.turns != "all":
+            raise ValueError("prompt.max_turns needs prompt.turns=all")
         if self.engine.backend == "transformers" and self.engine.tensor_parallel_size != 1:
             raise ValueError("engine.tensor_parallel_size > 1 needs engine.backend=vllm")
         return self

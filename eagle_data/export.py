@@ -41,7 +41,8 @@ def specforge_row(r: dict) -> dict:
     assistant = {"role": "assistant", "content": r["response"]}
     if r["reasoning"]:
         assistant["reasoning_content"] = r["reasoning"]
-    return {"id": r["sample_id"], "conversations": [*r["messages"], assistant]}
+    history = [{k: v for k, v in m.items() if v is not None} for m in r["messages"]]
+    return {"id": r["sample_id"], "conversations": [*history, assistant]}
 
 
 def speculators_row(r: dict) -> dict:

@@ -2,29 +2,31 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import ray
+from ray.data.expressions import col, lit
 
 from eagle_data import manifest as mf
 from eagle_data.config import Config, SamplingConfig
 from eagle_data.engines import apply_engine
 from eagle_data.model_files import generation_eos_ids, load_tokenizer, special_tokens
 from eagle_data.output import Output, new_run_id
-from eagle_data.postprocess import DATA_SCHEMA, OUT_SCHEMA, Postprocessor
+from eagle_data.postprocess import DATA_SCHEMA, IDS, OUT_SCHEMA, Postprocessor
 from eagle_data.progress import Progress
 from eagle_data.queues import bound_queues, read_prompts
 from eagle_data.report import write_report
 from eagle_data.resume import SampleStatus
-from eagle_data.sink import shard_files
+from eagle_data.sink import ShardWriter, shard_files
+from eagle_data.turns import PREVIOUS_COLUMNS, STOPPED_SCHEMA, TurnBuilder, next_user_texts, turn_sample_ids
 
 log = logging.getLogger("eagle_data")
 
-FAILED_SCHEMA = pa.schema([OUT_SCHEMA.field("sample_id"), OUT_SCHEMA.field("source"),
-                           OUT_SCHEMA.field("error"), pa.field("run_id", pa.string())])
+FAILED_SCHEMA = pa.schema([OUT_SCHEMA.field(n) for n in (*IDS, "error")]).append(pa.field("run_id", pa.string()))
 PROMPT_COLUMNS = ["sample_id", "source", "messages", "tokenized_prompt"]
 
 
@@ -46,6 +48,50 @@ def requests(batch: pa.Table, finished: ray.ObjectRef, sampling: dict, stop_ids:
     return batch.append_column("sampling_params", pa.array(params))
 
 
+def turn_requests(cfg: Config, out: Output, turn: int, finished: ray.ObjectRef,
+                  stopped: ShardWriter, run_id: str) -> ray.data.Dataset | None:
+    """The prompts of turn `turn`, or None when no conversation has one. Turns that cannot
+    be asked (the conversation stops there) are written to stopped/ here."""
+    if turn == 0:
+        ds = read_prompts(shard_files(out.fs, out.folder("prompts")), out.fs, PROMPT_COLUMNS)
+        return ds.map_batches(first_turn, batch_format="pyarrow", fn_kwargs={"policy": cfg.prompt.turns})
+    users = next_user_texts(out.fs, out.folder("prompts"), turn)
+    previous = shard_files(out.fs, out.folder("data"))
+    if not users.num_rows or not previous:
+        return None
+    ds = ray.data.read_parquet(previous, filesystem=out.fs).select_columns(PREVIOUS_COLUMNS)
+    ds = ds.filter(expr=col("turn") == lit(turn - 1))
+    ds = ds.map_batches(TurnBuilder(
+        tokenizer_path=cfg.model.tokenizer_path, trust_remote_code=cfg.model.trust_remote_code,
+        chat_template_kwargs=cfg.prompt.chat_template_kwargs,
+        max_prompt_tokens=cfg.engine.max_model_len - cfg.sampling.max_tokens,
+        turn=turn, next_users=ray.put(users), finished=finished,
+    ), batch_format="pyarrow")
+    # Rendering runs twice (here for the stops, then for the engine): cheap next to generating.
+    for batch in ds.map_batches(rows_where, fn_kwargs={"stopped": True}, batch_format="pyarrow").iter_batches(
+            batch_format="pyarrow", batch_size=None):
+        stopped.add(with_run_id(batch, run_id))
+    return ds.map_batches(rows_where, fn_kwargs={"stopped": False}, batch_format="pyarrow")
+
+
+def first_turn(batch: pa.Table, policy: str) -> pa.Table:
+    """prompts/ rows (one per conversation) -> turn 0's rows."""
+    conversation_ids = batch.column("sample_id")
+    if policy == "all":
+        batch = batch.set_column(0, "sample_id", turn_sample_ids(conversation_ids, 0))
+    return (batch.append_column("conversation_id", conversation_ids)
+            .append_column("turn", pa.array([0] * batch.num_rows, pa.int32())))
+
+
+def rows_where(batch: pa.Table, stopped: bool) -> pa.Table:
+    ok = pc.equal(batch.column("reason"), "")
+    return batch.filter(pc.invert(ok) if stopped else ok)
+
+
+def with_run_id(batch: pa.Table, run_id: str) -> pa.Table:
+    return batch.append_column("run_id", pa.array([run_id] * batch.num_rows, pa.string()))
+
+
 def engine_sampling(s: SamplingConfig) -> dict:
     return {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed}
 
@@ -62,7 +108,8 @@ def run_generate(cfg: Config, out: Output, engine=None) -> dict:
     if special.reasoning_end_id is None:
         log.warning("%r is not one token of this tokenizer: every generated token counts as response",
                     cfg.model.reasoning_end)
-    total = out.manifest.phase("prompts")["counts"]["prompts"]
+    prompt_counts = out.manifest.phase("prompts")["counts"]
+    total = prompt_counts["user_turns"]  # turns to answer (= prompts under first_user)
     before = SampleStatus.read(out.fs, out.root, cfg.output.max_attempts)
     finished = before.finished()
     run_id = new_run_id()
@@ -74,48 +121,58 @@ def run_generate(cfg: Config, out: Output, engine=None) -> dict:
                 "todo": total - len(finished)}
     phase.setdefault("runs", []).append(run_info)
     out.manifest.save()
-    log.info("generate: %d prompts, %d already done, %d to do", total, len(finished), run_info["todo"])
-
-    ds = read_prompts(shard_files(out.fs, out.folder("prompts")), out.fs, PROMPT_COLUMNS)
-    ds = ds.map_batches(requests, batch_format="pyarrow", fn_kwargs=dict(
-        finished=ray.put(pa.array(sorted(finished), pa.string())),
-        sampling=engine_sampling(cfg.sampling), stop_ids=list(special.eos_ids),
-    ))
-    # One engine batch per block: an engine task's output reaches the driver (and a shard)
-    # when the task ends, so a block of 1,000 prompts would hold back 1,000 finished rows.
-    ds = ds.repartition(target_num_rows_per_block=cfg.engine.batch_size)
-    ds = engine(ds, cfg, special.pad_id)
-    ds = ds.map_batches(Postprocessor(
-        tokenizer_path=cfg.model.tokenizer_path, trust_remote_code=cfg.model.trust_remote_code,
-        eos_ids=special.eos_ids, reasoning_start_id=special.reasoning_start_id,
-        reasoning_end_id=special.reasoning_end_id, train_on=cfg.mask.train_on,
-    ), batch_format="pyarrow")
-    # Queued blocks live in the driver: at most the engine's in-flight batches between two steps.
-    bound_queues(ds, max_blocks=2 * cfg.engine.max_concurrent_batches * cfg.engine.replicas)
+    log.info("generate: %d turns to answer, %d already done, %d to do", total, len(finished), run_info["todo"])
 
     data = out.writer("data", DATA_SCHEMA, run_id, cfg, flush=True)
     failed = out.writer("failed", FAILED_SCHEMA, run_id, cfg, flush=True)
+    stopped = out.writer("stopped", STOPPED_SCHEMA, run_id, cfg, flush=True)
     progress = Progress(total=total, done_before=len(finished), todo=run_info["todo"],
-                           max_tokens=cfg.sampling.max_tokens, every_s=cfg.output.log_every_s,
-                           data_writer=data, failed_writer=failed)
+                        max_tokens=cfg.sampling.max_tokens, every_s=cfg.output.log_every_s,
+                        data_writer=data, failed_writer=failed)
+    finished_ref = ray.put(pa.array(sorted(finished), pa.string()))
     with progress:
-        for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
-            ok = pc.equal(batch.column("error"), "")
-            good = batch.filter(ok)
-            bad = batch.filter(pc.invert(ok))
-            data.add(good)
-            failed.add(bad.append_column("run_id", pa.array([run_id] * bad.num_rows, pa.string())))
-            progress.update(good)
-        data.close()
-        failed.close()
+        # One engine pass per turn depth (turns: all): turn d is asked once turn d-1's
+        # answers are published (eagle_data/turns.py). first_user has only turn 0.
+        for turn in itertools.count() if cfg.prompt.turns == "all" else [0]:
+            ds = turn_requests(cfg, out, turn, finished_ref, stopped, run_id)
+            if ds is None:
+                break
+            ds = ds.map_batches(requests, batch_format="pyarrow", fn_kwargs=dict(
+                finished=finished_ref, sampling=engine_sampling(cfg.sampling),
+                stop_ids=list(special.eos_ids),
+            ))
+            # One engine batch per block: an engine task's output reaches the driver (and a
+            # shard) when the task ends, so a block of 1,000 prompts would hold back 1,000
+            # finished rows.
+            ds = ds.repartition(target_num_rows_per_block=cfg.engine.batch_size)
+            ds = engine(ds, cfg, special.pad_id)
+            ds = ds.map_batches(Postprocessor(
+                tokenizer_path=cfg.model.tokenizer_path, trust_remote_code=cfg.model.trust_remote_code,
+                eos_ids=special.eos_ids, reasoning_start_id=special.reasoning_start_id,
+                reasoning_end_id=special.reasoning_end_id, train_on=cfg.mask.train_on,
+            ), batch_format="pyarrow")
+            # Queued blocks live in the driver: at most the engine's in-flight batches between two steps.
+            bound_queues(ds, max_blocks=2 * cfg.engine.max_concurrent_batches * cfg.engine.replicas)
+            for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+                ok = pc.equal(batch.column("error"), "")
+                good = batch.filter(ok)
+                bad = batch.filter(pc.invert(ok))
+                data.add(good)
+                failed.add(with_run_id(bad, run_id))
+                progress.update(good)
+            # Publish the rest now: the next turn's pass reads this one's answers.
+            for writer in (data, failed, stopped):
+                writer.close()
 
     after = SampleStatus.read(out.fs, out.root, cfg.output.max_attempts)
     counts = {
-        "prompts": total,
+        "prompts": prompt_counts["prompts"],
+        "user_turns": total,
         "ok": len(after.ok),
         "failed_final": len(after.given_up),
-        "pending_retry": total - len(after.ok) - len(after.given_up),
+        "pending_retry": len(after.retryable),
         "failed_rows": sum(after.failures.values()),
+        "stopped": len(after.stopped),  # conversations that stopped before their last turn
     }
     run_info.update(status="complete", finished_at=mf.now(), ok=data.written, failed=failed.written,
                     generated_tokens=progress.generated_tokens,

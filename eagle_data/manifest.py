@@ -73,7 +73,9 @@ class Manifest:
 def prompt_config(cfg: Config) -> dict:
     """The keys that decide prompts/ and skipped/, flattened for a readable diff."""
     return {
-        **{f"source.{k}": v for k, v in cfg.source.model_dump().items()},
+        # per_source only when set, so OUTs made before it existed still match.
+        **{f"source.{k}": v for k, v in cfg.source.model_dump().items()
+           if k != "per_source" or v is not None},
         **{f"prompt.{k}": v for k, v in cfg.prompt.model_dump().items()},
         "model.tokenizer": cfg.model.tokenizer_path,
         "model.reasoning_start": cfg.model.reasoning_start,

@@ -19,7 +19,7 @@ from eagle_data.sink import STAGING, ShardWriter, filesystem, shard_files
 
 log = logging.getLogger("eagle_data")
 
-FOLDERS = ("prompts", "skipped", "data", "failed")
+FOLDERS = ("prompts", "skipped", "data", "failed", "stopped")
 QUARANTINE = "quarantine"
 
 

@@ -16,12 +16,13 @@ from eagle_data.model_files import check_tokenizer_path, load_tokenizer
 from eagle_data.prompts import PROMPT_SCHEMA, PromptBuilder
 from eagle_data.report import write_report
 from eagle_data.output import Output, new_run_id
-from eagle_data.source import read_source, select_sample
+from eagle_data.source import read_source, select_rows
 
 log = logging.getLogger("eagle_data")
 
 PROMPTS_OUT = pa.schema([PROMPT_SCHEMA.field(n) for n in
-                         ("sample_id", "source", "messages", "tokenized_prompt", "num_prompt_tokens", "row_id")])
+                         ("sample_id", "source", "messages", "user_turns", "tokenized_prompt",
+                          "num_prompt_tokens", "row_id")])
 SKIPPED_OUT = pa.schema([PROMPT_SCHEMA.field(n) for n in
                          ("row_id", "sample_id", "source", "reason", "detail", "raw")])
 
@@ -43,13 +44,14 @@ def run_prompts(cfg: Config, out: Output) -> dict:
     out.manifest.data["versions"] = mf.library_versions()
     out.manifest.save()
 
-    ds = select_sample(read_source(cfg.source), cfg.source.sample, cfg.source.seed)
+    ds, per_source = select_rows(read_source(cfg.source), cfg.source)
     builder = PromptBuilder(
         tokenizer_path=cfg.model.tokenizer_path,
         trust_remote_code=cfg.model.trust_remote_code,
         chat_template_kwargs=cfg.prompt.chat_template_kwargs,
         max_prompt_tokens=cfg.engine.max_model_len - cfg.sampling.max_tokens,
         reasoning_markers=(cfg.model.reasoning_start, cfg.model.reasoning_end),
+        turns=cfg.prompt.turns, max_turns=cfg.prompt.max_turns,
     )
     ds = ds.map_batches(builder, batch_format="pyarrow", batch_size=256)
 
@@ -57,13 +59,14 @@ def run_prompts(cfg: Config, out: Output) -> dict:
     skipped = out.writer("skipped", SKIPPED_OUT, run_id, cfg, flush=False)
     seen: set[str] = set()  # sample_ids already in prompts/, for the duplicate check
     reasons: Counter = Counter()
-    tokens = 0
+    tokens = turns = 0
     for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
         good, bad = split_duplicates(batch, seen)
         prompts.add(good)
         skipped.add(bad)
         reasons.update(bad.column("reason").to_pylist())
         tokens += pc.sum(good.column("num_prompt_tokens")).as_py() or 0
+        turns += pc.sum(pc.list_value_length(good.column("user_turns"))).as_py() or 0
     prompts.close()
     skipped.close()
 
@@ -73,7 +76,10 @@ def run_prompts(cfg: Config, out: Output) -> dict:
         "skipped": skipped.written,
         "skipped_by_reason": dict(sorted(reasons.items())),
         "prompt_tokens": tokens,
+        "user_turns": turns,  # = prompts under turns: first_user
     }
+    if per_source is not None:  # source.per_source: rows available and quota per source
+        counts["sources"] = per_source
     phase.update(status="complete", finished_at=mf.now(), counts=counts)
     out.manifest.save()
     write_report(out)

@@ -2,8 +2,9 @@
 decoded text, finish reason, loss mask.
 
 Stage contract: takes the engine's columns (`prompt_token_ids`, `generated_tokens`,
-`__inference_error__`) + carried `sample_id`, `source`, `messages`; makes the `data/`
-columns plus `error` ("" for ok rows; failed rows keep only sample_id, source, error).
+`__inference_error__`) + carried `sample_id`, `conversation_id`, `turn`, `source`,
+`messages`; makes the `data/` columns plus `error` ("" for ok rows; failed rows keep only
+the ids, source and error).
 
 `input_ids = prompt_token_ids + generated_tokens`, nothing re-tokenized. The reasoning
 boundary is the end-of-reasoning token id (looked up from the tokenizer by its string):
@@ -18,11 +19,16 @@ import numpy as np
 import pyarrow as pa
 
 from eagle_data.model_files import load_tokenizer
+from eagle_data.prompts import MESSAGE_TYPE
 
 DATA_SCHEMA = pa.schema([
     ("sample_id", pa.string()),
+    # The conversation and which of its user turns this row answers (0 = the first);
+    # under turns: first_user, conversation_id = sample_id and turn = 0.
+    ("conversation_id", pa.string()),
+    ("turn", pa.int32()),
     ("source", pa.string()),
-    ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+    ("messages", MESSAGE_TYPE),
     ("reasoning", pa.string()),
     ("response", pa.string()),
     ("input_ids", pa.list_(pa.int32())),
@@ -33,6 +39,7 @@ DATA_SCHEMA = pa.schema([
     ("finish_reason", pa.string()),
 ])
 OUT_SCHEMA = DATA_SCHEMA.append(pa.field("error", pa.string()))
+IDS = ("sample_id", "conversation_id", "turn", "source")  # carried by every row
 
 
 def reasoning_split(prompt: np.ndarray, generated: np.ndarray,
@@ -91,8 +98,7 @@ class Postprocessor:
         if failed_idx:
             failed = batch.take(failed_idx)
             parts.append(pa.table({
-                "sample_id": failed.column("sample_id"),
-                "source": failed.column("source"),
+                **{c: failed.column(c) for c in IDS},
                 "error": failed.column("__inference_error__"),
             }))
         if not parts:
@@ -149,8 +155,7 @@ class Postprocessor:
 
         offsets = pa.array(out_off.astype(np.int32))
         return pa.table({
-            "sample_id": batch.column("sample_id"),
-            "source": batch.column("source"),
+            **{c: batch.column(c) for c in IDS},
             "messages": batch.column("messages"),
             "reasoning": pa.array(reasoning, pa.string()),
             "response": pa.array(response, pa.string()),

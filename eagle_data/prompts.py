@@ -1,7 +1,9 @@
 """Rows -> chat messages -> validated, tokenized prompts (a `map_batches` stage).
 
-Stage contract: takes `row_id`, `source`, `raw`; makes `sample_id`, `messages`,
-`tokenized_prompt`, `num_prompt_tokens`, `reason` ("" when the row is usable) and `detail`.
+Stage contract: takes `row_id`, `source`, `raw`; makes `sample_id`, `messages` (the first
+turn's prompt), `user_turns` (the user texts the target answers: one, or all of them under
+`prompt.turns: all`), `tokenized_prompt`, `num_prompt_tokens`, `reason` ("" when the row is
+usable) and `detail`.
 A row that cannot become a prompt is never an exception: it gets a reason.
 """
 
@@ -25,12 +27,16 @@ ROLES = {
     "model": "assistant",
 }
 
-MESSAGE_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+# `reasoning_content` is set only on the target's own earlier answers (turns: all), the
+# field OpenAI-style clients and chat templates (Qwen3, Kimi) use for an answer's reasoning.
+MESSAGE_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string()),
+                                   ("reasoning_content", pa.string())]))
 PROMPT_SCHEMA = pa.schema([
     ("row_id", pa.string()),
     ("sample_id", pa.string()),
     ("source", pa.string()),
     ("messages", MESSAGE_TYPE),
+    ("user_turns", pa.list_(pa.string())),
     ("tokenized_prompt", pa.list_(pa.int32())),
     ("num_prompt_tokens", pa.int32()),
     ("reason", pa.string()),
@@ -97,10 +103,47 @@ def first_user_messages(turns: list[dict]) -> list[dict]:
     return messages
 
 
+def conversation_messages(turns: list[dict]) -> tuple[list[dict], list[str]]:
+    """Turn policy `all`: (the first turn's prompt messages, every user text in order). The
+    dataset's assistant turns are dropped: the target writes its own."""
+    messages = first_user_messages(turns)
+    users = [t["content"] for t in turns if t["role"] == "user"]
+    for i, text in enumerate(users):
+        if not text.strip():
+            raise Skip("empty", f"user turn {i} is empty")
+    return messages, users
+
+
 def sample_id_of(messages: list[dict]) -> str:
     """Content-derived and stable across runs and machines: a hash of the prompt messages."""
     text = json.dumps(messages, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def render_prompts(tokenizer, conversations: list[list[dict]], chat_template_kwargs: dict
+                   ) -> tuple[list[list[int] | None], list[str]]:
+    """Each conversation as the model sees it when it is to answer: rendered by the chat
+    template with the generation prompt, then tokenized. ([ids or None], [error or ""])."""
+    texts, errors = [], []
+    for messages in conversations:
+        try:
+            texts.append(tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, **chat_template_kwargs))
+            errors.append("")
+        except Exception as e:  # a chat template may raise on odd conversations
+            texts.append(None)
+            errors.append(f"{type(e).__name__}: {e}")
+    ok = [i for i, t in enumerate(texts) if t is not None]
+    ids: list[list[int] | None] = [None] * len(texts)
+    if ok:
+        # The template renders the special tokens itself: none added on top.
+        for i, encoded in zip(ok, tokenizer([texts[i] for i in ok], add_special_tokens=False)["input_ids"]):
+            ids[i] = encoded
+    return ids, errors
+
+
+def too_long_detail(n_tokens: int, limit: int) -> str:
+    return f"{n_tokens} prompt tokens > {limit} (engine.max_model_len - sampling.max_tokens)"
 
 
 @dataclass(frozen=True)
@@ -112,51 +155,53 @@ class PromptBuilder:
     chat_template_kwargs: dict
     max_prompt_tokens: int  # engine.max_model_len - sampling.max_tokens
     reasoning_markers: tuple[str, ...]
+    turns: str = "first_user"  # prompt.turns
+    max_turns: int | None = None  # prompt.max_turns
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         tokenizer = load_tokenizer(self.tokenizer_path, self.trust_remote_code)
         control = control_token_pattern(
             self.tokenizer_path, self.trust_remote_code, self.reasoning_markers
         )
-        rows, texts = [], []
+        rows, conversations = [], []
         for row_id, source, raw in zip(*(batch.column(c).to_pylist() for c in ("row_id", "source", "raw"))):
             out = {"row_id": row_id, "source": source, "raw": raw, "sample_id": "",
-                   "messages": None, "reason": "", "detail": "", "tokenized_prompt": None}
-            text = None
+                   "messages": None, "user_turns": None, "reason": "", "detail": "",
+                   "tokenized_prompt": None}
             try:
-                messages = first_user_messages(parse_turns(raw))
-                for m in messages:
-                    found = control.search(m["content"])
+                turns = parse_turns(raw)
+                if self.turns == "all":
+                    messages, users = conversation_messages(turns)
+                    # The conversation is identified by everything the target is asked.
+                    identity = messages[:-1] + [{"role": "user", "content": u} for u in users]
+                else:
+                    messages = first_user_messages(turns)
+                    users, identity = [messages[-1]["content"]], messages
+                for role, content in [(m["role"], m["content"]) for m in messages] + [("user", u) for u in users]:
+                    found = control.search(content)
                     if found:
                         raise Skip("special_token_in_content",
-                                   f"{m['role']} text contains control token {found.group()!r}")
-                out["messages"] = messages
-                out["sample_id"] = sample_id_of(messages)
-                text = tokenizer.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=True,
-                    **self.chat_template_kwargs,
-                )
+                                   f"{role} text contains control token {found.group()!r}")
+                out["messages"], out["user_turns"] = messages, users[:self.max_turns]
+                out["sample_id"] = sample_id_of(identity)
             except Skip as s:
                 out["reason"], out["detail"] = s.reason, s.detail
-            except Exception as e:  # a chat template may raise on odd conversations
-                out["reason"], out["detail"] = "template_error", f"{type(e).__name__}: {e}"
             rows.append(out)
-            texts.append(text)
+            conversations.append(out["messages"])
 
-        ok = [i for i, t in enumerate(texts) if t is not None]
-        if ok:
-            # The template renders the special tokens itself: none added on top.
-            encoded = tokenizer([texts[i] for i in ok], add_special_tokens=False)["input_ids"]
-            for i, ids in zip(ok, encoded):
-                row = rows[i]
-                row["tokenized_prompt"] = ids
-                if len(ids) > self.max_prompt_tokens:
-                    row["reason"] = "prompt_too_long"
-                    row["detail"] = (f"{len(ids)} prompt tokens > {self.max_prompt_tokens} "
-                                     "(engine.max_model_len - sampling.max_tokens)")
+        ok = [i for i, m in enumerate(conversations) if m is not None]
+        encoded, errors = render_prompts(tokenizer, [conversations[i] for i in ok], self.chat_template_kwargs)
+        for i, ids, error in zip(ok, encoded, errors):
+            row = rows[i]
+            if error:
+                row["reason"], row["detail"] = "template_error", error
+                continue
+            row["tokenized_prompt"] = ids
+            if len(ids) > self.max_prompt_tokens:
+                row["reason"], row["detail"] = "prompt_too_long", too_long_detail(len(ids), self.max_prompt_tokens)
         for row in rows:
             ids = row["tokenized_prompt"]
             row["num_prompt_tokens"] = len(ids) if ids is not None else 0
             if row["reason"]:
-                row["tokenized_prompt"] = None
+                row["tokenized_prompt"] = row["user_turns"] = None
         return pa.Table.from_pylist(rows, schema=PROMPT_SCHEMA)

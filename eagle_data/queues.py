@@ -65,7 +65,7 @@ def read_prompts(files: list[str], fs: pafs.FileSystem, columns: list[str]) -> r
     before = os.environ.get(BIN_BYTES_ENV)
     os.environ[BIN_BYTES_ENV] = str(READ_TASK_BYTES)
     try:
-        return ray.data.read_parquet(files, filesystem=fs, columns=columns)
+        return ray.data.read_parquet(files, filesystem=fs).select_columns(columns)
     finally:
         if before is None:
             del os.environ[BIN_BYTES_ENV]

@@ -26,8 +26,10 @@ from eagle_data.sink import shard_files, write_json
 COLUMNS = {
     "prompts": ["source", "num_prompt_tokens"],
     "skipped": ["source", "reason"],
-    "data": ["sample_id", "source", "num_prompt_tokens", "num_reasoning_tokens", "num_response_tokens", "finish_reason"],
+    "data": ["sample_id", "turn", "source", "num_prompt_tokens", "num_reasoning_tokens", "num_response_tokens",
+             "finish_reason"],
     "failed": ["sample_id", "source"],
+    "stopped": ["turn", "reason"],
 }
 
 
@@ -76,6 +78,7 @@ def build_report(out: Output) -> dict:
     manifest = out.manifest.data
     prompts, skipped = read_columns(out, "prompts"), read_columns(out, "skipped")
     data, failed = read_columns(out, "data"), read_columns(out, "failed")
+    stopped = read_columns(out, "stopped")
     max_attempts = manifest.get("config", {}).get("output", {}).get("max_attempts", 1)
     progress = SampleStatus(set(data.column("sample_id").to_pylist()),
                         Counter(failed.column("sample_id").to_pylist()), max_attempts)
@@ -88,6 +91,10 @@ def build_report(out: Output) -> dict:
     failed_samples = no_ok.group_by("sample_id", use_threads=False).aggregate([("source", "last")])
     for source, n in value_counts(failed_samples.column("source_last")).items():
         by_source[source]["failed"] += n
+    quotas = manifest.get("phases", {}).get("prompts", {}).get("counts", {}).get("sources", {})
+    for source in set(by_source) | set(quotas):  # selected = prompts + skipped; per_source figures
+        by_source[source]["selected"] = by_source[source]["prompts"] + by_source[source]["skipped"]
+        by_source[source].update(quotas.get(source, {}))
 
     def col(name):
         return data.column(name).to_numpy(zero_copy_only=False).astype(np.int64)
@@ -109,6 +116,9 @@ def build_report(out: Output) -> dict:
         "skipped_by_reason": value_counts(skipped.column("reason")),
         "finish_reasons": value_counts(data.column("finish_reason")),
         "by_source": {s: dict(c) for s, c in sorted(by_source.items())},
+        # turns: all: ok rows per turn (0 = first user turn) and why conversations stopped early.
+        "turns": {"ok_by_turn": value_counts(data.column("turn")),
+                  "stopped_by_reason": value_counts(stopped.column("reason"))},
         "tokens": {
             "prompt": stats(col("num_prompt_tokens")) if data.num_rows else stats(
                 prompts.column("num_prompt_tokens").to_numpy(zero_copy_only=False)),
@@ -206,6 +216,7 @@ def to_html(report: dict, figures: dict[str, bytes]) -> str:
         f"<h2>Counts</h2>{table(report['counts'], ('', 'rows'))}"
         f"<h2>Tokens</h2>{table(report['tokens'], ('', 'statistics'))}"
         f"<h2>By source</h2>{table(report['by_source'], ('source', 'rows'))}"
+        f"<h2>Turns</h2>{table(report['turns'], ('', 'rows'))}"
         f"<h2>Plots</h2>{images}"
     )
 

@@ -23,11 +23,13 @@ class SampleStatus:
     ok: set[str]
     failures: Counter  # sample_id -> failed attempts so far
     max_attempts: int
+    stopped: set[str] = frozenset()  # turns not asked: the conversation stopped there
+
 
     @classmethod
     def read(cls, fs, out: str, max_attempts: int) -> "SampleStatus":
         return cls(set(sample_ids(fs, f"{out}/data")), Counter(sample_ids(fs, f"{out}/failed")),
-                   max_attempts)
+                   max_attempts, set(sample_ids(fs, f"{out}/stopped")))
 
     @property
     def given_up(self) -> set[str]:
@@ -35,4 +37,9 @@ class SampleStatus:
         return {s for s, n in self.failures.items() if n >= self.max_attempts and s not in self.ok}
 
     def finished(self) -> set[str]:
-        return self.ok | self.given_up
+        return self.ok | self.given_up | self.stopped
+
+    @property
+    def retryable(self) -> set[str]:
+        """Samples with no ok row that failed and have attempts left."""
+        return set(self.failures) - self.ok - self.given_up

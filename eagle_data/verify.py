@@ -1,12 +1,13 @@
 """`python -m eagle_data verify OUT`: check the invariants a finished or killed OUT must hold.
 
 - every shard in prompts/, skipped/, data/, failed/ reads completely;
-- sample_id is unique in prompts/ and in data/ (exactly-once);
-- data/ and failed/ hold only sample_ids of prompts/;
+- sample_id is unique in prompts/ and in data/ (exactly-once, per turn under turns: all);
+- data/, failed/ and stopped/ hold only conversations of prompts/;
 - every data/ row is consistent: len(loss_mask) == len(input_ids) ==
   num_prompt_tokens + num_reasoning_tokens + num_response_tokens, no loss on the prompt;
 - the prompts phase accounts for every selected row: prompts + skipped = selected;
-- after a finished generate run, every prompt is in data/ or failed/, so
+- after a finished generate run, every turn that could be asked (the first, and each one
+  after an ok turn) is in data/, failed/ or stopped/; under turns: first_user that means
   ok + failed + skipped = selected.
 """
 
@@ -20,6 +21,7 @@ import pyarrow.parquet as pq
 from eagle_data.output import FOLDERS, Output
 from eagle_data.resume import SampleStatus
 from eagle_data.sink import shard_files
+from eagle_data.turns import turn_sample_id
 
 DATA_CHECK_COLUMNS = ["sample_id", "input_ids", "loss_mask", "num_prompt_tokens",
                       "num_reasoning_tokens", "num_response_tokens"]
@@ -30,8 +32,10 @@ def verify(path: str) -> tuple[list[str], dict]:
     out = Output(path)
     problems: list[str] = []
     ids: dict[str, Counter] = {}
+    conversations: dict[str, set] = {}  # folder -> conversation_ids
+    num_turns: dict[str, int] = {}  # conversation_id -> user turns to answer
     for folder in FOLDERS:
-        ids[folder] = Counter()
+        ids[folder], conversations[folder] = Counter(), set()
         for f in shard_files(out.fs, out.folder(folder)):
             try:
                 table = pq.read_table(f, filesystem=out.fs)  # reads every page: integrity
@@ -39,6 +43,11 @@ def verify(path: str) -> tuple[list[str], dict]:
                 problems.append(f"{f}: unreadable shard ({type(e).__name__}: {e})")
                 continue
             ids[folder].update(table.column("sample_id").to_pylist())
+            if "conversation_id" in table.column_names:
+                conversations[folder].update(table.column("conversation_id").to_pylist())
+            if folder == "prompts":
+                num_turns.update(zip(table.column("sample_id").to_pylist(),
+                                     pc.list_value_length(table.column("user_turns")).to_pylist()))
             if folder == "data":
                 problems += _check_data_rows(f, table.select(DATA_CHECK_COLUMNS))
 
@@ -46,12 +55,13 @@ def verify(path: str) -> tuple[list[str], dict]:
     problems += [f"sample_id {s} appears {n} times in prompts/" for s, n in prompts.items() if n > 1]
     problems += [f"sample_id {s} appears {n} times in data/ (exactly-once broken)"
                  for s, n in ids["data"].items() if n > 1]
-    for folder in ("data", "failed"):
-        stray = set(ids[folder]) - set(prompts)
+    for folder in ("data", "failed", "stopped"):
+        stray = conversations[folder] - set(prompts)
         if stray:
-            problems.append(f"{len(stray)} sample_ids in {folder}/ are not in prompts/, e.g. {sorted(stray)[0]}")
+            problems.append(f"{len(stray)} conversations in {folder}/ are not in prompts/, e.g. {sorted(stray)[0]}")
 
     manifest = out.manifest.data
+    all_turns = manifest.get("config", {}).get("prompt", {}).get("turns") == "all"
     made = manifest.get("phases", {}).get("prompts", {})
     counts = {"prompts": sum(prompts.values()), "skipped": sum(ids["skipped"].values())}
     if made.get("status") == "complete":
@@ -66,21 +76,36 @@ def verify(path: str) -> tuple[list[str], dict]:
         problems.append(f"{out.root} has no manifest.json: not an eagle-data OUT")
 
     max_attempts = manifest.get("config", {}).get("output", {}).get("max_attempts", 1)
-    progress = SampleStatus(set(ids["data"]), ids["failed"], max_attempts)
+    progress = SampleStatus(set(ids["data"]), ids["failed"], max_attempts, set(ids["stopped"]))
     failed_only = set(ids["failed"]) - progress.ok
     counts.update(ok=len(progress.ok), failed=len(failed_only), failed_final=len(progress.given_up),
-                  failed_retryable=len(failed_only - progress.given_up))
+                  failed_retryable=len(failed_only - progress.given_up), stopped=len(progress.stopped))
     runs = manifest.get("phases", {}).get("generate", {}).get("runs", [])
     if runs and runs[-1].get("status") == "complete":
-        missing = set(prompts) - progress.ok - failed_only
+        missing = unanswered(num_turns, progress, all_turns)
         if missing:
-            problems.append(f"{len(missing)} prompts have neither a data/ nor a failed/ row after a "
-                            f"finished generate run, e.g. {sorted(missing)[0]}")
-        elif "selected" in counts and counts["ok"] + counts["failed"] + counts["skipped"] != counts["selected"]:
+            problems.append(f"{len(missing)} turns that could be asked have no data/, failed/ or stopped/ "
+                            f"row after a finished generate run, e.g. {sorted(missing)[0]}")
+        elif not all_turns and "selected" in counts and counts["ok"] + counts["failed"] + counts["skipped"] != counts["selected"]:
             problems.append(f"ok ({counts['ok']}) + failed ({counts['failed']}) + skipped "
                             f"({counts['skipped']}) != selected ({counts['selected']})")
     counts["generate_finished"] = bool(runs) and runs[-1].get("status") == "complete"
     return problems, counts
+
+
+def unanswered(num_turns: dict[str, int], progress: SampleStatus, all_turns: bool) -> set[str]:
+    """sample_ids of turns with no row: the first turn of every conversation, and each
+    later turn whose previous turn is ok."""
+    answered = progress.ok | set(progress.failures) | progress.stopped
+    missing = set()
+    for conversation, n in num_turns.items():
+        for turn in range(n if all_turns else 1):
+            if turn and turn_sample_id(conversation, turn - 1) not in progress.ok:
+                break
+            sample_id = turn_sample_id(conversation, turn) if all_turns else conversation
+            if sample_id not in answered:
+                missing.add(sample_id)
+    return missing
 
 
 def _check_data_rows(path: str, table) -> list[str]:

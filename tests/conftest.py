@@ -56,6 +56,45 @@ def build_tiny_model(tokenizer_dir: Path, dest: Path) -> Path:
     return dest
 
 
+def build_babbling_model(tokenizer_dir: Path, dest: Path, eos: list[str], probs: dict[str, float]) -> Path:
+    """A 2-layer Qwen3 whose next-token distribution is fixed, whatever the context: the
+    tokens in `probs` (word tokens, reasoning markers, `eos`) with those probabilities.
+    Sampled (temperature 1) it writes short answers that end with a stop token, which a
+    random-weight model almost never does; multi-turn tests need answers that finish.
+
+    How: every token embeds to the same vector and the layers' output projections are
+    zero, so the last hidden state is that vector for every position (ones after the final
+    RMSNorm); an untied lm_head row for token t is log p(t) + 20 spread over the hidden
+    size (0 for every other token, ~e^-20 of the mass in all)."""
+    import math
+
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.fill_(1.0)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.norm.weight.fill_(1.0)
+        model.lm_head.weight.zero_()
+        for token, p in probs.items():
+            [token_id] = tokenizer.encode(token, add_special_tokens=False)
+            model.lm_head.weight[token_id] = (20 + math.log(p)) / config.hidden_size
+    model.save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
+    eos_ids = tokenizer.convert_tokens_to_ids(eos)
+    GenerationConfig(eos_token_id=eos_ids, pad_token_id=eos_ids[-1]).save_pretrained(dest)
+    return dest
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory, qwen3_tokenizer_dir) -> Path:
     return build_tiny_model(qwen3_tokenizer_dir, tmp_path_factory.mktemp("model") / "tiny-qwen3")

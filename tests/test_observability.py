@@ -139,7 +139,8 @@ def test_render_marks_the_loss_boundary_of_reasoning(qwen3_tokenizer_dir):
     gen.append(tokenizer.eos_token_id)
     post = Postprocessor(str(qwen3_tokenizer_dir), False, special.eos_ids, special.reasoning_start_id,
                          special.reasoning_end_id, "response")
-    [row] = post(pa.Table.from_pylist([{"sample_id": "k", "source": "s", "messages": messages,
+    [row] = post(pa.Table.from_pylist([{"sample_id": "k", "conversation_id": "k", "turn": 0,
+                                        "source": "s", "messages": messages,
                                         "prompt_token_ids": prompt, "generated_tokens": gen,
                                         "__inference_error__": ""}])).to_pylist()
     plain = render_sample(row, tokenizer, colour=False)

@@ -139,37 +139,44 @@ def _rows(n):
             for i in range(n)]
 
 
-def test_sample_does_not_depend_on_files_blocks_or_order(ray_local, tmp_path):
-    rows = _rows(400)
-    one = write_jsonl(tmp_path / "one.jsonl", rows)
+def layouts(tmp_path, rows) -> dict[str, list[tuple[str, int | None]]]:
+    """The same rows laid out as differently split, ordered and blocked local files:
+    {format: [(source.dataset, repartition or None)]}. A row's row_id depends on the format
+    (a jsonl line vs a parquet row), so selections compare within a format."""
+    write_jsonl(tmp_path / "one.jsonl", rows)
     shuffled = rows[:]
     random.Random(7).shuffle(shuffled)
     parts = tmp_path / "parts"
     parts.mkdir()
     for k in range(5):
         write_jsonl(parts / f"p{k}.jsonl", shuffled[k::5])
-
-    def selected(ds):
-        return sorted(select_sample(ds, 50, seed=3).to_pandas()["row_id"])
-
-    cfg = make_cfg(tmp_path, "/unused", one).source
-    a = selected(read_source(cfg))
-    b = selected(read_source(cfg.model_copy(update={"dataset": str(parts)})))
-    c = selected(read_source(cfg.model_copy(update={"dataset": str(parts / "*.jsonl")})).repartition(13))
-    assert len(a) == 50 and a == b == c
-    # Another seed picks another sample.
-    assert sorted(select_sample(read_source(cfg), 50, seed=4).to_pandas()["row_id"]) != a
-
     # Parquet: one file with one row group vs three files with small row groups.
     table = pa.Table.from_pylist(rows)
     pq.write_table(table, tmp_path / "all.parquet")
     pdir = tmp_path / "pq"
     pdir.mkdir()
     for k in range(3):
-        pq.write_table(table.take(list(range(k, 400, 3))), pdir / f"{k}.parquet", row_group_size=17)
-    d = selected(read_source(cfg.model_copy(update={"dataset": str(tmp_path / "all.parquet")})))
-    e = selected(read_source(cfg.model_copy(update={"dataset": str(pdir)})))
-    assert len(d) == 50 and d == e
+        pq.write_table(table.take(list(range(k, len(rows), 3))), pdir / f"{k}.parquet", row_group_size=17)
+    return {"jsonl": [(str(tmp_path / "one.jsonl"), None), (str(parts), None), (str(parts / "*.jsonl"), 13)],
+            "parquet": [(str(tmp_path / "all.parquet"), None), (str(pdir), None)]}
+
+
+def read_layout(cfg, dataset, repartition):
+    ds = read_source(cfg.model_copy(update={"dataset": dataset}))
+    return ds.repartition(repartition) if repartition else ds
+
+
+def test_sample_does_not_depend_on_files_blocks_or_order(ray_local, tmp_path):
+    cfg = make_cfg(tmp_path, "/unused", "/unused").source
+
+    def selected(layout, seed=3):
+        return sorted(select_sample(read_layout(cfg, *layout), 50, seed=seed).to_pandas()["row_id"])
+
+    for variants in layouts(tmp_path, _rows(400)).values():
+        first, *others = [selected(v) for v in variants]
+        assert len(first) == 50 and all(o == first for o in others)
+    # Another seed picks another sample.
+    assert selected(variants[0], seed=4) != first
 
 
 def test_parquet_in_open_perfectblend_schema(ray_local, tmp_path, qwen3_tokenizer_dir):
@@ -179,7 +186,7 @@ def test_parquet_in_open_perfectblend_schema(ray_local, tmp_path, qwen3_tokenize
     cfg = make_cfg(tmp_path, qwen3_tokenizer_dir, tmp_path / "train-00000-of-00001.parquet",
                    "source.sample=10")
     counts = run(cfg, phase="prompts")["prompts"]
-    assert counts == {"selected": 10, "prompts": 10, "skipped": 0, "skipped_by_reason": {},
+    assert counts == {"selected": 10, "prompts": 10, "skipped": 0, "skipped_by_reason": {}, "user_turns": 10,
                       "prompt_tokens": counts["prompt_tokens"]}
     prompts = read_rows(tmp_path / "out", "prompts")
     assert {p["source"] for p in prompts} <= {"src0", "src1", "src2"}

@@ -1,0 +1,129 @@
+"""Turn policy `all`: every user turn answered by the target, conditioned on its own answers.
+
+The generate phase makes one engine pass per turn depth (eagle_data/generate.py). The
+pass for turn d starts from the published data/ rows of turn d-1: each row's prompt
+messages, plus the target's answer to them, plus the conversation's next user text, make
+turn d's conversation, which the chat template renders as a chat client would send it back
+at inference: the answer as `content` and its reasoning as `reasoning_content` (the field
+OpenAI-style servers hand reasoning out in); the template keeps or drops earlier reasoning
+as it does at inference. The answer text is the decoded generated tokens, so a later
+turn sees the earlier answer re-tokenized, exactly as a served model would.
+
+Stage contract (TurnBuilder): takes data/ rows of turn d-1 (`conversation_id`, `source`,
+`messages`, `reasoning`, `response`, `finish_reason`); makes `sample_id`,
+`conversation_id`, `turn`, `source`, `messages`, `tokenized_prompt` and `reason`/`detail`
+for turns that cannot be asked: the conversation stops there, recorded in stopped/.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as pads
+import ray
+
+from eagle_data.model_files import load_tokenizer
+from eagle_data.prompts import MESSAGE_TYPE, render_prompts, too_long_detail
+from eagle_data.sink import shard_files
+
+TURN_SCHEMA = pa.schema([
+    ("sample_id", pa.string()), ("conversation_id", pa.string()), ("turn", pa.int32()),
+    ("source", pa.string()), ("messages", MESSAGE_TYPE), ("tokenized_prompt", pa.list_(pa.int32())),
+    ("reason", pa.string()), ("detail", pa.string()),
+])
+STOPPED_SCHEMA = pa.schema([TURN_SCHEMA.field(n) for n in
+                            ("sample_id", "conversation_id", "turn", "source", "reason", "detail")]
+                           ).append(pa.field("run_id", pa.string()))
+PREVIOUS_COLUMNS = ["conversation_id", "turn", "source", "messages", "reasoning", "response", "finish_reason"]
+
+
+def turn_sample_id(conversation_id: str, turn: int) -> str:
+    """A turn's sample_id under turns: all."""
+    return f"{conversation_id}-{turn}"
+
+
+def turn_sample_ids(conversation_ids: pa.Array | pa.ChunkedArray, turn: int) -> pa.Array:
+    return pc.binary_join_element_wise(conversation_ids, pa.scalar(str(turn)), "-")
+
+
+def next_user_texts(fs, prompts_folder: str, turn: int) -> pa.Table:
+    """(conversation_id, user) for the conversations that have a user turn `turn`. Read
+    batch by batch: the driver holds only these texts, not every conversation's turns."""
+    parts = []
+    files = shard_files(fs, prompts_folder)
+    if files:
+        dataset = pads.dataset(files, filesystem=fs, format="parquet")
+        for batch in dataset.to_batches(columns=["sample_id", "user_turns"]):
+            has = pc.greater(pc.list_value_length(batch.column("user_turns")), turn)
+            batch = batch.filter(has)
+            parts.append(pa.table({"conversation_id": batch.column("sample_id"),
+                                   "user": pc.list_element(batch.column("user_turns"), turn)}))
+    if not parts:
+        return pa.table({"conversation_id": pa.array([], pa.string()), "user": pa.array([], pa.string())})
+    return pa.concat_tables(parts)
+
+
+def message(role: str, content: str, reasoning: str | None = None) -> dict:
+    m = {"role": role, "content": content}
+    if reasoning:
+        m["reasoning_content"] = reasoning
+    return m
+
+
+@dataclass(frozen=True)
+class TurnBuilder:
+    """Builds turn `turn`'s prompts from turn `turn - 1`'s data/ rows (see module docstring)."""
+
+    tokenizer_path: str
+    trust_remote_code: bool
+    chat_template_kwargs: dict
+    max_prompt_tokens: int  # engine.max_model_len - sampling.max_tokens
+    turn: int
+    next_users: ray.ObjectRef  # next_user_texts(..., turn), put once by the driver
+    finished: ray.ObjectRef  # sample_ids not to redo
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        users = ray.get(self.next_users)
+        where = pc.index_in(batch.column("conversation_id"), value_set=users.column("conversation_id"))
+        has_next = pc.is_valid(where)
+        batch, where = batch.filter(has_next), where.filter(has_next)
+        sample_ids = turn_sample_ids(batch.column("conversation_id"), self.turn)
+        todo = pc.invert(pc.is_in(sample_ids, value_set=ray.get(self.finished)))
+        batch, where, sample_ids = batch.filter(todo), where.filter(todo), sample_ids.filter(todo)
+        next_texts = users.column("user").take(where).to_pylist()
+
+        n = batch.num_rows
+        reasons, details = [""] * n, [""] * n
+        conversations: list[list[dict] | None] = []
+        previous = zip(*(batch.column(c).to_pylist()
+                         for c in ("messages", "reasoning", "response", "finish_reason")))
+        for i, (messages, reasoning, response, finish) in enumerate(previous):
+            if finish != "stop":
+                reasons[i] = "previous_answer_truncated"
+                details[i] = f"the answer to turn {self.turn - 1} ended with finish_reason {finish!r}"
+                conversations.append(None)
+                continue
+            conversations.append([
+                *(message(m["role"], m["content"], m.get("reasoning_content")) for m in messages),
+                message("assistant", response, reasoning),
+                message("user", next_texts[i]),
+            ])
+        ok = [i for i, c in enumerate(conversations) if c is not None]
+        tokenizer = load_tokenizer(self.tokenizer_path, self.trust_remote_code)
+        encoded, errors = render_prompts(tokenizer, [conversations[i] for i in ok], self.chat_template_kwargs)
+        prompts: list[list[int] | None] = [None] * n
+        for i, ids, error in zip(ok, encoded, errors):
+            if error:
+                reasons[i], details[i] = "template_error", error
+            elif len(ids) > self.max_prompt_tokens:
+                reasons[i], details[i] = "prompt_too_long", too_long_detail(len(ids), self.max_prompt_tokens)
+            else:
+                prompts[i] = ids
+        return pa.Table.from_arrays([
+            sample_ids, batch.column("conversation_id"), pa.array([self.turn] * n, pa.int32()),
+            batch.column("source"), pa.array(conversations, MESSAGE_TYPE),
+            pa.array(prompts, pa.list_(pa.int32())), pa.array(reasons, pa.string()),
+            pa.array(details, pa.string()),
+        ], schema=TURN_SCHEMA)

@@ -1,0 +1,258 @@
+"""prompt.turns: all on a real local Ray with real chat templates (Qwen3, DeepSeek-R1): each
+user turn is answered by the target, conditioned on its own earlier answers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+
+import pyarrow.dataset as pads
+import ray
+import pytest
+import yaml
+
+from conftest import REPO, build_babbling_model, write_jsonl
+from eagle_data.config import load_config
+from eagle_data.model_files import load_tokenizer
+from eagle_data.pipeline import run
+from eagle_data.verify import verify
+
+WORDS = [" the", " cat", " sat", " on", " mat", " and", " dog", " ran", "."]
+LONG = " ".join(["please explain everything about the history of tea"] * 40)
+
+
+@pytest.fixture(scope="session")
+def babbling_qwen3(tmp_path_factory, qwen3_tokenizer_dir):
+    probs = {**{w: 0.07 for w in WORDS}, "<think>": 0.05, "</think>": 0.1, "<|im_end|>": 0.22}
+    return build_babbling_model(qwen3_tokenizer_dir, tmp_path_factory.mktemp("model") / "babble-qwen3",
+                                ["<|im_end|>", "<|endoftext|>"], probs)
+
+
+@pytest.fixture(scope="session")
+def babbling_deepseek(tmp_path_factory, deepseek_r1_tokenizer_dir):
+    # The R1 template opens the reasoning in the prompt; the model closes it itself.
+    probs = {**{w: 0.08 for w in WORDS}, "</think>": 0.1, "<｜end▁of▁sentence｜>": 0.18}
+    return build_babbling_model(deepseek_r1_tokenizer_dir, tmp_path_factory.mktemp("model") / "babble-r1",
+                                ["<｜end▁of▁sentence｜>"], probs)
+
+
+def conversations() -> list[dict]:
+    """ShareGPT rows with 1-3 user turns; the dataset's own answers must never be used."""
+    rows = []
+    for i in range(8):
+        n = 1 + i % 3
+        turns = [{"from": "system", "value": "You are terse."}] if i % 4 == 0 else []
+        for t in range(n):
+            question = LONG if (i, t) == (5, 2) else f"question {t} of conversation {i}?"
+            turns += [{"from": "human", "value": question},
+                      {"from": "gpt", "value": f"DATASET ANSWER {i}.{t}"}]
+        rows.append({"conversations": turns, "source": f"src{i % 2}"})
+    return rows
+
+
+def settings(tmp_path, model_dir, rows, **extra) -> dict:
+    cfg = {
+        "source": {"dataset": str(write_jsonl(tmp_path / "chats.jsonl", rows))},
+        "prompt": {"turns": "all"},
+        "model": {"path": str(model_dir)},
+        # max_model_len - max_tokens = 232 prompt tokens: conversation 5's long third
+        # question does not fit, so that conversation stops at its second turn (or earlier,
+        # when an answer is cut off at max_tokens, which happens to ~0.3% of answers).
+        "engine": {"backend": "transformers", "batch_size": 4, "max_model_len": 256},
+        "sampling": {"max_tokens": 24, "temperature": 1.0, "top_p": 1.0},
+        "output": {"path": str(tmp_path / "out"), "rows_per_shard": 4},
+    }
+    for key, value in extra.items():
+        section, name = key.split("__")
+        cfg[section][name] = value
+    return cfg
+
+
+def as_config(cfg: dict):
+    return load_config(None, [f"{s}.{k}={json.dumps(v)}" for s, sec in cfg.items() for k, v in sec.items()])
+
+
+def shards(out, folder):
+    return sorted((out / folder).glob("*.parquet"))
+
+
+def read(out, folder):
+    files = shards(out, folder)
+    return pads.dataset(files).to_table().to_pylist() if files else []
+
+
+def expected_conversation(row: dict, answers: list[dict]) -> list[dict]:
+    """The conversation before turn len(answers), built from the dataset's user turns and the
+    target's published answers (as an OpenAI-style client sends them back)."""
+    turns = row["conversations"]
+    messages = [{"role": "system", "content": turns[0]["value"]}] if turns[0]["from"] == "system" else []
+    users = [t["value"] for t in turns if t["from"] == "human"]
+    for user, answer in zip(users, answers):
+        messages.append({"role": "user", "content": user})
+        assistant = {"role": "assistant", "content": answer["response"]}
+        if answer["reasoning"]:
+            assistant["reasoning_content"] = answer["reasoning"]
+        messages.append(assistant)
+    messages.append({"role": "user", "content": users[len(answers)]})
+    return messages
+
+
+def check_turns(out, rows: list[dict], tokenizer) -> dict:
+    """Every data/ row's prompt is the template's rendering of the conversation so far with
+    the target's own answers; its mask covers exactly the generated tokens; each
+    conversation continues until its turns run out or a recorded stop."""
+    prompts = {p["sample_id"]: p for p in read(out, "prompts")}
+    by_conversation = defaultdict(dict)
+    for d in read(out, "data"):
+        assert d["sample_id"] == f"{d['conversation_id']}-{d['turn']}"
+        assert d["turn"] not in by_conversation[d["conversation_id"]], "a turn answered twice"
+        by_conversation[d["conversation_id"]][d["turn"]] = d
+    stopped = {(s["conversation_id"], s["turn"]): s for s in read(out, "stopped")}
+    assert read(out, "failed") == []
+    # Map each conversation back to its dataset row through its first question.
+    row_of = {}
+    for row in rows:
+        first = next(t["value"] for t in row["conversations"] if t["from"] == "human")
+        matches = [c for c, p in prompts.items() if p["user_turns"][0] == first]
+        assert len(matches) == 1
+        row_of[matches[0]] = row
+    assert set(by_conversation) == set(prompts) == set(row_of)
+
+    seen_later_turns = 0
+    for conversation, turns in by_conversation.items():
+        row = row_of[conversation]
+        n_users = sum(t["from"] == "human" for t in row["conversations"])
+        assert prompts[conversation]["user_turns"] == [t["value"] for t in row["conversations"]
+                                                       if t["from"] == "human"]
+        answers = [turns[t] for t in range(len(turns))]  # turns are 0..k with no gap
+        for t, d in enumerate(answers):
+            messages = expected_conversation(row, answers[:t])
+            expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False)
+            n = d["num_prompt_tokens"]
+            assert d["input_ids"][:n] == expected, (conversation, t)
+            assert "DATASET ANSWER" not in tokenizer.decode(d["input_ids"])
+            generated = len(d["input_ids"]) - n
+            assert generated == d["num_reasoning_tokens"] + d["num_response_tokens"] > 0
+            assert d["loss_mask"] == [0] * n + [1] * generated
+            assert [m["role"] for m in d["messages"]] == [m["role"] for m in messages]
+            seen_later_turns += t > 0
+        last = len(answers) - 1
+        if last + 1 < n_users:  # the conversation stopped early: recorded, with its reason
+            stop = stopped[(conversation, last + 1)]
+            reason = "prompt_too_long" if answers[last]["finish_reason"] == "stop" else "previous_answer_truncated"
+            assert stop["reason"] == reason, stop
+        else:
+            assert not any(c == conversation for c, _ in stopped)
+    assert seen_later_turns >= 4
+    return {"conversations": len(by_conversation), "stopped": stopped}
+
+
+@pytest.mark.parametrize("model", ["babbling_qwen3", "babbling_deepseek"])
+def test_each_turn_is_asked_with_the_targets_own_answers(ray_local, tmp_path, model, request):
+    model_dir = request.getfixturevalue(model)
+    rows = conversations()
+    result = run(as_config(settings(tmp_path, model_dir, rows)))
+    out = tmp_path / "out"
+    tokenizer = load_tokenizer(str(model_dir))
+    checked = check_turns(out, rows, tokenizer)
+    assert checked["conversations"] == result["prompts"]["prompts"] == 8
+    assert result["prompts"]["user_turns"] == sum(1 + i % 3 for i in range(8))
+    # Conversation 5's third question is longer than the prompt budget.
+    long_conversation = next(p["sample_id"] for p in read(out, "prompts") if LONG in p["user_turns"])
+    assert any(c == long_conversation for c, _ in checked["stopped"])
+    problems, counts = verify(str(out))
+    assert problems == [] and counts["ok"] == result["generate"]["ok"]
+    assert result["generate"]["stopped"] == len(checked["stopped"])
+    report = json.loads((out / "report.json").read_text())["turns"]
+    turns = [d["turn"] for d in read(out, "data")]
+    assert report["ok_by_turn"] == {str(t): turns.count(t) for t in sorted(set(turns))}
+    assert set(report["ok_by_turn"]) == {"0", "1", "2"}
+    reasons = [s["reason"] for s in checked["stopped"].values()]
+    assert report["stopped_by_reason"] == {r: reasons.count(r) for r in sorted(set(reasons))}
+
+    # Rerunning finds every turn done or stopped: nothing is asked again.
+    files = {f.name for f in shards(out, "data")}
+    again = run(as_config(settings(tmp_path, model_dir, rows)))["generate"]
+    assert again == result["generate"] and {f.name for f in shards(out, "data")} == files
+
+
+def test_kill_between_turns_resumes_without_redoing_finished_turns(ray_local, tmp_path, babbling_qwen3):
+    """SIGKILL the driver once the second turn's answers start to arrive; the rerun asks
+    only the turns that had not been published."""
+    rows = conversations() + [
+        {"conversations": [{"from": "human", "value": f"extra {i}.{t}?"} for t in range(3)], "source": "more"}
+        for i in range(8)]
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump(settings(tmp_path, babbling_qwen3, rows,
+                                              engine__batch_size=1, output__rows_per_shard=1)))
+    out = tmp_path / "out"
+    env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
+    command = [sys.executable, "-m", "ray_jobs.generate", "--config", str(config)]
+
+    job = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not any(d["turn"] >= 1 for d in read(out, "data")) and job.poll() is None:
+        assert time.monotonic() < deadline, "no second-turn answer in time"
+        time.sleep(0.05)
+    assert job.poll() is None, "the job finished before it could be killed"
+    os.kill(job.pid, signal.SIGKILL)
+    job.wait()
+    before = {f.name: [d["sample_id"] for d in pads.dataset(f).to_table().to_pylist()] for f in shards(out, "data")}
+    done_before = {s for ids in before.values() for s in ids}
+    assert {s for s in done_before if s.endswith("-0")} == {f"{p['sample_id']}-0" for p in read(out, "prompts")}
+    assert not verify(str(out))[0]
+
+    assert subprocess.run(command, cwd=REPO, env=env, capture_output=True).returncode == 0
+    after = {f.name: [d["sample_id"] for d in pads.dataset(f).to_table().to_pylist()] for f in shards(out, "data")}
+    # What the killed run published is untouched, and the rerun asked none of it again.
+    assert {k: v for k, v in after.items() if k in before} == before
+    redone = {s for name, ids in after.items() if name not in before for s in ids} & done_before
+    assert redone == set()
+    check_turns(out, rows, load_tokenizer(str(babbling_qwen3)))
+    problems, counts = verify(str(out))
+    assert problems == []
+    manifest = json.loads((out / "manifest.json").read_text())
+    runs = manifest["phases"]["generate"]["runs"]
+    assert runs[-1]["status"] == "complete" and runs[-1]["ok"] == counts["ok"] - len(done_before)
+
+
+def test_turn_builder_stops_a_conversation_with_a_reason(ray_local, qwen3_tokenizer_dir):
+    """The stage alone, on hand-made turn-0 rows: a truncated answer and a prompt over budget
+    stop their conversations; a finished turn is not asked again; a conversation without
+    a next user turn drops out."""
+    import pyarrow as pa
+
+    from eagle_data.turns import TurnBuilder
+
+    def previous(conversation, finish, response="ok"):
+        return {"conversation_id": conversation, "turn": 0, "source": "s", "finish_reason": finish,
+                "messages": [{"role": "user", "content": "hi", "reasoning_content": None}],
+                "reasoning": "thinking", "response": response}
+
+    batch = pa.Table.from_pylist([previous("short", "stop"), previous("cut", "length"),
+                                  previous("long", "stop"), previous("done", "stop"), previous("last", "stop")])
+    users = pa.table({"conversation_id": ["short", "cut", "long", "done"],
+                      "user": ["and then?", "and then?", LONG, "and then?"]})
+    build = TurnBuilder(str(qwen3_tokenizer_dir), False, {}, max_prompt_tokens=100, turn=1,
+                        next_users=ray.put(users), finished=ray.put(pa.array(["done-1"])))
+    rows = {r["conversation_id"]: r for r in build(batch).to_pylist()}
+    assert set(rows) == {"short", "cut", "long"}
+    assert rows["cut"]["reason"] == "previous_answer_truncated" and rows["cut"]["tokenized_prompt"] is None
+    assert rows["long"]["reason"] == "prompt_too_long" and rows["long"]["tokenized_prompt"] is None
+    short = rows["short"]
+    assert short["reason"] == "" and short["sample_id"] == "short-1" and short["turn"] == 1
+    assert [(m["role"], m["content"], m["reasoning_content"]) for m in short["messages"]] == [
+        ("user", "hi", None), ("assistant", "ok", "thinking"), ("user", "and then?", None)]
+    tokenizer = load_tokenizer(str(qwen3_tokenizer_dir))
+    expected = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok", "reasoning_content": "thinking"},
+         {"role": "user", "content": "and then?"}], add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert short["tokenized_prompt"] == expected
+    # Qwen3's template drops the reasoning of earlier answers, as it does when serving.
+    assert "thinking" not in tokenizer.decode(expected)
