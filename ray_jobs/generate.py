@@ -49,9 +49,12 @@ def summary(out: str, result: dict) -> str:
         lines.append(f"  skipped/  {p['skipped']} rows ({reasons})")
     if "generate" in result:
         g = result["generate"]
-        lines.append(f"  data/     {g['ok']} ok samples")
+        turns = f" of {g['user_turns']} user turns" if g["user_turns"] != g["prompts"] else ""
+        lines.append(f"  data/     {g['ok']} ok samples{turns}")
         lines.append(f"  failed/   {g['failed_rows']} failed attempts; {g['failed_final']} samples gave up, "
                      f"{g['pending_retry']} to retry (rerun the same command)")
+        if g["stopped"]:
+            lines.append(f"  stopped/  {g['stopped']} conversations stopped before their last turn")
         example = first_sample(out)
         if example:
             lines.append(f"  example:  Q: {example['messages'][-1]['content'][:200]!r}")
