@@ -120,46 +120,51 @@ def sample_id_of(messages: list[dict]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
-def render_prompts(tokenizer, conversations: list[list[dict]], chat_template_kwargs: dict
-                   ) -> tuple[list[list[int] | None], list[str]]:
-    """Each conversation as the model sees it when it is to answer: rendered by the chat
-    template with the generation prompt, then tokenized. ([ids or None], [error or ""])."""
-    texts, errors = [], []
-    for messages in conversations:
-        try:
-            texts.append(tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **chat_template_kwargs))
-            errors.append("")
-        except Exception as e:  # a chat template may raise on odd conversations
-            texts.append(None)
-            errors.append(f"{type(e).__name__}: {e}")
-    ok = [i for i, t in enumerate(texts) if t is not None]
-    ids: list[list[int] | None] = [None] * len(texts)
-    if ok:
-        # The template renders the special tokens itself: none added on top.
-        for i, encoded in zip(ok, tokenizer([texts[i] for i in ok], add_special_tokens=False)["input_ids"]):
-            ids[i] = encoded
-    return ids, errors
-
-
-def too_long_detail(n_tokens: int, limit: int) -> str:
-    return f"{n_tokens} prompt tokens > {limit} (engine.max_model_len - sampling.max_tokens)"
-
-
 @dataclass(frozen=True)
-class PromptBuilder:
-    """The prompts stage; the tokenizer is loaded once per worker process (cached)."""
+class PromptRenderer:
+    """Renders conversations as the model sees them when it is to answer: the chat template
+    with the generation prompt, tokenized. Shared by the prompts stage and the later-turn
+    stage (turns.py); the tokenizer is loaded once per worker process (cached)."""
 
     tokenizer_path: str
     trust_remote_code: bool
     chat_template_kwargs: dict
     max_prompt_tokens: int  # engine.max_model_len - sampling.max_tokens
-    reasoning_markers: tuple[str, ...]
+
+    def render(self, conversations: list[list[dict]]) -> list[tuple[list[int] | None, str, str]]:
+        """(ids, reason, detail) per conversation: reason "" when usable, `template_error`
+        (ids None) or `prompt_too_long` (ids kept, for the count)."""
+        tokenizer = load_tokenizer(self.tokenizer_path, self.trust_remote_code)
+        texts, results = [], []
+        for messages in conversations:
+            try:
+                texts.append(tokenizer.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=True, **self.chat_template_kwargs))
+            except Exception as e:  # a chat template may raise on odd conversations
+                texts.append(None)
+                results.append((None, "template_error", f"{type(e).__name__}: {e}"))
+                continue
+            results.append(None)
+        ok = [i for i, t in enumerate(texts) if t is not None]
+        # The template renders the special tokens itself: none added on top.
+        encoded = tokenizer([texts[i] for i in ok], add_special_tokens=False)["input_ids"] if ok else []
+        for i, ids in zip(ok, encoded):
+            results[i] = (ids, "", "")
+            if len(ids) > self.max_prompt_tokens:
+                results[i] = (ids, "prompt_too_long", f"{len(ids)} prompt tokens > {self.max_prompt_tokens} "
+                                                      "(engine.max_model_len - sampling.max_tokens)")
+        return results
+
+
+@dataclass(frozen=True)
+class PromptBuilder(PromptRenderer):
+    """The prompts stage."""
+
+    reasoning_markers: tuple[str, ...] = ()
     turns: str = "first_user"  # prompt.turns
     max_turns: int | None = None  # prompt.max_turns
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        tokenizer = load_tokenizer(self.tokenizer_path, self.trust_remote_code)
         control = control_token_pattern(
             self.tokenizer_path, self.trust_remote_code, self.reasoning_markers
         )
@@ -190,15 +195,8 @@ class PromptBuilder:
             conversations.append(out["messages"])
 
         ok = [i for i, m in enumerate(conversations) if m is not None]
-        encoded, errors = render_prompts(tokenizer, [conversations[i] for i in ok], self.chat_template_kwargs)
-        for i, ids, error in zip(ok, encoded, errors):
-            row = rows[i]
-            if error:
-                row["reason"], row["detail"] = "template_error", error
-                continue
-            row["tokenized_prompt"] = ids
-            if len(ids) > self.max_prompt_tokens:
-                row["reason"], row["detail"] = "prompt_too_long", too_long_detail(len(ids), self.max_prompt_tokens)
+        for i, (ids, reason, detail) in zip(ok, self.render([conversations[i] for i in ok])):
+            rows[i].update(tokenized_prompt=ids, reason=reason, detail=detail)
         for row in rows:
             ids = row["tokenized_prompt"]
             row["num_prompt_tokens"] = len(ids) if ids is not None else 0

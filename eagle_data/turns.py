@@ -24,8 +24,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import ray
 
-from eagle_data.model_files import load_tokenizer
-from eagle_data.prompts import MESSAGE_TYPE, render_prompts, too_long_detail
+from eagle_data.prompts import MESSAGE_TYPE, PromptRenderer
 from eagle_data.sink import shard_files
 
 TURN_SCHEMA = pa.schema([
@@ -73,16 +72,12 @@ def message(role: str, content: str, reasoning: str | None = None) -> dict:
 
 
 @dataclass(frozen=True)
-class TurnBuilder:
+class TurnBuilder(PromptRenderer):
     """Builds turn `turn`'s prompts from turn `turn - 1`'s data/ rows (see module docstring)."""
 
-    tokenizer_path: str
-    trust_remote_code: bool
-    chat_template_kwargs: dict
-    max_prompt_tokens: int  # engine.max_model_len - sampling.max_tokens
-    turn: int
-    next_users: ray.ObjectRef  # next_user_texts(..., turn), put once by the driver
-    finished: ray.ObjectRef  # sample_ids not to redo
+    turn: int = 1
+    next_users: ray.ObjectRef | None = None  # next_user_texts(..., turn), put once by the driver
+    finished: ray.ObjectRef | None = None  # sample_ids not to redo
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         users = ray.get(self.next_users)
@@ -111,16 +106,10 @@ class TurnBuilder:
                 message("user", next_texts[i]),
             ])
         ok = [i for i, c in enumerate(conversations) if c is not None]
-        tokenizer = load_tokenizer(self.tokenizer_path, self.trust_remote_code)
-        encoded, errors = render_prompts(tokenizer, [conversations[i] for i in ok], self.chat_template_kwargs)
         prompts: list[list[int] | None] = [None] * n
-        for i, ids, error in zip(ok, encoded, errors):
-            if error:
-                reasons[i], details[i] = "template_error", error
-            elif len(ids) > self.max_prompt_tokens:
-                reasons[i], details[i] = "prompt_too_long", too_long_detail(len(ids), self.max_prompt_tokens)
-            else:
-                prompts[i] = ids
+        for i, (ids, reason, detail) in zip(ok, self.render([conversations[i] for i in ok])):
+            prompts[i] = None if reason else ids
+            reasons[i], details[i] = reason, detail
         return pa.Table.from_arrays([
             sample_ids, batch.column("conversation_id"), pa.array([self.turn] * n, pa.int32()),
             batch.column("source"), pa.array(conversations, MESSAGE_TYPE),

@@ -116,3 +116,29 @@ def write_jsonl(path: Path, rows: list) -> Path:
         for row in rows:
             f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
     return path
+
+
+def shards(out: Path, folder: str) -> list[Path]:
+    return sorted((out / folder).glob("*.parquet"))
+
+
+def read(out: Path, folder: str) -> list[dict]:
+    """Every row of an OUT folder's published shards."""
+    import pyarrow.dataset as pads
+
+    files = shards(out, folder)
+    return pads.dataset(files).to_table().to_pylist() if files else []
+
+
+def with_overrides(cfg: dict, extra: dict) -> dict:
+    """`section__key=value` keyword overrides of a config dict."""
+    for key, value in extra.items():
+        section, name = key.split("__")
+        cfg[section][name] = value
+    return cfg
+
+
+def as_config(cfg: dict):
+    from eagle_data.config import load_config
+
+    return load_config(None, [f"{s}.{k}={json.dumps(v)}" for s, sec in cfg.items() for k, v in sec.items()])

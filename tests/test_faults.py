@@ -17,8 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from conftest import REPO, SAMPLE
-from eagle_data.config import load_config
+from conftest import REPO, SAMPLE, as_config, read, shards, with_overrides
 from eagle_data.manifest import OutputMismatch
 from eagle_data.output import Output, OutputLocked
 from eagle_data.pipeline import run
@@ -33,23 +32,13 @@ def settings(tmp_path, model_dir, **extra):
         "sampling": {"max_tokens": 16, "temperature": 0.0},
         "output": {"path": str(tmp_path / "out"), "rows_per_shard": 2, "max_attempts": 2},
     }
-    for key, value in extra.items():
-        section, name = key.split("__")
-        cfg[section][name] = value
-    return cfg
+    return with_overrides(cfg, extra)
 
 
-def as_config(cfg: dict):
-    return load_config(None, [f"{s}.{k}={json.dumps(v)}" for s, sec in cfg.items() for k, v in sec.items()])
 
 
-def shards(out, folder):
-    return sorted((out / folder).glob("*.parquet"))
 
 
-def read(out, folder):
-    files = shards(out, folder)
-    return pads.dataset(files).to_table().to_pylist() if files else []
 
 
 def assert_verified(out):

@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 
 import pyarrow as pa
-import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 from ray.llm._internal.batch.stages.vllm_engine_stage import vLLMOutputData
 
-from conftest import SAMPLE
+from conftest import SAMPLE, read
 from eagle_data.config import load_config
 from eagle_data.engines.transformers_backend import TransformersEngine
 from eagle_data.model_files import load_tokenizer
@@ -24,11 +23,6 @@ def make_cfg(tmp_path, model_dir, *sets):
         "engine.backend=transformers", "engine.batch_size=4", "engine.max_model_len=1024",
         "sampling.max_tokens=12", "sampling.temperature=0", "output.rows_per_shard=10", *sets,
     ])
-
-
-def read(out, folder):
-    files = sorted((out / folder).glob("*.parquet"))
-    return pads.dataset(files).to_table().to_pylist() if files else []
 
 
 @pytest.mark.parametrize("train_on, temperature", [("generated", 0.7), ("response", 0)])

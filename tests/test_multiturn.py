@@ -16,8 +16,7 @@ import ray
 import pytest
 import yaml
 
-from conftest import REPO, build_babbling_model, write_jsonl
-from eagle_data.config import load_config
+from conftest import REPO, as_config, build_babbling_model, read, shards, with_overrides, write_jsonl
 from eagle_data.model_files import load_tokenizer
 from eagle_data.pipeline import run
 from eagle_data.verify import verify
@@ -67,23 +66,13 @@ def settings(tmp_path, model_dir, rows, **extra) -> dict:
         "sampling": {"max_tokens": 24, "temperature": 1.0, "top_p": 1.0},
         "output": {"path": str(tmp_path / "out"), "rows_per_shard": 4},
     }
-    for key, value in extra.items():
-        section, name = key.split("__")
-        cfg[section][name] = value
-    return cfg
+    return with_overrides(cfg, extra)
 
 
-def as_config(cfg: dict):
-    return load_config(None, [f"{s}.{k}={json.dumps(v)}" for s, sec in cfg.items() for k, v in sec.items()])
 
 
-def shards(out, folder):
-    return sorted((out / folder).glob("*.parquet"))
 
 
-def read(out, folder):
-    files = shards(out, folder)
-    return pads.dataset(files).to_table().to_pylist() if files else []
 
 
 def expected_conversation(row: dict, answers: list[dict]) -> list[dict]:
@@ -187,7 +176,7 @@ def test_kill_between_turns_resumes_without_redoing_finished_turns(ray_local, tm
     only the turns that had not been published."""
     rows = conversations() + [
         {"conversations": [{"from": "human", "value": f"extra {i}.{t}?"} for t in range(3)], "source": "more"}
-        for i in range(8)]
+        for i in range(4)]
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(settings(tmp_path, babbling_qwen3, rows,
                                               engine__batch_size=1, output__rows_per_shard=1)))

@@ -6,12 +6,12 @@ import json
 import random
 
 import pyarrow as pa
-import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
 from conftest import SAMPLE, write_jsonl
+from conftest import read as read_rows
 from eagle_data.config import load_config
 from eagle_data.manifest import OutputMismatch
 from eagle_data.pipeline import run
@@ -24,11 +24,6 @@ def make_cfg(tmp_path, tokenizer_dir, dataset, *sets):
         "engine.backend=transformers", "engine.max_model_len=1024", "sampling.max_tokens=256",
         "output.rows_per_shard=16", *sets,
     ])
-
-
-def read_rows(out, folder):
-    files = sorted((out / folder).glob("*.parquet"))
-    return pads.dataset(files).to_table().to_pylist() if files else []
 
 
 def sharegpt(user, source, system=None, answer="An answer."):
