@@ -8,6 +8,7 @@ import time
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.dataset as pads
 import ray
 from ray.data.expressions import col, lit
 
@@ -49,16 +50,24 @@ def requests(batch: pa.Table, finished: ray.ObjectRef, sampling: dict, stop_ids:
 
 
 def turn_requests(cfg: Config, out: Output, turn: int, finished: ray.ObjectRef,
-                  stopped: ShardWriter, run_id: str) -> ray.data.Dataset | None:
-    """The prompts of turn `turn`, or None when no conversation has one. Turns that cannot
-    be asked (the conversation stops there) are written to stopped/ here."""
+                  stopped: ShardWriter, run_id: str) -> tuple[ray.data.Dataset | None, int]:
+    """(the prompts of turn `turn`, how many there are to ask); (None, 0) when no
+    conversation has such a turn. Turns that cannot be asked (the conversation stops there)
+    are written to stopped/ here. The count lets the caller skip a pass with nothing to
+    ask: starting the engine replicas alone is a model load."""
     if turn == 0:
-        ds = read_prompts(shard_files(out.fs, out.folder("prompts")), out.fs, PROMPT_COLUMNS)
-        return ds.map_batches(first_turn, batch_format="pyarrow", fn_kwargs={"policy": cfg.prompt.turns})
+        files = shard_files(out.fs, out.folder("prompts"))
+        if not files:
+            return None, 0
+        ids = pads.dataset(files, filesystem=out.fs, format="parquet").to_table(columns=["sample_id"])
+        ids = first_turn(ids, cfg.prompt.turns).column("sample_id")
+        todo = len(ids) - pc.sum(pc.is_in(ids, value_set=ray.get(finished))).as_py()
+        ds = read_prompts(files, out.fs, PROMPT_COLUMNS)
+        return ds.map_batches(first_turn, batch_format="pyarrow", fn_kwargs={"policy": cfg.prompt.turns}), todo
     users = next_user_texts(out.fs, out.folder("prompts"), turn)
     previous = shard_files(out.fs, out.folder("data"))
     if not users.num_rows or not previous:
-        return None
+        return None, 0
     ds = ray.data.read_parquet(previous, filesystem=out.fs).select_columns(PREVIOUS_COLUMNS)
     ds = ds.filter(expr=col("turn") == lit(turn - 1))
     ds = ds.map_batches(TurnBuilder(
@@ -67,11 +76,14 @@ def turn_requests(cfg: Config, out: Output, turn: int, finished: ray.ObjectRef,
         max_prompt_tokens=cfg.engine.max_model_len - cfg.sampling.max_tokens,
         turn=turn, next_users=ray.put(users), finished=finished,
     ), batch_format="pyarrow")
-    # Rendering runs twice (here for the stops, then for the engine): cheap next to generating.
-    for batch in ds.map_batches(rows_where, fn_kwargs={"stopped": True}, batch_format="pyarrow").iter_batches(
-            batch_format="pyarrow", batch_size=None):
-        stopped.add(with_run_id(batch, run_id))
-    return ds.map_batches(rows_where, fn_kwargs={"stopped": False}, batch_format="pyarrow")
+    # A first pass over the small columns records the stops and counts the rest; rendering
+    # then runs again for the engine pass: cheap next to generating.
+    todo = 0
+    for batch in ds.select_columns(STOPPED_SCHEMA.names[:-1]).iter_batches(batch_format="pyarrow", batch_size=None):
+        ok = pc.equal(batch.column("reason"), "")
+        todo += pc.sum(ok).as_py() or 0
+        stopped.add(with_run_id(batch.filter(pc.invert(ok)), run_id))
+    return ds.map_batches(askable, batch_format="pyarrow"), todo
 
 
 def first_turn(batch: pa.Table, policy: str) -> pa.Table:
@@ -83,9 +95,8 @@ def first_turn(batch: pa.Table, policy: str) -> pa.Table:
             .append_column("turn", pa.array([0] * batch.num_rows, pa.int32())))
 
 
-def rows_where(batch: pa.Table, stopped: bool) -> pa.Table:
-    ok = pc.equal(batch.column("reason"), "")
-    return batch.filter(pc.invert(ok) if stopped else ok)
+def askable(batch: pa.Table) -> pa.Table:
+    return batch.filter(pc.equal(batch.column("reason"), ""))
 
 
 def with_run_id(batch: pa.Table, run_id: str) -> pa.Table:
@@ -134,9 +145,12 @@ def run_generate(cfg: Config, out: Output, engine=None) -> dict:
         # One engine pass per turn depth (turns: all): turn d is asked once turn d-1's
         # answers are published (eagle_data/turns.py). first_user has only turn 0.
         for turn in itertools.count() if cfg.prompt.turns == "all" else [0]:
-            ds = turn_requests(cfg, out, turn, finished_ref, stopped, run_id)
+            ds, todo = turn_requests(cfg, out, turn, finished_ref, stopped, run_id)
             if ds is None:
                 break
+            log.info("generate: turn %d: %d to ask", turn, todo)
+            if not todo:
+                continue
             ds = ds.map_batches(requests, batch_format="pyarrow", fn_kwargs=dict(
                 finished=finished_ref, sampling=engine_sampling(cfg.sampling),
                 stop_ids=list(special.eos_ids),
@@ -163,6 +177,7 @@ def run_generate(cfg: Config, out: Output, engine=None) -> dict:
             # Publish the rest now: the next turn's pass reads this one's answers.
             for writer in (data, failed, stopped):
                 writer.close()
+        stopped.close()  # stops found in a pass that then had nothing to ask
 
     after = SampleStatus.read(out.fs, out.root, cfg.output.max_attempts)
     counts = {
