@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import time
@@ -32,14 +33,14 @@ PROMPT_COLUMNS = ["sample_id", "source", "messages", "tokenized_prompt"]
 
 
 def row_seed(seed: int, sample_id: str) -> int:
-    """Per-sample seed: reruns reproduce a sample whatever batch it lands in (on vLLM)."""
-    return (seed * 1_000_003 + int(sample_id[:8], 16)) % (2**31 - 1)
+    """Per-sample seed: reruns reproduce a sample whatever batch it lands in (on vLLM). The
+    whole id is hashed: the turns of a conversation share its prefix."""
+    digest = int.from_bytes(hashlib.blake2b(sample_id.encode(), digest_size=4).digest(), "big")
+    return (seed * 1_000_003 + digest) % (2**31 - 1)
 
 
-def requests(batch: pa.Table, finished: ray.ObjectRef, sampling: dict, stop_ids: list[int]) -> pa.Table:
-    """Drop finished samples; attach the engine's per-row sampling_params."""
-    finished = ray.get(finished)  # put once by the driver, shared by every task
-    batch = batch.filter(pc.invert(pc.is_in(batch.column("sample_id"), value_set=finished)))
+def requests(batch: pa.Table, sampling: dict, stop_ids: list[int]) -> pa.Table:
+    """Attach the engine's per-row sampling_params."""
     params = [
         {**sampling, "seed": row_seed(sampling["seed"], sid), "stop_token_ids": stop_ids,
          # We decode in postprocess; the engine need not.
@@ -59,11 +60,10 @@ def turn_requests(cfg: Config, out: Output, turn: int, finished: ray.ObjectRef,
         files = shard_files(out.fs, out.folder("prompts"))
         if not files:
             return None, 0
+        turn0 = {"policy": cfg.prompt.turns, "finished": finished}
         ids = pads.dataset(files, filesystem=out.fs, format="parquet").to_table(columns=["sample_id"])
-        ids = first_turn(ids, cfg.prompt.turns).column("sample_id")
-        todo = len(ids) - pc.sum(pc.is_in(ids, value_set=ray.get(finished))).as_py()
         ds = read_prompts(files, out.fs, PROMPT_COLUMNS)
-        return ds.map_batches(first_turn, batch_format="pyarrow", fn_kwargs={"policy": cfg.prompt.turns}), todo
+        return ds.map_batches(first_turn, batch_format="pyarrow", fn_kwargs=turn0), first_turn(ids, **turn0).num_rows
     users = next_user_texts(out.fs, out.folder("prompts"), turn)
     previous = shard_files(out.fs, out.folder("data"))
     if not users.num_rows or not previous:
@@ -86,13 +86,15 @@ def turn_requests(cfg: Config, out: Output, turn: int, finished: ray.ObjectRef,
     return ds.map_batches(askable, batch_format="pyarrow"), todo
 
 
-def first_turn(batch: pa.Table, policy: str) -> pa.Table:
-    """prompts/ rows (one per conversation) -> turn 0's rows."""
+def first_turn(batch: pa.Table, policy: str, finished: ray.ObjectRef) -> pa.Table:
+    """prompts/ rows (one per conversation) -> turn 0's rows not finished yet."""
     conversation_ids = batch.column("sample_id")
     if policy == "all":
         batch = batch.set_column(0, "sample_id", turn_sample_ids(conversation_ids, 0))
-    return (batch.append_column("conversation_id", conversation_ids)
-            .append_column("turn", pa.array([0] * batch.num_rows, pa.int32())))
+    batch = (batch.append_column("conversation_id", conversation_ids)
+             .append_column("turn", pa.array([0] * batch.num_rows, pa.int32())))
+    # `finished` is put once by the driver and shared by every task.
+    return batch.filter(pc.invert(pc.is_in(batch.column("sample_id"), value_set=ray.get(finished))))
 
 
 def askable(batch: pa.Table) -> pa.Table:
@@ -152,9 +154,7 @@ def run_generate(cfg: Config, out: Output, engine=None) -> dict:
             if not todo:
                 continue
             ds = ds.map_batches(requests, batch_format="pyarrow", fn_kwargs=dict(
-                finished=finished_ref, sampling=engine_sampling(cfg.sampling),
-                stop_ids=list(special.eos_ids),
-            ))
+                sampling=engine_sampling(cfg.sampling), stop_ids=list(special.eos_ids)))
             # One engine batch per block: an engine task's output reaches the driver (and a
             # shard) when the task ends, so a block of 1,000 prompts would hold back 1,000
             # finished rows.

@@ -25,7 +25,6 @@ class SampleStatus:
     max_attempts: int
     stopped: set[str] = frozenset()  # turns not asked: the conversation stopped there
 
-
     @classmethod
     def read(cls, fs, out: str, max_attempts: int) -> "SampleStatus":
         return cls(set(sample_ids(fs, f"{out}/data")), Counter(sample_ids(fs, f"{out}/failed")),

@@ -38,13 +38,15 @@ STOPPED_SCHEMA = pa.schema([TURN_SCHEMA.field(n) for n in
 PREVIOUS_COLUMNS = ["conversation_id", "turn", "source", "messages", "reasoning", "response", "finish_reason"]
 
 
+SEPARATOR = "-"  # a turn's sample_id under turns: all is <conversation_id>-<turn>
+
+
 def turn_sample_id(conversation_id: str, turn: int) -> str:
-    """A turn's sample_id under turns: all."""
-    return f"{conversation_id}-{turn}"
+    return f"{conversation_id}{SEPARATOR}{turn}"
 
 
 def turn_sample_ids(conversation_ids: pa.Array | pa.ChunkedArray, turn: int) -> pa.Array:
-    return pc.binary_join_element_wise(conversation_ids, pa.scalar(str(turn)), "-")
+    return pc.binary_join_element_wise(conversation_ids, pa.scalar(str(turn)), SEPARATOR)
 
 
 def next_user_texts(fs, prompts_folder: str, turn: int) -> pa.Table:

@@ -249,3 +249,14 @@ def test_turn_builder_stops_a_conversation_with_a_reason(ray_local, qwen3_tokeni
     assert short["tokenized_prompt"] == expected
     # Qwen3's template drops the reasoning of earlier answers, as it does when serving.
     assert "thinking" not in tokenizer.decode(expected)
+
+
+def test_each_turn_of_a_conversation_gets_its_own_seed():
+    """Turn ids share their conversation's prefix; the per-sample seed must still differ, or
+    every turn of a conversation would draw the same random stream on vLLM."""
+    from eagle_data.generate import row_seed
+
+    seeds = {row_seed(0, f"0123456789abcdef0123-{t}") for t in range(20)}
+    assert len(seeds) == 20
+    assert row_seed(0, "0123456789abcdef0123-0") == row_seed(0, "0123456789abcdef0123-0")
+    assert row_seed(0, "0123456789abcdef0123-0") != row_seed(1, "0123456789abcdef0123-0")

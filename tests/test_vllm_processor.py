@@ -53,8 +53,7 @@ def test_processor_from_kimi_config(ray_local, kimi):
     batch = pa.Table.from_pylist([{"sample_id": "abcdef0123", "source": "s",
                                    "messages": [{"role": "user", "content": "hi"}],
                                    "tokenized_prompt": [1, 2, 3]}])
-    rows = requests(batch, ray_local.put(pa.array([], pa.string())), engine_sampling(kimi.sampling),
-                    [163586]).to_pylist()
+    rows = requests(batch, engine_sampling(kimi.sampling), [163586]).to_pylist()
     required = set(stage.get_required_input_keys())
     assert required == {"sampling_params"} and required <= set(rows[0])
     assert "tokenized_prompt" in stage.get_optional_input_keys() and "tokenized_prompt" in rows[0]
