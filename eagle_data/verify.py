@@ -43,7 +43,7 @@ def verify(path: str) -> tuple[list[str], dict]:
                 problems.append(f"{f}: unreadable shard ({type(e).__name__}: {e})")
                 continue
             ids[folder].update(table.column("sample_id").to_pylist())
-            if "conversation_id" in table.column_names:
+            if folder in ("data", "failed", "stopped"):
                 conversations[folder].update(table.column("conversation_id").to_pylist())
             if folder == "prompts":
                 num_turns.update(zip(table.column("sample_id").to_pylist(),

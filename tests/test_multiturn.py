@@ -174,6 +174,15 @@ def test_each_turn_is_asked_with_the_targets_own_answers(ray_local, tmp_path, mo
     again = run(as_config(settings(tmp_path, model_dir, rows)), engine=no_engine)["generate"]
     assert again == result["generate"] and {f.name for f in shards(out, "data")} == files
 
+    # verify notices a later turn that should have been asked and has no row: a shard of
+    # second-turn answers (shards hold one turn each) removed behind the job's back.
+    lost = next(f for f in shards(out, "data") if {d["turn"] for d in pads.dataset(f).to_table().to_pylist()} == {1})
+    lost_ids = {d["sample_id"] for d in pads.dataset(lost).to_table().to_pylist()}
+    lost.unlink()
+    problems, _ = verify(str(out))
+    assert len(problems) == 1 and problems[0].startswith(f"{len(lost_ids)} turns that could be asked have no")
+    assert problems[0].rsplit("e.g. ", 1)[1] in lost_ids
+
 
 def test_kill_between_turns_resumes_without_redoing_finished_turns(ray_local, tmp_path, babbling_qwen3):
     """SIGKILL the driver once the second turn's answers start to arrive; the rerun asks
