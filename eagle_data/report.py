@@ -29,7 +29,7 @@ COLUMNS = {
     "data": ["sample_id", "turn", "source", "num_prompt_tokens", "num_reasoning_tokens", "num_response_tokens",
              "finish_reason"],
     "failed": ["sample_id", "source"],
-    "stopped": ["turn", "reason"],
+    "stopped": ["reason"],
 }
 
 
