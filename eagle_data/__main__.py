@@ -17,13 +17,13 @@ def main(argv: list[str] | None = None) -> int:
     which = look.add_mutually_exclusive_group()
     which.add_argument("--sample-id")
     which.add_argument("--n", type=int, help="show the first N samples")
-    from eagle_data.export import add_cli as add_export, run_cli as run_export
+    from eagle_data.tools.export import add_cli as add_export, run_cli as run_export
 
     add_export(commands)
     args = parser.parse_args(argv)
 
     if args.command == "verify":
-        from eagle_data.verify import verify
+        from eagle_data.tools.verify import verify
 
         problems, counts = verify(args.out)
         print(json.dumps(counts, sort_keys=True))
@@ -33,15 +33,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"OK: {args.out} holds every invariant")
         return 1 if problems else 0
     if args.command == "report":
-        from eagle_data.output import Output
-        from eagle_data.report import write_report
+        from eagle_data.out.folder import Output
+        from eagle_data.tools.report import write_report
 
         report = write_report(Output(args.out))
         print(json.dumps(report["counts"], sort_keys=True))
         print(f"wrote {report['out']}/report.json, report.html and report/*.png")
         return 0
     if args.command == "inspect":
-        from eagle_data.inspect import inspect
+        from eagle_data.tools.inspect_out import inspect
 
         try:
             print(inspect(args.out, args.sample_id, args.n))

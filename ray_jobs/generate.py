@@ -13,10 +13,11 @@ import sys
 import pyarrow.parquet as pq
 
 from eagle_data.config import ConfigError, load_config
-from eagle_data.manifest import OutputMismatch
-from eagle_data.output import OutputLocked
-from eagle_data.pipeline import run
-from eagle_data.sink import filesystem, shard_files
+from eagle_data.out.manifest import OutputMismatch
+from eagle_data.out.folder import OutputLocked
+from eagle_data.job.run import run
+from eagle_data.out.files import filesystem
+from eagle_data.out.shards import shard_files
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,8 +11,8 @@ from pathlib import Path
 import datasets
 import pytest
 
-from eagle_data.export import FORMATS, add_cli, export, run_cli
-from eagle_data.postprocess import DATA_SCHEMA
+from eagle_data.tools.export import FORMATS, add_cli, export, run_cli
+from eagle_data.job.postprocess import DATA_SCHEMA
 from test_reader import data_rows, make_out, synthetic_row, write_out
 
 

@@ -18,10 +18,10 @@ import pytest
 import yaml
 
 from conftest import REPO, SAMPLE, as_config, read, shards, with_overrides
-from eagle_data.manifest import OutputMismatch
-from eagle_data.output import Output, OutputLocked
-from eagle_data.pipeline import run
-from eagle_data.verify import verify
+from eagle_data.out.manifest import OutputMismatch
+from eagle_data.out.folder import Output, OutputLocked
+from eagle_data.job.run import run
+from eagle_data.tools.verify import verify
 
 
 def settings(tmp_path, model_dir, **extra):

@@ -12,9 +12,9 @@ from ray.llm._internal.batch.stages.vllm_engine_stage import vLLMOutputData
 
 from conftest import SAMPLE, read
 from eagle_data.config import load_config
-from eagle_data.engines.transformers_backend import TransformersEngine
+from eagle_data.job.engines.transformers_backend import TransformersEngine
 from eagle_data.model_files import load_tokenizer
-from eagle_data.pipeline import run
+from eagle_data.job.run import run
 
 
 def make_cfg(tmp_path, model_dir, *sets):

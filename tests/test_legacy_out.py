@@ -9,11 +9,11 @@ import shutil
 import pytest
 
 from conftest import REPO
-from eagle_data.export import export
-from eagle_data.output import Output
+from eagle_data.tools.export import export
+from eagle_data.out.folder import Output
 from eagle_data.reader import Out, OutDataset
-from eagle_data.report import write_report
-from eagle_data.verify import verify
+from eagle_data.tools.report import write_report
+from eagle_data.tools.verify import verify
 
 LEGACY = REPO / "tests" / "data" / "out-before-layout"
 

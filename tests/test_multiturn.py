@@ -18,8 +18,8 @@ import yaml
 
 from conftest import REPO, as_config, build_babbling_model, read, shards, with_overrides, write_jsonl
 from eagle_data.model_files import load_tokenizer
-from eagle_data.pipeline import run
-from eagle_data.verify import verify
+from eagle_data.job.run import run
+from eagle_data.tools.verify import verify
 
 WORDS = [" the", " cat", " sat", " on", " mat", " and", " dog", " ran", "."]
 LONG = " ".join(["please explain everything about the history of tea"] * 40)
@@ -230,7 +230,7 @@ def test_turn_builder_stops_a_conversation_with_a_reason(ray_local, qwen3_tokeni
     a next user turn drops out."""
     import pyarrow as pa
 
-    from eagle_data.turns import TurnBuilder
+    from eagle_data.job.turns import TurnBuilder
 
     def previous(conversation, finish, response="ok"):
         return {"conversation_id": conversation, "turn": 0, "source": "s", "finish_reason": finish,
@@ -263,7 +263,7 @@ def test_turn_builder_stops_a_conversation_with_a_reason(ray_local, qwen3_tokeni
 def test_each_turn_of_a_conversation_gets_its_own_seed():
     """Turn ids share their conversation's prefix; the per-sample seed must still differ, or
     every turn of a conversation would draw the same random stream on vLLM."""
-    from eagle_data.generate import row_seed
+    from eagle_data.job.generate_phase import row_seed
 
     seeds = {row_seed(0, f"0123456789abcdef0123-{t}") for t in range(20)}
     assert len(seeds) == 20

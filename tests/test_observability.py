@@ -16,10 +16,10 @@ import pytest
 
 from conftest import REPO, SAMPLE
 from eagle_data.config import load_config
-from eagle_data.inspect import render_sample
+from eagle_data.tools.inspect_out import render_sample
 from eagle_data.model_files import load_tokenizer, special_tokens
-from eagle_data.pipeline import run
-from eagle_data.postprocess import Postprocessor
+from eagle_data.job.run import run
+from eagle_data.job.postprocess import Postprocessor
 
 PROGRESS = re.compile(
     r"progress: (\d+)/(\d+) done .* this run ok (\d+) failed (\d+) .* completion tokens mean (\d+) "

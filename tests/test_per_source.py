@@ -11,9 +11,9 @@ import pytest
 
 from conftest import SAMPLE
 from eagle_data.config import ConfigError, load_config
-from eagle_data.manifest import OutputMismatch, prompt_config
-from eagle_data.pipeline import run
-from eagle_data.source import sample_scores, select_per_source, source_quotas
+from eagle_data.out.manifest import OutputMismatch, prompt_config
+from eagle_data.job.run import run
+from eagle_data.job.source import sample_scores, select_per_source, source_quotas
 from test_prompts_phase import layouts, make_cfg, read_layout, sharegpt
 
 # --- quotas: pure arithmetic on the per-source row counts ---------------------------------

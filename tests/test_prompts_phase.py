@@ -13,9 +13,9 @@ from transformers import AutoTokenizer
 from conftest import SAMPLE, write_jsonl
 from conftest import read as read_rows
 from eagle_data.config import load_config
-from eagle_data.manifest import OutputMismatch
-from eagle_data.pipeline import run
-from eagle_data.source import read_source, select_sample
+from eagle_data.out.manifest import OutputMismatch
+from eagle_data.job.run import run
+from eagle_data.job.source import read_source, select_sample
 
 
 def make_cfg(tmp_path, tokenizer_dir, dataset, *sets):

@@ -16,10 +16,10 @@ from torch.utils.data import DataLoader
 
 from conftest import SAMPLE
 from eagle_data.config import load_config
-from eagle_data.pipeline import run
-from eagle_data.postprocess import DATA_SCHEMA
+from eagle_data.job.run import run
+from eagle_data.job.postprocess import DATA_SCHEMA
 from eagle_data.reader import Out, OutDataset, OutIterableDataset, collate
-from eagle_data.sink import filesystem, write_json
+from eagle_data.out.files import filesystem, write_json
 
 
 def make_out(tmp_path_factory, model_dir, rows_per_shard: int) -> Path:

@@ -9,8 +9,8 @@ import pyarrow as pa
 import pytest
 
 from eagle_data.config import load_config
-from eagle_data.engines.vllm_backend import build_vllm_processor, feed_factor, processor_config
-from eagle_data.generate import engine_sampling, requests
+from eagle_data.job.engines.vllm_backend import build_vllm_processor, feed_factor, processor_config
+from eagle_data.job.generate_phase import engine_sampling, requests
 
 KIMI = Path(__file__).resolve().parent.parent / "configs" / "kimi-k2.5.yaml"
 

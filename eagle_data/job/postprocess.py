@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from eagle_data.model_files import load_tokenizer
-from eagle_data.prompts import MESSAGE_TYPE
+from eagle_data.job.prompts import MESSAGE_TYPE
 
 DATA_SCHEMA = pa.schema([
     ("sample_id", pa.string()),

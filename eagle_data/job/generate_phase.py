@@ -13,18 +13,18 @@ import pyarrow.dataset as pads
 import ray
 from ray.data.expressions import col, lit
 
-from eagle_data import manifest as mf
+from eagle_data.out import manifest as mf
 from eagle_data.config import Config, SamplingConfig
-from eagle_data.engines import apply_engine
+from eagle_data.job.engines import apply_engine
 from eagle_data.model_files import generation_eos_ids, load_tokenizer, special_tokens
-from eagle_data.output import Output, new_run_id
-from eagle_data.postprocess import DATA_SCHEMA, IDS, OUT_SCHEMA, Postprocessor
-from eagle_data.progress import Progress
-from eagle_data.queues import bound_queues, read_prompts
-from eagle_data.report import write_report
-from eagle_data.resume import SampleStatus
-from eagle_data.sink import ShardWriter, shard_files
-from eagle_data.turns import PREVIOUS_COLUMNS, STOPPED_SCHEMA, TurnBuilder, next_user_texts, turn_sample_ids
+from eagle_data.out.folder import Output, new_run_id
+from eagle_data.job.postprocess import DATA_SCHEMA, IDS, OUT_SCHEMA, Postprocessor
+from eagle_data.job.progress import Progress
+from eagle_data.job.ray_internals import bound_queues, read_prompts
+from eagle_data.tools.report import write_report
+from eagle_data.out.status import SampleStatus
+from eagle_data.out.shards import ShardWriter, shard_files
+from eagle_data.job.turns import PREVIOUS_COLUMNS, STOPPED_SCHEMA, TurnBuilder, next_user_texts, turn_sample_ids
 
 log = logging.getLogger("eagle_data")
 

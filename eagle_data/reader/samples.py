@@ -1,24 +1,5 @@
-"""Read an OUT for training: lazy Parquet access, torch Datasets, data-parallel sharding, collate.
-
-Alignment of `loss_mask` with `input_ids` (the contract every trainer must follow):
-
-    input_ids  = prompt tokens + generated tokens          (length n)
-    loss_mask  has length n, aligned 1:1 with input_ids:
-        loss_mask[t] == 1  <=>  input_ids[t] is a generated token that is a training TARGET
-        (mask.train_on=response: only the response tokens, not the reasoning ones)
-        loss_mask[t] == 0  on every prompt token (never a target)
-
-A next-token trainer (EAGLE-3 included) predicts input_ids[t+1] from position t, so it
-shifts the mask like the labels:
-
-    labels      = input_ids[1:]          # target of position t is input_ids[t+1]
-    pred_mask   = loss_mask[1:]          # applies to predictions at positions 0..n-2
-    loss        = sum(CE(logits[:-1], labels) * pred_mask) / sum(pred_mask)
-
-So at the last prompt position p = num_prompt_tokens - 1, pred_mask[p] == 1 (it predicts
-the first generated token) and at p - 1 it is 0 (it predicts the last prompt token).
-vllm-project/speculators applies the same shift (src/speculators/models/eagle3/data.py:
-`loss_mask = loss_mask[1:]` next to `input_ids = input_ids[1:]`).
+"""The torch-free core of the reader: an OUT opened for reading, row filters, and the
+filtered, ordered, rank-sharded index of its samples (numpy arrays out).
 
 Memory: only a per-row index (row group id + row number, 8 bytes a row, after filters) is
 built up front, from the small num_*_tokens / source / finish_reason columns. Token lists
@@ -44,11 +25,10 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
-import torch
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from eagle_data.sink import filesystem as local_or_uri_filesystem
-from eagle_data.sink import read_json, shard_files
+from eagle_data.out.files import filesystem as local_or_uri_filesystem
+from eagle_data.out.files import read_json
+from eagle_data.out.shards import shard_files
 
 TOKEN_COLUMNS = ("input_ids", "loss_mask")
 LENGTH_COLUMNS = ("num_prompt_tokens", "num_reasoning_tokens", "num_response_tokens")
@@ -132,9 +112,10 @@ def row_filter(finish_reason: Sequence[str] | None = None, source: Sequence[str]
     return expr
 
 
-class _Samples:
-    """What both torch Datasets share: the filtered row index, the epoch order, the rank's
-    slice of it, and a small LRU cache of decoded row groups."""
+class Samples:
+    """The filtered row index, the epoch order, the rank's slice of it, and a small LRU
+    cache of decoded row groups. `sample(pos)` gives numpy arrays; the torch datasets
+    (reader/torch_datasets.py) wrap it. Iterate it for this rank's samples in order."""
 
     def __init__(self, out: str | Out, *, finish_reason=None, source=None, min_len=None,
                  max_len=None, overflow: str = "drop", columns: Sequence[str] = (),
@@ -208,8 +189,8 @@ class _Samples:
             a, b = offsets[r], offsets[r + 1]
             if self.truncate:
                 b = min(b, a + self.max_len)
-            item[name] = torch.from_numpy(values[a:b].astype(np.int64))
-        item["attention_mask"] = torch.ones_like(item["input_ids"])
+            item[name] = values[a:b].astype(np.int64)
+        item["attention_mask"] = np.ones_like(item["input_ids"])
         for name in self.columns:
             item[name] = meta.column(name)[r].as_py()
         return item
@@ -231,53 +212,12 @@ class _Samples:
             self._cache.popitem(last=False)
         return entry
 
+    def __iter__(self) -> Iterator[dict]:
+        for pos in self.order:
+            yield self.sample(int(pos))
+
     def __getstate__(self):
         # DataLoader workers start with an empty cache, not a copy of the parent's.
         state = dict(self.__dict__)
         state["_cache"] = OrderedDict()
         return state
-
-
-class OutDataset(_Samples, Dataset):
-    """Map-style: item i is the i-th sample of this rank's slice of the epoch order.
-
-    Use it with a DataLoader without shuffle or sampler (the order is already shuffled and
-    sharded) and call set_epoch(e) before each epoch (with persistent_workers, recreate the
-    DataLoader instead). Reading i = 0, 1, 2, ... reads each row group once; any other access
-    order reads a whole row group per cache miss, and with num_workers > 1 every worker
-    reads the row groups of its own batches (prefer OutIterableDataset for big OUTs)."""
-
-    def __getitem__(self, i: int) -> dict:
-        return self.sample(int(self.order[i]))
-
-
-class OutIterableDataset(_Samples, IterableDataset):
-    """Iterable: streams this rank's slice of the epoch order; DataLoader workers split it
-    further into contiguous parts, so each reads only its own row groups. Call set_epoch(e)
-    before each epoch (with persistent_workers, recreate the DataLoader instead)."""
-
-    def __iter__(self) -> Iterator[dict]:
-        order = self.order
-        info = get_worker_info()
-        if info is not None:
-            order = np.array_split(order, info.num_workers)[info.id]
-        for pos in order:
-            yield self.sample(int(pos))
-
-
-def collate(batch: list[dict], pad_id: int, pad_to_multiple_of: int | None = None) -> dict:
-    """Right-pad to the longest sample (rounded up to a multiple if asked): input_ids with
-    pad_id, loss_mask and attention_mask with 0. Other keys are returned as lists."""
-    longest = max(len(b["input_ids"]) for b in batch)
-    if pad_to_multiple_of:
-        longest = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
-    out = {}
-    for name, fill in (("input_ids", pad_id), ("loss_mask", 0), ("attention_mask", 0)):
-        padded = torch.full((len(batch), longest), fill, dtype=torch.long)
-        for i, b in enumerate(batch):
-            padded[i, :len(b[name])] = b[name]
-        out[name] = padded
-    for name in batch[0]:
-        if name not in out:
-            out[name] = [b[name] for b in batch]
-    return out

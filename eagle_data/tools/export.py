@@ -33,7 +33,7 @@ import sys
 import uuid
 from typing import Callable, Sequence
 
-from eagle_data.postprocess import DATA_SCHEMA
+from eagle_data.job.postprocess import DATA_SCHEMA
 from eagle_data.reader import Out, resolve_filesystem, row_filter
 
 

@@ -16,9 +16,9 @@ from eagle_data.config import Config
 
 def apply_engine(ds: ray.data.Dataset, cfg: Config, pad_id: int) -> ray.data.Dataset:
     if cfg.engine.backend == "vllm":
-        from eagle_data.engines.vllm_backend import build_vllm_processor
+        from eagle_data.job.engines.vllm_backend import build_vllm_processor
 
         return build_vllm_processor(cfg)(ds)
-    from eagle_data.engines.transformers_backend import transformers_stage
+    from eagle_data.job.engines.transformers_backend import transformers_stage
 
     return transformers_stage(ds, cfg, pad_id)

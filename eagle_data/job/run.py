@@ -10,13 +10,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray
 
-from eagle_data import manifest as mf
+from eagle_data.out import manifest as mf
 from eagle_data.config import Config
 from eagle_data.model_files import check_tokenizer_path, load_tokenizer
-from eagle_data.prompts import PROMPT_SCHEMA, PromptBuilder
-from eagle_data.report import write_report
-from eagle_data.output import Output, new_run_id
-from eagle_data.source import read_source, select_rows
+from eagle_data.job.prompts import PROMPT_SCHEMA, PromptBuilder
+from eagle_data.tools.report import write_report
+from eagle_data.out.folder import Output, new_run_id
+from eagle_data.job.source import read_source, select_rows
 
 log = logging.getLogger("eagle_data")
 
@@ -129,7 +129,7 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None) -> di
         if phase in ("prompts", "all"):
             result["prompts"] = run_prompts(cfg, out)
         if phase in ("generate", "all"):
-            from eagle_data.generate import run_generate
+            from eagle_data.job.generate_phase import run_generate
 
             result["generate"] = run_generate(cfg, out, engine)
     return result

@@ -13,9 +13,10 @@ import uuid
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle_data import manifest as mf
+from eagle_data.out import manifest as mf
 from eagle_data.config import Config
-from eagle_data.sink import STAGING, ShardWriter, filesystem, shard_files
+from eagle_data.out.files import STAGING, filesystem
+from eagle_data.out.shards import ShardWriter, shard_files
 
 log = logging.getLogger("eagle_data")
 

@@ -9,7 +9,7 @@ import importlib.metadata
 import platform
 
 from eagle_data.config import Config
-from eagle_data.sink import read_json, write_json
+from eagle_data.out.files import read_json, write_json
 
 SCHEMA_VERSION = 1
 

@@ -18,10 +18,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
 
-from eagle_data import manifest as mf
-from eagle_data.output import Output
-from eagle_data.resume import SampleStatus
-from eagle_data.sink import shard_files, write_json
+from eagle_data.out import manifest as mf
+from eagle_data.out.folder import Output
+from eagle_data.out.status import SampleStatus
+from eagle_data.out.files import write_json
+from eagle_data.out.shards import shard_files
 
 COLUMNS = {
     "prompts": ["source", "num_prompt_tokens"],

@@ -24,8 +24,8 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import ray
 
-from eagle_data.prompts import MESSAGE_TYPE, PromptRenderer
-from eagle_data.sink import shard_files
+from eagle_data.job.prompts import MESSAGE_TYPE, PromptRenderer
+from eagle_data.out.shards import shard_files
 
 TURN_SCHEMA = pa.schema([
     ("sample_id", pa.string()), ("conversation_id", pa.string()), ("turn", pa.int32()),

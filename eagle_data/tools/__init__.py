@@ -1,0 +1,1 @@
+"""Tools that work on an OUT folder (`python -m eagle_data ...`): verify, report, inspect, export."""
