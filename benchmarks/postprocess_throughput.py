@@ -30,7 +30,7 @@ single-threaded (TOKENIZERS_PARALLELISM=false), CPU seconds from time.process_ti
   assistant span from the assistant header's character offset (char_to_token) and build the
   same output columns (input_ids, loss_mask, counts, texts, finish_reason).
 
---compare-rev REV also times eagle_data/postprocess.py as it was at git revision REV (after
+--compare-rev REV also times eagle_data/job/postprocess.py as it was at git revision REV (after
 checking that both give the same table), to show what a change bought.
 
 Each method runs --repeats times over all batches (interleaved); the figure is the median.
@@ -156,14 +156,14 @@ class Retokenize:
 
 
 def load_at_rev(rev: str):
-    """eagle_data/postprocess.py as of a git revision, imported as its own module."""
+    """eagle_data/job/postprocess.py as of a git revision, imported as its own module."""
     import importlib.util
     import subprocess
     import sys
 
     from _workload import REPO
 
-    source = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:eagle_data/postprocess.py"],
+    source = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:eagle_data/job/postprocess.py"],
                             check=True, capture_output=True, text=True).stdout
     path = Path(tempfile.mkdtemp()) / f"postprocess_{rev.replace('/', '_')}.py"
     path.write_text(source)
@@ -189,7 +189,7 @@ def main() -> None:
     parser.add_argument("--train-on", choices=["generated", "response"], default="generated")
     parser.add_argument("--profile", action="store_true", help="cProfile one pass of ours")
     parser.add_argument("--compare-rev", metavar="GIT_REV",
-                        help="also time eagle_data/postprocess.py as of this git revision "
+                        help="also time eagle_data/job/postprocess.py as of this git revision "
                              "(read with `git show`, e.g. the commit before a change)")
     args = parser.parse_args()
 

@@ -29,7 +29,7 @@ def write_out(root: Path, rows: int, tokens: int, rows_per_shard: int) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from eagle_data.job.postprocess import DATA_SCHEMA
+    from eagle_data.out.contract import DATA_SCHEMA
     from eagle_data.out.files import filesystem, write_json
 
     rng = np.random.default_rng(0)

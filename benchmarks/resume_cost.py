@@ -38,8 +38,8 @@ def write_out(root: Path, rows: int, tokens: int, rows_per_shard: int, failed: i
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from eagle_data.job.generate_phase import FAILED_SCHEMA
-    from eagle_data.job.postprocess import DATA_SCHEMA
+    from eagle_data.out.contract import FAILED_SCHEMA
+    from eagle_data.out.contract import DATA_SCHEMA
 
     rng = np.random.default_rng(0)
     (root / "data").mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from eagle_data.errors import EagleDataError
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eagle_data")
@@ -17,11 +19,18 @@ def main(argv: list[str] | None = None) -> int:
     which = look.add_mutually_exclusive_group()
     which.add_argument("--sample-id")
     which.add_argument("--n", type=int, help="show the first N samples")
-    from eagle_data.tools.export import add_cli as add_export, run_cli as run_export
+    from eagle_data.tools.export import add_cli as add_export
 
     add_export(commands)
     args = parser.parse_args(argv)
+    try:
+        return run_command(args)
+    except EagleDataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
+
+def run_command(args: argparse.Namespace) -> int:
     if args.command == "verify":
         from eagle_data.tools.verify import verify
 
@@ -36,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         from eagle_data.out.folder import Output
         from eagle_data.tools.report import write_report
 
-        report = write_report(Output(args.out))
+        report = write_report(Output.existing(args.out))
         print(json.dumps(report["counts"], sort_keys=True))
         print(f"wrote {report['out']}/report.json, report.html and report/*.png")
         return 0
@@ -50,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
     if args.command == "export":
-        return run_export(args)
+        from eagle_data.tools.export import run_cli
+
+        return run_cli(args)
     return 2
 
 

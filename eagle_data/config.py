@@ -8,6 +8,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from eagle_data.errors import EagleDataError
+
 
 class _Section(BaseModel):
     # Unknown keys are errors: a typo must not silently fall back to a default.
@@ -15,7 +17,7 @@ class _Section(BaseModel):
 
 
 class PerSourceConfig(_Section):
-    """Source-balanced sampling (see eagle_data/source.py `source_quotas`)."""
+    """Source-balanced sampling (see eagle_data/job/sample.py `source_quotas`)."""
 
     max_rows: int | None = Field(default=None, ge=1, description="cap on the rows of each source")
     # Share of source.sample per source; "*" = every source not listed. A source with no
@@ -71,7 +73,7 @@ class EngineConfig(_Section):
     tensor_parallel_size: int = Field(default=1, ge=1)
     max_model_len: int = Field(default=16384, ge=16)
     # Rows per engine call. vLLM returns a batch only when its slowest row is done, so
-    # batches are small and many are in flight (see eagle_data/engines/vllm.py).
+    # batches are small and many are in flight (see eagle_data/job/engines/vllm_backend.py).
     batch_size: int = Field(default=16, ge=1)
     max_concurrent_batches: int = Field(default=64, ge=1)
     # Passed through to the engine (vLLM engine_kwargs / transformers from_pretrained).
@@ -113,6 +115,11 @@ class Config(_Section):
     mask: MaskConfig = Field(default_factory=MaskConfig)
     output: OutputConfig
 
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt that leaves room for max_tokens of answer."""
+        return self.engine.max_model_len - self.sampling.max_tokens
+
     @model_validator(mode="after")
     def _check_combinations(self) -> "Config":
         if self.sampling.max_tokens >= self.engine.max_model_len:
@@ -129,7 +136,7 @@ class Config(_Section):
         return self
 
 
-class ConfigError(ValueError):
+class ConfigError(EagleDataError, ValueError):
     """A config problem, with the offending key named."""
 
 

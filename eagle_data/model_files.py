@@ -12,6 +12,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from eagle_data.errors import EagleDataError, MissingInput
+
 
 def resolve_model_path(path: str) -> str:
     if path.startswith("package:"):
@@ -21,7 +23,7 @@ def resolve_model_path(path: str) -> str:
         # the package's __init__.
         spec = importlib.util.find_spec(package)
         if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError(f"model path {path!r}: Python package {package!r} is not installed")
+            raise MissingInput(f"model path {path!r}: Python package {package!r} is not installed")
         return os.path.join(list(spec.submodule_search_locations)[0], rest)
     return path
 
@@ -48,7 +50,7 @@ def check_tokenizer_path(path: str) -> None:
     resolved = resolve_model_path(path)
     looks_local = resolved.startswith((".", "/", "~")) or resolved.endswith(".gguf")
     if looks_local and not os.path.exists(os.path.expanduser(resolved)):
-        raise FileNotFoundError(f"model/tokenizer path {path!r} does not exist ({resolved})")
+        raise MissingInput(f"model/tokenizer path {path!r} does not exist ({resolved})")
 
 
 def single_token_id(tokenizer, text: str) -> int | None:
@@ -83,7 +85,8 @@ def special_tokens(tokenizer, reasoning_start: str, reasoning_end: str,
     if generation_eos is not None:
         eos.update([generation_eos] if isinstance(generation_eos, int) else generation_eos)
     if not eos:
-        raise ValueError("the tokenizer defines no eos token and the model no eos_token_id")
+        raise EagleDataError("the tokenizer defines no eos token and the model no eos_token_id: "
+                             "set eos_token in the tokenizer config or eos_token_id in generation_config.json")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
     return SpecialTokens(
         eos_ids=tuple(sorted(eos)),

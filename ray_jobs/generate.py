@@ -12,9 +12,8 @@ import sys
 
 import pyarrow.parquet as pq
 
-from eagle_data.config import ConfigError, load_config
-from eagle_data.out.manifest import OutputMismatch
-from eagle_data.out.folder import OutputLocked
+from eagle_data.config import load_config
+from eagle_data.errors import EagleDataError
 from eagle_data.job.run import run
 from eagle_data.out.files import filesystem
 from eagle_data.out.shards import shard_files
@@ -33,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         result = run(cfg, phase=args.phase, fresh=args.fresh)
-    except (ConfigError, OutputMismatch, OutputLocked, FileNotFoundError, PermissionError) as e:
+    except EagleDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(summary(cfg.output.path, result))

@@ -134,11 +134,118 @@ def with_overrides(cfg: dict, extra: dict) -> dict:
     """`section__key=value` keyword overrides of a config dict."""
     for key, value in extra.items():
         section, name = key.split("__")
-        cfg[section][name] = value
+        cfg.setdefault(section, {})[name] = value
     return cfg
+
+
+def job_settings(out, model_dir, dataset=SAMPLE, preset: dict = {}, **overrides) -> dict:
+    """The config (as a dict, for a YAML file or `as_config`) of a small job on the
+    transformers backend: greedy, 1024-token context, 16 new tokens; then a test module's
+    `preset` and the call's own overrides, both as `section__key=value`."""
+    return with_overrides({
+        "source": {"dataset": str(dataset)},
+        "model": {"path": str(model_dir)},
+        "engine": {"backend": "transformers", "max_model_len": 1024},
+        "sampling": {"max_tokens": 16, "temperature": 0.0},
+        "output": {"path": str(out)},
+    }, {**preset, **overrides})
 
 
 def as_config(cfg: dict):
     from eagle_data.config import load_config
 
     return load_config(None, [f"{s}.{k}={json.dumps(v)}" for s, sec in cfg.items() for k, v in sec.items()])
+
+
+def job_config(out, model_dir, dataset=SAMPLE, preset: dict = {}, **overrides):
+    return as_config(job_settings(out, model_dir, dataset, preset, **overrides))
+
+
+# Synthetic OUTs (no job): data/ shards of given rows and a manifest with tokenizer ids.
+
+def write_out(root: Path, rows: list[dict], rows_per_shard: int, pad_id: int = 0) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from eagle_data.out.contract import DATA_SCHEMA
+    from eagle_data.out.files import filesystem, write_json
+
+    (root / "data").mkdir(parents=True)
+    for i in range(0, len(rows), rows_per_shard):
+        table = pa.Table.from_pylist(rows[i:i + rows_per_shard], schema=DATA_SCHEMA)
+        pq.write_table(table, root / "data" / f"part-{i // rows_per_shard:05d}.parquet")
+    fs, path = filesystem(str(root))
+    write_json(fs, f"{path}/manifest.json", {"phases": {"generate": {"tokenizer": {
+        "path": "synthetic", "vocab_size": 1000, "eos_ids": [2], "pad_id": pad_id,
+        "reasoning_start_id": 5, "reasoning_end_id": 6}}}})
+    return root
+
+
+def synthetic_row(i: int, n_prompt: int, n_reasoning: int, n_response: int, finish: str,
+                  source: str) -> dict:
+    n_gen = n_reasoning + n_response
+    return {
+        "sample_id": f"s{i:04d}", "conversation_id": f"s{i:04d}", "turn": 0, "source": source,
+        "messages": [{"role": "user", "content": f"question {i}"}],
+        "reasoning": f"thought {i}" if n_reasoning else "", "response": f"answer {i}",
+        "input_ids": [100 + i] * n_prompt + [200 + i] * n_gen,
+        "loss_mask": [0] * n_prompt + [1] * n_gen,
+        "num_prompt_tokens": n_prompt, "num_reasoning_tokens": n_reasoning,
+        "num_response_tokens": n_response, "finish_reason": finish,
+    }
+
+
+def data_rows(out: Path) -> dict[str, dict]:
+    """The data/ rows of an OUT by sample_id, read with plain pyarrow (the reference)."""
+    return {r["sample_id"]: r for r in read(out, "data")}
+
+
+def make_out(out: Path, model_dir, rows_per_shard: int) -> Path:
+    """A real OUT: the job on 20 samples of the bundled sample, on the tiny model."""
+    from eagle_data.job.run import run
+
+    run(job_config(out, model_dir, engine__batch_size=4, sampling__max_tokens=12, source__sample=20,
+                   output__rows_per_shard=rows_per_shard))
+    return out
+
+
+# The same rows in differently laid out files (order-independence tests).
+
+def sharegpt(user, source, system=None, answer="An answer."):
+    turns = ([{"from": "system", "value": system}] if system else []) + [
+        {"from": "human", "value": user}, {"from": "gpt", "value": answer}]
+    return {"conversations": turns, "source": source}
+
+
+def layouts(tmp_path, rows) -> dict[str, list[tuple[str, int | None]]]:
+    """The same rows laid out as differently split, ordered and blocked local files:
+    {format: [(source.dataset, repartition or None)]}. A row's row_id depends on the format
+    (a jsonl line vs a parquet row), so selections compare within a format."""
+    import random
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    write_jsonl(tmp_path / "one.jsonl", rows)
+    shuffled = rows[:]
+    random.Random(7).shuffle(shuffled)
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    for k in range(5):
+        write_jsonl(parts / f"p{k}.jsonl", shuffled[k::5])
+    # Parquet: one file with one row group vs three files with small row groups.
+    table = pa.Table.from_pylist(rows)
+    pq.write_table(table, tmp_path / "all.parquet")
+    pdir = tmp_path / "pq"
+    pdir.mkdir()
+    for k in range(3):
+        pq.write_table(table.take(list(range(k, len(rows), 3))), pdir / f"{k}.parquet", row_group_size=17)
+    return {"jsonl": [(str(tmp_path / "one.jsonl"), None), (str(parts), None), (str(parts / "*.jsonl"), 13)],
+            "parquet": [(str(tmp_path / "all.parquet"), None), (str(pdir), None)]}
+
+
+def read_layout(source_cfg, dataset, repartition):
+    from eagle_data.job.source import read_source
+
+    ds = read_source(source_cfg.model_copy(update={"dataset": dataset}))
+    return ds.repartition(repartition) if repartition else ds

@@ -16,7 +16,7 @@ import ray
 import pytest
 import yaml
 
-from conftest import REPO, as_config, build_babbling_model, read, shards, with_overrides, write_jsonl
+from conftest import REPO, as_config, build_babbling_model, job_settings, read, shards, write_jsonl
 from eagle_data.model_files import load_tokenizer
 from eagle_data.job.run import run
 from eagle_data.tools.verify import verify
@@ -54,19 +54,11 @@ def conversations() -> list[dict]:
     return rows
 
 
-def settings(tmp_path, model_dir, rows, **extra) -> dict:
-    cfg = {
-        "source": {"dataset": str(write_jsonl(tmp_path / "chats.jsonl", rows))},
-        "prompt": {"turns": "all"},
-        "model": {"path": str(model_dir)},
-        # max_model_len - max_tokens = 232 prompt tokens: conversation 5's long third
-        # question does not fit, so that conversation stops at its second turn (or earlier,
-        # when an answer is cut off at max_tokens, which happens to ~0.3% of answers).
-        "engine": {"backend": "transformers", "batch_size": 4, "max_model_len": 256},
-        "sampling": {"max_tokens": 24, "temperature": 1.0, "top_p": 1.0},
-        "output": {"path": str(tmp_path / "out"), "rows_per_shard": 4},
-    }
-    return with_overrides(cfg, extra)
+# max_model_len - max_tokens = 232 prompt tokens: conversation 5's long third question does
+# not fit, so that conversation stops at its second turn (or earlier, when an answer is cut
+# off at max_tokens, which happens to ~0.3% of answers).
+CHATS = dict(prompt__turns="all", engine__batch_size=4, engine__max_model_len=256, sampling__max_tokens=24,
+             sampling__temperature=1.0, sampling__top_p=1.0, output__rows_per_shard=4)
 
 
 
@@ -146,7 +138,7 @@ def check_turns(out, rows: list[dict], tokenizer) -> dict:
 def test_each_turn_is_asked_with_the_targets_own_answers(ray_local, tmp_path, model, request):
     model_dir = request.getfixturevalue(model)
     rows = conversations()
-    result = run(as_config(settings(tmp_path, model_dir, rows)))
+    result = run(as_config(job_settings(tmp_path / "out", model_dir, write_jsonl(tmp_path / "chats.jsonl", rows), preset=CHATS)))
     out = tmp_path / "out"
     tokenizer = load_tokenizer(str(model_dir))
     checked = check_turns(out, rows, tokenizer)
@@ -171,7 +163,7 @@ def test_each_turn_is_asked_with_the_targets_own_answers(ray_local, tmp_path, mo
         raise AssertionError("an engine pass was built with nothing to ask")
 
     files = {f.name for f in shards(out, "data")}
-    again = run(as_config(settings(tmp_path, model_dir, rows)), engine=no_engine)["generate"]
+    again = run(as_config(job_settings(tmp_path / "out", model_dir, write_jsonl(tmp_path / "chats.jsonl", rows), preset=CHATS)), engine=no_engine)["generate"]
     assert again == result["generate"] and {f.name for f in shards(out, "data")} == files
 
     # verify notices a later turn that should have been asked and has no row: a shard of
@@ -191,8 +183,9 @@ def test_kill_between_turns_resumes_without_redoing_finished_turns(ray_local, tm
         {"conversations": [{"from": "human", "value": f"extra {i}.{t}?"} for t in range(3)], "source": "more"}
         for i in range(4)]
     config = tmp_path / "job.yaml"
-    config.write_text(yaml.safe_dump(settings(tmp_path, babbling_qwen3, rows,
-                                              engine__batch_size=1, output__rows_per_shard=1)))
+    config.write_text(yaml.safe_dump(job_settings(
+        tmp_path / "out", babbling_qwen3, write_jsonl(tmp_path / "chats.jsonl", rows),
+        preset=CHATS, engine__batch_size=1, output__rows_per_shard=1)))
     out = tmp_path / "out"
     env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
     command = [sys.executable, "-m", "ray_jobs.generate", "--config", str(config)]

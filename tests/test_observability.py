@@ -14,8 +14,7 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import REPO, SAMPLE
-from eagle_data.config import load_config
+from conftest import REPO, job_config
 from eagle_data.tools.inspect_out import render_sample
 from eagle_data.model_files import load_tokenizer, special_tokens
 from eagle_data.job.run import run
@@ -31,36 +30,50 @@ def table(folder):
     return pads.dataset(files).to_table() if files else None
 
 
+class Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
 @pytest.fixture(scope="module")
 def finished_out(ray_local, tmp_path_factory, tiny_qwen3):
+    """An OUT made by two generate runs, with one prompt the engine fails on (so that the
+    second run has earlier work to count and one sample to retry); the progress lines of
+    each run, and the data/failed tables after it."""
     out = tmp_path_factory.mktemp("obs") / "out"
-    cfg = load_config(None, [
-        f"source.dataset={SAMPLE}", f"model.path={tiny_qwen3}", f"output.path={out}",
-        "engine.backend=transformers", "engine.batch_size=4", "engine.max_model_len=1024",
-        "sampling.max_tokens=10", "sampling.temperature=0", "source.sample=24",
-        "output.rows_per_shard=5", "output.log_every_s=0.2",
-    ])
-    return cfg, out
-
-
-def test_progress_line_counts_are_the_rows_on_disk(finished_out, caplog):
-    cfg, out = finished_out
+    cfg = job_config(out, tiny_qwen3, engine__batch_size=4, sampling__max_tokens=10, source__sample=24,
+                     output__rows_per_shard=5, output__log_every_s=0.2)
     run(cfg, phase="prompts")
-    # One prompt the engine fails on, so that the second run has earlier work to count.
     shard = sorted((out / "prompts").glob("*.parquet"))[0]
     prompts = pq.read_table(shard).to_pylist()
     prompts[0]["tokenized_prompt"] = prompts[0]["tokenized_prompt"] + [10**7]
     pq.write_table(pa.Table.from_pylist(prompts, schema=pq.read_schema(shard)), shard)
-
-    for attempt in (1, 2):
-        caplog.clear()
-        with caplog.at_level(logging.INFO, logger="eagle_data"):
+    runs = []
+    logger = logging.getLogger("eagle_data")
+    for _ in range(2):
+        handler, level = Lines(), logger.level
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        try:
             run(cfg, phase="generate")
-        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("progress:")]
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+        runs.append(([line for line in handler.lines if line.startswith("progress:")],
+                     table(out / "data"), table(out / "failed")))
+    return out, runs
+
+
+def test_progress_line_counts_are_the_rows_on_disk(finished_out):
+    out, runs = finished_out
+    manifest = json.loads((out / "manifest.json").read_text())
+    for attempt, (lines, data, failed_rows) in enumerate(runs, 1):
         assert lines, "no progress line"
         done, total, ok, failed, mean, p95, length_pct = map(float, PROGRESS.search(lines[-1]).groups())
-        data, failed_rows = table(out / "data"), table(out / "failed")
-        manifest = json.loads((out / "manifest.json").read_text())
         assert total == manifest["phases"]["prompts"]["counts"]["prompts"]
         if attempt == 1:
             assert (ok, failed) == (data.num_rows, 1) and done == data.num_rows + 1
@@ -78,9 +91,7 @@ def test_progress_line_counts_are_the_rows_on_disk(finished_out, caplog):
 
 
 def test_report_matches_a_recount_of_the_shards(finished_out):
-    cfg, out = finished_out
-    if not (out / "data").exists():
-        run(cfg)
+    out, _ = finished_out
     subprocess.run([sys.executable, "-m", "eagle_data", "report", str(out)], cwd=REPO, check=True,
                    capture_output=True)
     report = json.loads((out / "report.json").read_text())
@@ -89,7 +100,7 @@ def test_report_matches_a_recount_of_the_shards(finished_out):
     c = report["counts"]
     assert (c["ok"], c["prompts"], c["skipped"]) == (data.num_rows, prompts.num_rows, skipped.num_rows)
     assert c["selected"] == prompts.num_rows + skipped.num_rows
-    assert c["failed_rows"] == (failed.num_rows if failed is not None else 0)
+    assert c["failed_rows"] == failed.num_rows == 2
     finish = data.column("finish_reason").to_pylist()
     assert report["finish_reasons"] == {k: finish.count(k) for k in set(finish)}
     reasons = skipped.column("reason").to_pylist()
@@ -110,9 +121,7 @@ def test_report_matches_a_recount_of_the_shards(finished_out):
 
 
 def test_inspect_shows_a_known_sample(finished_out):
-    cfg, out = finished_out
-    if not (out / "data").exists():
-        run(cfg)
+    out, _ = finished_out
     row = table(out / "data").slice(0, 1).to_pylist()[0]
     shown = subprocess.run([sys.executable, "-m", "eagle_data", "inspect", str(out),
                             "--sample-id", row["sample_id"]], cwd=REPO, check=True,

@@ -9,12 +9,11 @@ from collections import Counter
 
 import pytest
 
-from conftest import SAMPLE
+from conftest import SAMPLE, job_config, layouts, read_layout, sharegpt
 from eagle_data.config import ConfigError, load_config
 from eagle_data.out.manifest import OutputMismatch, prompt_config
 from eagle_data.job.run import run
-from eagle_data.job.source import sample_scores, select_per_source, source_quotas
-from test_prompts_phase import layouts, make_cfg, read_layout, sharegpt
+from eagle_data.job.sample import sample_scores, select_per_source, source_quotas
 
 # --- quotas: pure arithmetic on the per-source row counts ---------------------------------
 
@@ -126,8 +125,8 @@ def expected_selection(all_rows, quotas, seed):
 
 
 def test_selection_is_per_source_smallest_scores_whatever_the_layout(ray_local, tmp_path):
-    cfg = make_cfg(tmp_path, "/unused", "/unused", "source.sample=60",
-                   "source.per_source={max_rows: 25, weights: {'*': 1, metamath: 0.5}}").source
+    cfg = job_config(tmp_path / "out", "/unused", "/unused", source__sample=60,
+                     source__per_source={"max_rows": 25, "weights": {"*": 1, "metamath": 0.5}}).source
     available = {"": 6, "big": 200, "metamath": 40, "mid": 60, "small": 8}
     quotas = source_quotas(available, 60, 25, {"*": 1, "metamath": 0.5})
     assert quotas == {"": 6, "big": 19, "metamath": 9, "mid": 18, "small": 8}
@@ -144,7 +143,7 @@ def test_selection_is_per_source_smallest_scores_whatever_the_layout(ray_local, 
 
 
 def test_selection_at_quota_q_is_within_selection_at_q_plus_1(ray_local, tmp_path):
-    cfg = make_cfg(tmp_path, "/unused", "/unused", "source.per_source.max_rows=9").source
+    cfg = job_config(tmp_path / "out", "/unused", "/unused", source__per_source={"max_rows": 9}).source
     dataset, repartition = layouts(tmp_path, skewed_rows())["jsonl"][2]  # 13 blocks from 5 files
 
     def selected(max_rows):
@@ -178,8 +177,8 @@ def sources_of_sample() -> Counter:
 
 def test_prompts_phase_with_per_source_on_the_bundled_sample(ray_local, tmp_path, qwen3_tokenizer_dir):
     weights = {"*": 1, "meta-math/MetaMathQA": 0.5, "malformed-test": 0}
-    per_source = "source.per_source={max_rows: 4, weights: {'*': 1, meta-math/MetaMathQA: 0.5, malformed-test: 0}}"
-    cfg = make_cfg(tmp_path, qwen3_tokenizer_dir, SAMPLE, "source.sample=20", per_source)
+    cfg = job_config(tmp_path / "out", qwen3_tokenizer_dir, source__sample=20, sampling__max_tokens=256,
+                     source__per_source={"max_rows": 4, "weights": weights})
     counts = run(cfg, phase="prompts")["prompts"]
 
     available = dict(sources_of_sample())
@@ -203,7 +202,7 @@ def test_prompts_phase_with_per_source_on_the_bundled_sample(ray_local, tmp_path
         assert figures["selected"] == quotas[source] == figures.get("prompts", 0) + figures.get("skipped", 0)
 
     # Another per_source setting would select other rows: refused for this OUT.
-    changed = make_cfg(tmp_path, qwen3_tokenizer_dir, SAMPLE, "source.sample=20",
-                       per_source.replace("max_rows: 4", "max_rows: 3"))
+    changed = job_config(tmp_path / "out", qwen3_tokenizer_dir, source__sample=20, sampling__max_tokens=256,
+                         source__per_source={"max_rows": 3, "weights": weights})
     with pytest.raises(OutputMismatch, match=r"changed: source\.per_source\)"):
         run(changed, phase="prompts")

@@ -10,26 +10,14 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import SAMPLE, write_jsonl
+from conftest import SAMPLE, job_config, layouts, read_layout, sharegpt, write_jsonl
 from conftest import read as read_rows
-from eagle_data.config import load_config
 from eagle_data.out.manifest import OutputMismatch
 from eagle_data.job.run import run
-from eagle_data.job.source import read_source, select_sample
+from eagle_data.job.sample import select_sample
 
 
-def make_cfg(tmp_path, tokenizer_dir, dataset, *sets):
-    return load_config(None, [
-        f"source.dataset={dataset}", f"model.path={tokenizer_dir}", f"output.path={tmp_path / 'out'}",
-        "engine.backend=transformers", "engine.max_model_len=1024", "sampling.max_tokens=256",
-        "output.rows_per_shard=16", *sets,
-    ])
-
-
-def sharegpt(user, source, system=None, answer="An answer."):
-    turns = ([{"from": "system", "value": system}] if system else []) + [
-        {"from": "human", "value": user}, {"from": "gpt", "value": answer}]
-    return {"conversations": turns, "source": source}
+PROMPTS = dict(sampling__max_tokens=256, output__rows_per_shard=16)  # the model: a tokenizer folder
 
 
 # Each crafted row's `source` names the skip reason it must get.
@@ -76,7 +64,7 @@ def test_prompts_match_chat_template_and_every_row_is_accounted(
                for r in CRAFTED]
     path = write_jsonl(tmp_path / "rows.jsonl", rows + crafted)
     n_rows = len(rows) + len(crafted)
-    cfg = make_cfg(tmp_path, tokenizer_dir, path)
+    cfg = job_config(tmp_path / "out", tokenizer_dir, path, preset=PROMPTS)
     counts = run(cfg, phase="prompts")["prompts"]
 
     out = tmp_path / "out"
@@ -117,8 +105,8 @@ def test_prompts_match_chat_template_and_every_row_is_accounted(
 
 def test_chat_template_kwargs_reach_the_template(ray_local, tmp_path, qwen3_tokenizer_dir):
     path = write_jsonl(tmp_path / "r.jsonl", [sharegpt(f"Question {i}?", "s") for i in range(5)])
-    cfg = make_cfg(tmp_path, qwen3_tokenizer_dir, path,
-                   "prompt.chat_template_kwargs={enable_thinking: false}")
+    cfg = job_config(tmp_path / "out", qwen3_tokenizer_dir, path, preset=PROMPTS,
+                     prompt__chat_template_kwargs={"enable_thinking": False})
     run(cfg, phase="prompts")
     tokenizer = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir)
     closed = tokenizer.encode("<think>\n\n</think>\n\n", add_special_tokens=False)
@@ -134,35 +122,8 @@ def _rows(n):
             for i in range(n)]
 
 
-def layouts(tmp_path, rows) -> dict[str, list[tuple[str, int | None]]]:
-    """The same rows laid out as differently split, ordered and blocked local files:
-    {format: [(source.dataset, repartition or None)]}. A row's row_id depends on the format
-    (a jsonl line vs a parquet row), so selections compare within a format."""
-    write_jsonl(tmp_path / "one.jsonl", rows)
-    shuffled = rows[:]
-    random.Random(7).shuffle(shuffled)
-    parts = tmp_path / "parts"
-    parts.mkdir()
-    for k in range(5):
-        write_jsonl(parts / f"p{k}.jsonl", shuffled[k::5])
-    # Parquet: one file with one row group vs three files with small row groups.
-    table = pa.Table.from_pylist(rows)
-    pq.write_table(table, tmp_path / "all.parquet")
-    pdir = tmp_path / "pq"
-    pdir.mkdir()
-    for k in range(3):
-        pq.write_table(table.take(list(range(k, len(rows), 3))), pdir / f"{k}.parquet", row_group_size=17)
-    return {"jsonl": [(str(tmp_path / "one.jsonl"), None), (str(parts), None), (str(parts / "*.jsonl"), 13)],
-            "parquet": [(str(tmp_path / "all.parquet"), None), (str(pdir), None)]}
-
-
-def read_layout(cfg, dataset, repartition):
-    ds = read_source(cfg.model_copy(update={"dataset": dataset}))
-    return ds.repartition(repartition) if repartition else ds
-
-
 def test_sample_does_not_depend_on_files_blocks_or_order(ray_local, tmp_path):
-    cfg = make_cfg(tmp_path, "/unused", "/unused").source
+    cfg = job_config(tmp_path / "out", "/unused", "/unused", preset=PROMPTS).source
 
     def selected(layout, seed=3):
         return sorted(select_sample(read_layout(cfg, *layout), 50, seed=seed).to_pandas()["row_id"])
@@ -178,8 +139,8 @@ def test_parquet_in_open_perfectblend_schema(ray_local, tmp_path, qwen3_tokenize
     """The hub dataset's layout: conversations list<struct<from, value>> + source."""
     rows = _rows(30)
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train-00000-of-00001.parquet")
-    cfg = make_cfg(tmp_path, qwen3_tokenizer_dir, tmp_path / "train-00000-of-00001.parquet",
-                   "source.sample=10")
+    cfg = job_config(tmp_path / "out", qwen3_tokenizer_dir, tmp_path / "train-00000-of-00001.parquet", preset=PROMPTS,
+                     source__sample=10)
     counts = run(cfg, phase="prompts")["prompts"]
     assert counts == {"selected": 10, "prompts": 10, "skipped": 0, "skipped_by_reason": {}, "user_turns": 10,
                       "prompt_tokens": counts["prompt_tokens"]}
@@ -190,7 +151,7 @@ def test_parquet_in_open_perfectblend_schema(ray_local, tmp_path, qwen3_tokenize
 
 def test_rerun_reuses_and_a_changed_prompt_config_is_refused(ray_local, tmp_path, qwen3_tokenizer_dir):
     path = write_jsonl(tmp_path / "r.jsonl", _rows(40))
-    cfg = make_cfg(tmp_path, qwen3_tokenizer_dir, path, "source.sample=20")
+    cfg = job_config(tmp_path / "out", qwen3_tokenizer_dir, path, preset=PROMPTS, source__sample=20)
     first = run(cfg, phase="prompts")["prompts"]
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     run_id = manifest["phases"]["prompts"]["run_id"]
@@ -201,11 +162,11 @@ def test_rerun_reuses_and_a_changed_prompt_config_is_refused(ray_local, tmp_path
     assert manifest["phases"]["prompts"]["run_id"] == run_id
     assert sorted(p.name for p in (tmp_path / "out" / "prompts").iterdir()) == files
 
-    changed = make_cfg(tmp_path, qwen3_tokenizer_dir, path, "source.sample=20", "source.seed=9")
+    changed = job_config(tmp_path / "out", qwen3_tokenizer_dir, path, preset=PROMPTS, source__sample=20, source__seed=9)
     with pytest.raises(OutputMismatch, match=r"changed: source\.seed\).*--fresh"):
         run(changed, phase="prompts")
     # Operational settings do not count as a change.
-    run(make_cfg(tmp_path, qwen3_tokenizer_dir, path, "source.sample=20", "engine.replicas=3"),
+    run(job_config(tmp_path / "out", qwen3_tokenizer_dir, path, preset=PROMPTS, source__sample=20, engine__replicas=3),
         phase="prompts")
 
     again = run(changed, phase="prompts", fresh=True)["prompts"]
@@ -217,7 +178,7 @@ def test_rerun_reuses_and_a_changed_prompt_config_is_refused(ray_local, tmp_path
 def test_unfinished_prompts_phase_is_redone(ray_local, tmp_path, qwen3_tokenizer_dir):
     """A killed prompts phase leaves status=running and maybe some shards: a rerun starts over."""
     path = write_jsonl(tmp_path / "r.jsonl", _rows(30))
-    cfg = make_cfg(tmp_path, qwen3_tokenizer_dir, path)
+    cfg = job_config(tmp_path / "out", qwen3_tokenizer_dir, path, preset=PROMPTS)
     run(cfg, phase="prompts")
     out = tmp_path / "out"
     manifest = json.loads((out / "manifest.json").read_text())

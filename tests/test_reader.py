@@ -7,68 +7,19 @@ import functools
 from collections import Counter
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.dataset as pads
-import pyarrow.parquet as pq
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from conftest import SAMPLE
-from eagle_data.config import load_config
-from eagle_data.job.run import run
-from eagle_data.job.postprocess import DATA_SCHEMA
+from conftest import data_rows, make_out, synthetic_row, write_out
+from eagle_data.out.contract import DATA_SCHEMA
 from eagle_data.reader import Out, OutDataset, OutIterableDataset, collate
-from eagle_data.out.files import filesystem, write_json
-
-
-def make_out(tmp_path_factory, model_dir, rows_per_shard: int) -> Path:
-    out = tmp_path_factory.mktemp("reader") / "out"
-    run(load_config(None, [
-        f"source.dataset={SAMPLE}", f"model.path={model_dir}", f"output.path={out}",
-        "engine.backend=transformers", "engine.batch_size=4", "engine.max_model_len=1024",
-        "sampling.max_tokens=12", "sampling.temperature=0", "source.sample=20",
-        f"output.rows_per_shard={rows_per_shard}",
-    ]))
-    return out
-
-
-def write_out(root: Path, rows: list[dict], rows_per_shard: int, pad_id: int = 0) -> Path:
-    """A synthetic OUT: data/ shards of DATA_SCHEMA rows and a manifest with the tokenizer ids."""
-    (root / "data").mkdir(parents=True)
-    for i in range(0, len(rows), rows_per_shard):
-        table = pa.Table.from_pylist(rows[i:i + rows_per_shard], schema=DATA_SCHEMA)
-        pq.write_table(table, root / "data" / f"part-{i // rows_per_shard:05d}.parquet")
-    fs, path = filesystem(str(root))
-    write_json(fs, f"{path}/manifest.json", {"phases": {"generate": {"tokenizer": {
-        "path": "synthetic", "vocab_size": 1000, "eos_ids": [2], "pad_id": pad_id,
-        "reasoning_start_id": 5, "reasoning_end_id": 6}}}})
-    return root
-
-
-def synthetic_row(i: int, n_prompt: int, n_reasoning: int, n_response: int, finish: str,
-                  source: str) -> dict:
-    n_gen = n_reasoning + n_response
-    return {
-        "sample_id": f"s{i:04d}", "source": source,
-        "messages": [{"role": "user", "content": f"question {i}"}],
-        "reasoning": f"thought {i}" if n_reasoning else "", "response": f"answer {i}",
-        "input_ids": [100 + i] * n_prompt + [200 + i] * n_gen,
-        "loss_mask": [0] * n_prompt + [1] * n_gen,
-        "num_prompt_tokens": n_prompt, "num_reasoning_tokens": n_reasoning,
-        "num_response_tokens": n_response, "finish_reason": finish,
-    }
 
 
 @pytest.fixture(scope="module")
 def out(ray_local, tiny_qwen3, tmp_path_factory) -> Path:
-    return make_out(tmp_path_factory, tiny_qwen3, rows_per_shard=4)
-
-
-def data_rows(out: Path) -> dict[str, dict]:
-    """The data/ rows of an OUT by sample_id, read with plain pyarrow (the reference)."""
-    table = pads.dataset(sorted((out / "data").glob("*.parquet"))).to_table()
-    return {r["sample_id"]: r for r in table.to_pylist()}
+    return make_out(tmp_path_factory.mktemp("reader") / "out", tiny_qwen3, rows_per_shard=4)
 
 
 @pytest.fixture(scope="module")

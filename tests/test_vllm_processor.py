@@ -21,12 +21,7 @@ def kimi(monkeypatch):
     return load_config(KIMI)
 
 
-def test_kimi_config_is_the_production_run(kimi):
-    assert kimi.model.path == "moonshotai/Kimi-K2.5" and kimi.model.trust_remote_code
-    assert kimi.engine.backend == "vllm" and kimi.engine.tensor_parallel_size == 8
-    assert kimi.sampling.max_tokens == 8192 and kimi.source.sample == 25000
-    assert kimi.engine.max_model_len >= kimi.sampling.max_tokens + 2048
-    assert kimi.model.reasoning_end == "</think>"
+def test_kimi_config_keeps_the_engine_fed(kimi):
     engine = kimi.engine
     assert engine.batch_size * engine.max_concurrent_batches >= \
         feed_factor(engine.batch_size) * engine.engine_kwargs["max_num_seqs"]

@@ -14,32 +14,20 @@ reasoning tokens are the generated tokens up to and including it, response token
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import pyarrow as pa
 
-from eagle_data.model_files import load_tokenizer
-from eagle_data.job.prompts import MESSAGE_TYPE
+from eagle_data.config import Config
+from eagle_data.job.columns import require
+from eagle_data.model_files import SpecialTokens, load_tokenizer
+from eagle_data.job.engines import ENGINE_ERROR
+from eagle_data.out.contract import DATA_SCHEMA, ERROR, IDS
 
-DATA_SCHEMA = pa.schema([
-    ("sample_id", pa.string()),
-    # The conversation and which of its user turns this row answers (0 = the first);
-    # under turns: first_user, conversation_id = sample_id and turn = 0.
-    ("conversation_id", pa.string()),
-    ("turn", pa.int32()),
-    ("source", pa.string()),
-    ("messages", MESSAGE_TYPE),
-    ("reasoning", pa.string()),
-    ("response", pa.string()),
-    ("input_ids", pa.list_(pa.int32())),
-    ("loss_mask", pa.list_(pa.int8())),
-    ("num_prompt_tokens", pa.int32()),
-    ("num_reasoning_tokens", pa.int32()),
-    ("num_response_tokens", pa.int32()),
-    ("finish_reason", pa.string()),
-])
-OUT_SCHEMA = DATA_SCHEMA.append(pa.field("error", pa.string()))
-IDS = ("sample_id", "conversation_id", "turn", "source")  # carried by every row
+# What the stage makes: data/'s columns and the error ("" on ok rows; a failed row keeps
+# only IDS and the error).
+OUT_SCHEMA = DATA_SCHEMA.append(pa.field(ERROR, pa.string()))
 
 
 def reasoning_split(prompt: np.ndarray, generated: np.ndarray,
@@ -81,6 +69,9 @@ def _list_parts(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndar
 
 @dataclass(frozen=True)
 class Postprocessor:
+    requires: ClassVar = ("prompt_token_ids", "generated_tokens", ENGINE_ERROR, *IDS, "messages")
+    produces: ClassVar = OUT_SCHEMA
+
     tokenizer_path: str
     trust_remote_code: bool
     eos_ids: tuple[int, ...]
@@ -88,8 +79,15 @@ class Postprocessor:
     reasoning_end_id: int | None
     train_on: str  # "generated" | "response"
 
+    @classmethod
+    def from_config(cls, cfg: Config, special: SpecialTokens) -> "Postprocessor":
+        return cls(tokenizer_path=cfg.model.tokenizer_path, trust_remote_code=cfg.model.trust_remote_code,
+                   eos_ids=special.eos_ids, reasoning_start_id=special.reasoning_start_id,
+                   reasoning_end_id=special.reasoning_end_id, train_on=cfg.mask.train_on)
+
     def __call__(self, batch: pa.Table) -> pa.Table:
-        errors = batch.column("__inference_error__").to_pylist()
+        require("postprocess stage", batch, self.requires)
+        errors = batch.column(ENGINE_ERROR).to_pylist()
         ok_idx = [i for i, e in enumerate(errors) if not e]
         failed_idx = [i for i, e in enumerate(errors) if e]
         parts = []
@@ -99,7 +97,7 @@ class Postprocessor:
             failed = batch.take(failed_idx)
             parts.append(pa.table({
                 **{c: failed.column(c) for c in IDS},
-                "error": failed.column("__inference_error__"),
+                ERROR: failed.column(ENGINE_ERROR),
             }))
         if not parts:
             return OUT_SCHEMA.empty_table()
@@ -165,7 +163,7 @@ class Postprocessor:
             "num_reasoning_tokens": pa.array(n_reasoning),
             "num_response_tokens": pa.array((g_len - n_reasoning).astype(np.int32)),
             "finish_reason": pa.array(finish.tolist(), pa.string()),
-            "error": pa.array([""] * n, pa.string()),
+            ERROR: pa.array([""] * n, pa.string()),
         })
 
 

@@ -12,10 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from typing import ClassVar
 
 import pyarrow as pa
 
+from eagle_data.config import Config
+from eagle_data.job.columns import require
 from eagle_data.model_files import control_token_pattern, load_tokenizer
+from eagle_data.out.contract import PROMPTS_SCHEMA, SKIPPED_SCHEMA
 
 ROLES = {
     "system": "system",
@@ -27,22 +31,10 @@ ROLES = {
     "model": "assistant",
 }
 
-# `reasoning_content` is set only on the target's own earlier answers (turns: all), the
-# field OpenAI-style clients and chat templates (Qwen3, Kimi) use for an answer's reasoning.
-MESSAGE_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string()),
-                                   ("reasoning_content", pa.string())]))
-PROMPT_SCHEMA = pa.schema([
-    ("row_id", pa.string()),
-    ("sample_id", pa.string()),
-    ("source", pa.string()),
-    ("messages", MESSAGE_TYPE),
-    ("user_turns", pa.list_(pa.string())),
-    ("tokenized_prompt", pa.list_(pa.int32())),
-    ("num_prompt_tokens", pa.int32()),
-    ("reason", pa.string()),
-    ("detail", pa.string()),
-    ("raw", pa.string()),
-])
+# What the stage makes: every column of prompts/ and of skipped/ (the phase splits rows by
+# `reason`: "" goes to prompts/).
+PROMPT_SCHEMA = pa.schema(
+    [*PROMPTS_SCHEMA, *(f for f in SKIPPED_SCHEMA if f.name not in PROMPTS_SCHEMA.names)])
 
 
 class Skip(Exception):
@@ -129,7 +121,14 @@ class PromptRenderer:
     tokenizer_path: str
     trust_remote_code: bool
     chat_template_kwargs: dict
-    max_prompt_tokens: int  # engine.max_model_len - sampling.max_tokens
+    max_prompt_tokens: int  # Config.max_prompt_tokens
+
+    @staticmethod
+    def fields(cfg: Config) -> dict:
+        """The renderer's fields from the config (what every subclass shares)."""
+        return {"tokenizer_path": cfg.model.tokenizer_path, "trust_remote_code": cfg.model.trust_remote_code,
+                "chat_template_kwargs": cfg.prompt.chat_template_kwargs,
+                "max_prompt_tokens": cfg.max_prompt_tokens}
 
     def render(self, conversations: list[list[dict]]) -> list[tuple[list[int] | None, str, str]]:
         """(ids, reason, detail) per conversation: reason "" when usable, `template_error`
@@ -160,11 +159,20 @@ class PromptRenderer:
 class PromptBuilder(PromptRenderer):
     """The prompts stage."""
 
+    requires: ClassVar = ("row_id", "source", "raw")
+    produces: ClassVar = PROMPT_SCHEMA
+
     reasoning_markers: tuple[str, ...] = ()
     turns: str = "first_user"  # prompt.turns
     max_turns: int | None = None  # prompt.max_turns
 
+    @classmethod
+    def from_config(cls, cfg: Config) -> "PromptBuilder":
+        return cls(**cls.fields(cfg), reasoning_markers=(cfg.model.reasoning_start, cfg.model.reasoning_end),
+                   turns=cfg.prompt.turns, max_turns=cfg.prompt.max_turns)
+
     def __call__(self, batch: pa.Table) -> pa.Table:
+        require("prompts stage", batch, self.requires)
         control = control_token_pattern(
             self.tokenizer_path, self.trust_remote_code, self.reasoning_markers
         )

@@ -1,4 +1,9 @@
-"""Bounded queues between the generate stream's operators (driver memory).
+"""Everything that depends on Ray 2.60's internals, in one place: bounded queues between the
+generate stream's operators (driver memory) and small Parquet read tasks.
+
+`ray.data._internal` and the `RAY_DATA_PARQUET_BIN_PACKING_BYTES` variable are not public
+API. `check_ray_version` (called at import) compares the installed Ray with the pin in
+pyproject.toml and says what to do when they differ.
 
 Ray Data's own backpressure limits what an operator runs ahead in object-store bytes (a
 share of the object store), and prompts are small: the whole OUT/prompts is read,
@@ -12,21 +17,41 @@ section 4). Here an operator starts no new task while `max_blocks` blocks wait b
 and the operator after it (or the driver, for the last one); and the prompts are read in
 tasks of about one shard, since a running task's output is not held back. That bounds
 the queued blocks by the engine's in-flight size plus a few read tasks, not the dataset.
-
-`ray.data._internal` is not a public API: checked against the Ray pinned in pyproject.toml.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pyarrow.fs as pafs
 import ray
-from ray.data._internal.execution.backpressure_policy import (
-    ENABLED_BACKPRESSURE_POLICIES,
-    ENABLED_BACKPRESSURE_POLICIES_CONFIG_KEY,
-    BackpressurePolicy,
-)
+
+from eagle_data.errors import EagleDataError
+
+log = logging.getLogger("eagle_data")
+
+PINNED_RAY = "2.60.0"  # = pyproject.toml's ray pin
+
+
+def check_ray_version(installed: str = ray.__version__) -> None:
+    if installed != PINNED_RAY:
+        log.warning("Ray %s is installed; eagle-data is built and tested on Ray %s, and %s uses "
+                    "its internals (backpressure policies, the Parquet read-task size). Install "
+                    "ray==%s, or check this module against the installed Ray.",
+                    installed, PINNED_RAY, __name__, PINNED_RAY)
+
+
+check_ray_version()
+try:
+    from ray.data._internal.execution.backpressure_policy import (
+        ENABLED_BACKPRESSURE_POLICIES,
+        ENABLED_BACKPRESSURE_POLICIES_CONFIG_KEY,
+        BackpressurePolicy,
+    )
+except ImportError as e:
+    raise EagleDataError(f"Ray {ray.__version__} lacks the backpressure-policy API of Ray {PINNED_RAY} "
+                         f"({e}): install ray=={PINNED_RAY}") from None
 
 MAX_QUEUED_BLOCKS = "eagle_data.max_queued_blocks"
 # Ray's Parquet reader packs files into read tasks of up to this many uncompressed bytes
@@ -40,7 +65,7 @@ class QueuedBlocksCap(BackpressurePolicy):
 
     Running tasks are not paused (a paused task keeps its CPU, which the operators after
     it may need: a deadlock on a small node), so a read task's batches count in full:
-    `read_prompts` keeps read tasks small."""
+    `read_parquet_in_small_tasks` keeps read tasks small."""
 
     def can_add_input(self, op) -> bool:
         limit = self._data_context.get_config(MAX_QUEUED_BLOCKS)
@@ -60,7 +85,7 @@ def bound_queues(ds: ray.data.Dataset, max_blocks: int) -> None:
         ctx.set_config(ENABLED_BACKPRESSURE_POLICIES_CONFIG_KEY, [*policies, QueuedBlocksCap])
 
 
-def read_prompts(files: list[str], fs: pafs.FileSystem, columns: list[str]) -> ray.data.Dataset:
+def read_parquet_in_small_tasks(files: list[str], fs: pafs.FileSystem, columns: list[str]) -> ray.data.Dataset:
     """`read_parquet` in read tasks of about one prompts shard (READ_TASK_BYTES) each."""
     before = os.environ.get(BIN_BYTES_ENV)
     os.environ[BIN_BYTES_ENV] = str(READ_TASK_BYTES)

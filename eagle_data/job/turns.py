@@ -1,6 +1,6 @@
 """Turn policy `all`: every user turn answered by the target, conditioned on its own answers.
 
-The generate phase makes one engine pass per turn depth (eagle_data/generate.py). The
+The generate phase makes one engine pass per turn depth (eagle_data/job/generate_phase.py). The
 pass for turn d starts from the published data/ rows of turn d-1: each row's prompt
 messages, plus the target's answer to them, plus the conversation's next user text, make
 turn d's conversation, which the chat template renders as a chat client would send it back
@@ -18,35 +18,23 @@ for turns that cannot be asked: the conversation stops there, recorded in stoppe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import ray
 
-from eagle_data.job.prompts import MESSAGE_TYPE, PromptRenderer
+from eagle_data.config import Config
+from eagle_data.job.columns import require
+from eagle_data.job.prompts import PromptRenderer
+from eagle_data.out.contract import DATA_SCHEMA, IDS, MESSAGE_TYPE, PROMPTS_SCHEMA, STOPPED_SCHEMA, turn_sample_ids
 from eagle_data.out.shards import shard_files
 
-TURN_SCHEMA = pa.schema([
-    ("sample_id", pa.string()), ("conversation_id", pa.string()), ("turn", pa.int32()),
-    ("source", pa.string()), ("messages", MESSAGE_TYPE), ("tokenized_prompt", pa.list_(pa.int32())),
-    ("reason", pa.string()), ("detail", pa.string()),
-])
-STOPPED_SCHEMA = pa.schema([TURN_SCHEMA.field(n) for n in
-                            ("sample_id", "conversation_id", "turn", "source", "reason", "detail")]
-                           ).append(pa.field("run_id", pa.string()))
+# What the stage makes: a turn's prompt, or why it cannot be asked (`reason` != "").
+TURN_SCHEMA = pa.schema([*(DATA_SCHEMA.field(n) for n in (*IDS, "messages")),
+                         PROMPTS_SCHEMA.field("tokenized_prompt"), *(STOPPED_SCHEMA.field(n) for n in ("reason", "detail"))])
 PREVIOUS_COLUMNS = ["conversation_id", "turn", "source", "messages", "reasoning", "response", "finish_reason"]
-
-
-SEPARATOR = "-"  # a turn's sample_id under turns: all is <conversation_id>-<turn>
-
-
-def turn_sample_id(conversation_id: str, turn: int) -> str:
-    return f"{conversation_id}{SEPARATOR}{turn}"
-
-
-def turn_sample_ids(conversation_ids: pa.Array | pa.ChunkedArray, turn: int) -> pa.Array:
-    return pc.binary_join_element_wise(conversation_ids, pa.scalar(str(turn)), SEPARATOR)
 
 
 def next_user_texts(fs, prompts_folder: str, turn: int) -> pa.Table:
@@ -77,11 +65,19 @@ def message(role: str, content: str, reasoning: str | None = None) -> dict:
 class TurnBuilder(PromptRenderer):
     """Builds turn `turn`'s prompts from turn `turn - 1`'s data/ rows (see module docstring)."""
 
+    requires: ClassVar = tuple(PREVIOUS_COLUMNS)
+    produces: ClassVar = TURN_SCHEMA
+
     turn: int = 1
     next_users: ray.ObjectRef | None = None  # next_user_texts(..., turn), put once by the driver
     finished: ray.ObjectRef | None = None  # sample_ids not to redo
 
+    @classmethod
+    def from_config(cls, cfg: Config, turn: int, next_users: ray.ObjectRef, finished: ray.ObjectRef) -> "TurnBuilder":
+        return cls(**cls.fields(cfg), turn=turn, next_users=next_users, finished=finished)
+
     def __call__(self, batch: pa.Table) -> pa.Table:
+        require("turn stage", batch, self.requires)
         users = ray.get(self.next_users)
         where = pc.index_in(batch.column("conversation_id"), value_set=users.column("conversation_id"))
         has_next = pc.is_valid(where)

@@ -7,28 +7,25 @@ import json
 import logging
 import os
 import socket
-import time
 import uuid
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from eagle_data.out import manifest as mf
 from eagle_data.config import Config
+from eagle_data.errors import EagleDataError, NotAnOut, NotWritable
+from eagle_data.out.contract import FOLDERS, MANIFEST
 from eagle_data.out.files import STAGING, filesystem
 from eagle_data.out.shards import ShardWriter, shard_files
 
 log = logging.getLogger("eagle_data")
 
-FOLDERS = ("prompts", "skipped", "data", "failed", "stopped")
 QUARANTINE = "quarantine"
 
 
-def new_run_id() -> str:
-    return time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
-
-
-class OutputLocked(RuntimeError):
+class OutputLocked(EagleDataError):
     """Another run is writing this OUT: two writers would break exactly-once."""
 
 
@@ -36,6 +33,15 @@ class Output:
     def __init__(self, path: str):
         self.fs, self.root = filesystem(path)
         self.manifest = mf.Manifest(self.fs, self.root)
+
+    @classmethod
+    def existing(cls, path: str) -> "Output":
+        """An OUT a tool reads: refused unless a job made it (it has a manifest.json)."""
+        out = cls(path)
+        if not out.manifest.exists:
+            info = out.fs.get_file_info(out.root)
+            raise NotAnOut(path, "no such folder" if info.type == pafs.FileType.NotFound else f"no {MANIFEST}")
+        return out
 
     def folder(self, name: str) -> str:
         return f"{self.root}/{name}"
@@ -67,7 +73,7 @@ class Output:
                 f.write(b"ok")
             self.fs.delete_file(probe)
         except OSError as e:
-            raise PermissionError(
+            raise NotWritable(
                 f"output.path {self.root} is not writable ({e}); choose another output.path"
             ) from None
 
@@ -115,7 +121,7 @@ class Output:
                     log.warning("quarantined unreadable shard %s -> %s (%s)", path, dest, e)
                     moved.append(path)
                     if folder in ("prompts", "skipped"):
-                        self.manifest.phase("prompts")["status"] = "damaged"
+                        self.manifest.mark_prompts("damaged")
         if moved:
             self.manifest.save()
         return moved

@@ -1,25 +1,36 @@
-"""OUT/manifest.json: what made this OUT, and what each phase and run produced."""
+"""OUT/manifest.json: what made this OUT, and what each phase and run produced.
+
+Its shape is described in out/contract.py. A phase records each run the same way
+(`start_run` ... `finish_run`): the run's whole config and the library versions go into
+the run's record, so a reader always sees the settings of the latest run (a rerun with
+`--set output.max_attempts=5` is read back as 5). Readers use the typed accessors below.
+"""
 
 from __future__ import annotations
 
 import datetime
-import hashlib
-import json
 import importlib.metadata
+import json
 import platform
+import time
+import uuid
 
 from eagle_data.config import Config
+from eagle_data.errors import EagleDataError
+from eagle_data.out.contract import MANIFEST, MANIFEST_VERSION
 from eagle_data.out.files import read_json, write_json
 
-SCHEMA_VERSION = 1
 
-
-class OutputMismatch(RuntimeError):
+class OutputMismatch(EagleDataError):
     """OUT was made with a config that the current one would silently mix with."""
 
 
 def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
 
 
 def library_versions() -> dict:
@@ -35,27 +46,112 @@ def library_versions() -> dict:
 class Manifest:
     def __init__(self, fs, out: str):
         self.fs, self.out = fs, out
-        self.path = f"{out}/manifest.json"
-        self.data = read_json(fs, self.path) or {"schema_version": SCHEMA_VERSION, "phases": {}}
+        self.path = f"{out}/{MANIFEST}"
+        found = read_json(fs, self.path)
+        self.exists = found is not None
+        self.data = found or {"schema_version": MANIFEST_VERSION}
+        self.data.setdefault("phases", {})
+        version = self.data.get("schema_version", 1)
+        if version > MANIFEST_VERSION:
+            raise EagleDataError(f"{self.path} has schema_version {version}; this eagle-data reads up "
+                                 f"to {MANIFEST_VERSION}: upgrade eagle-data to read this OUT")
 
     def save(self) -> None:
+        self.data["schema_version"] = MANIFEST_VERSION
         self.fs.create_dir(self.out, recursive=True)
         write_json(self.fs, self.path, self.data)
+        self.exists = True
 
-    def phase(self, name: str) -> dict:
+    # -- recording a run (the job) -------------------------------------------------------
+
+    def _phase(self, name: str) -> dict:
         return self.data["phases"].setdefault(name, {})
 
+    def start_run(self, phase: str, cfg: Config, phase_fields: dict | None = None, **run_fields) -> dict:
+        """Append a running run to `phase` and save; `phase_fields` go into the phase's
+        record, `run_fields` into the run's."""
+        run = {"run_id": new_run_id(), "started_at": now(), "status": "running",
+               "config": cfg.model_dump(mode="json"), "versions": library_versions(), **run_fields}
+        record = self._phase(phase)
+        record.update(phase_fields or {}, run_id=run["run_id"], started_at=run["started_at"])  # the latest run
+        record.setdefault("runs", []).append(run)
+        self.save()
+        return run
+
+    def finish_run(self, phase: str, run: dict, counts: dict, **fields) -> None:
+        """Mark `run` complete with its own figures (`fields`); `counts` are the phase's
+        totals over every run so far."""
+        run.update(status="complete", finished_at=now(), **fields)
+        self._phase(phase).update(counts=counts, finished_at=run["finished_at"])
+        self.save()
+
+    def mark_prompts(self, status: str) -> None:
+        self._phase("prompts")["status"] = status
+
+    # -- reading --------------------------------------------------------------------------
+
+    def phase(self, name: str) -> dict:
+        """A copy of one phase's record ({} when it never ran)."""
+        return json.loads(json.dumps(self.data["phases"].get(name, {})))
+
+    @property
+    def prompts_status(self) -> str | None:
+        return self.data["phases"].get("prompts", {}).get("status")
+
     def prompts_complete(self) -> bool:
-        return self.phase("prompts").get("status") == "complete"
+        return self.prompts_status == "complete"
+
+    @property
+    def prompts_counts(self) -> dict:
+        return dict(self.data["phases"].get("prompts", {}).get("counts", {}))
+
+    @property
+    def generate_runs(self) -> list[dict]:
+        return list(self.data["phases"].get("generate", {}).get("runs", []))
+
+    @property
+    def generate_finished(self) -> bool:
+        """The latest generate run finished (a killed one stays `running`)."""
+        runs = self.generate_runs
+        return bool(runs) and runs[-1].get("status") == "complete"
+
+    @property
+    def config(self) -> dict:
+        """The resolved config of the latest run of any phase ({} before any run). OUTs of
+        schema_version 1 kept one config, written by the prompts phase."""
+        runs = [r for p in self.data["phases"].values() for r in p.get("runs", []) if "config" in r]
+        if runs:
+            return max(runs, key=lambda r: r["started_at"])["config"]
+        return self.data.get("config", {})
+
+    @property
+    def max_attempts(self) -> int:
+        return self.config.get("output", {}).get("max_attempts", 1)
+
+    @property
+    def turns(self) -> str:
+        return self.config.get("prompt", {}).get("turns", "first_user")
+
+    @property
+    def trust_remote_code(self) -> bool:
+        return self.config.get("model", {}).get("trust_remote_code", False)
+
+    @property
+    def tokenizer(self) -> dict:
+        """The token ids the generate phase used (path, vocab_size, eos_ids, pad_id,
+        reasoning markers); {} before it ran."""
+        return dict(self.data["phases"].get("generate", {}).get("tokenizer", {}))
+
+    # -- checks before a run --------------------------------------------------------------
 
     def check_prompts_config(self, cfg: Config) -> None:
         """Refuse to mix prompts made under another prompt-affecting config."""
-        self._check(self.phase("prompts").get("prompt_config"), prompt_config(cfg),
+        self._check(self.data["phases"].get("prompts", {}).get("prompt_config"), prompt_config(cfg),
                     f"{self.out} holds prompts made with a different prompt config")
 
     def check_generate_config(self, cfg: Config) -> None:
         """Refuse to mix data generated with other model/sampling/mask settings."""
-        self._check(self.phase("generate").get("generate_config"), generate_config(cfg),
+        self._check(self.data["phases"].get("generate", {}).get("generate_config"), generate_config(cfg),
                     f"{self.out}/data was generated with different settings")
 
     def _check(self, made: dict | None, config: dict, what: str) -> None:
@@ -85,15 +181,6 @@ def prompt_config(cfg: Config) -> dict:
     }
 
 
-def normalised(config: dict) -> dict:
-    """As it reads back from JSON, so a stored config compares equal to a fresh one."""
-    return json.loads(json.dumps(config))
-
-
-def fingerprint(config: dict) -> str:
-    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def generate_config(cfg: Config) -> dict:
     """The keys that decide the content of data/ (not how fast it is made)."""
     return {
@@ -101,3 +188,8 @@ def generate_config(cfg: Config) -> dict:
         **{f"sampling.{k}": v for k, v in cfg.sampling.model_dump().items()},
         "mask.train_on": cfg.mask.train_on,
     }
+
+
+def normalised(config: dict) -> dict:
+    """As it reads back from JSON, so a stored config compares equal to a fresh one."""
+    return json.loads(json.dumps(config))

@@ -26,8 +26,10 @@ import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from eagle_data.errors import EagleDataError, NotAnOut
+from eagle_data.out.contract import MANIFEST
 from eagle_data.out.files import filesystem as local_or_uri_filesystem
-from eagle_data.out.files import read_json
+from eagle_data.out.manifest import Manifest
 from eagle_data.out.shards import shard_files
 
 TOKEN_COLUMNS = ("input_ids", "loss_mask")
@@ -56,15 +58,21 @@ class Out:
 
     def __init__(self, path: str, filesystem=None):
         self.fs, self.root = resolve_filesystem(path, filesystem)
+        self.manifest = Manifest(self.fs, self.root)
+        if not self.manifest.exists:
+            raise NotAnOut(path, f"no {MANIFEST}")
         self.files = shard_files(self.fs, f"{self.root}/data")
-        self.manifest = read_json(self.fs, f"{self.root}/manifest.json") or {}
 
     @property
     def tokenizer(self) -> dict:
-        return self.manifest.get("phases", {}).get("generate", {}).get("tokenizer", {})
+        """The token ids the generate phase used; {} before it ran."""
+        return self.manifest.tokenizer
 
     @property
     def pad_id(self) -> int:
+        if "pad_id" not in self.tokenizer:
+            raise EagleDataError(f"{self.root} has no generate phase yet, so no pad id is recorded: "
+                                 "run the job's generate phase, or pass collate the tokenizer's pad id")
         return self.tokenizer["pad_id"]
 
     def dataset(self) -> pads.Dataset:

@@ -33,8 +33,9 @@ import sys
 import uuid
 from typing import Callable, Sequence
 
-from eagle_data.job.postprocess import DATA_SCHEMA
-from eagle_data.reader import Out, resolve_filesystem, row_filter
+from eagle_data.errors import EagleDataError, MissingInput
+from eagle_data.out.contract import DATA_SCHEMA
+from eagle_data.reader.samples import Out, resolve_filesystem, row_filter
 
 
 def specforge_row(r: dict) -> dict:
@@ -69,7 +70,7 @@ def export(out_path: str, dest: str, fmt: str, finish_reason: Sequence[str] | No
     columns, convert, default_finish = FORMATS[fmt]
     out = Out(out_path)
     if not out.files:
-        raise FileNotFoundError(f"{out_path} has no data/ shards to export")
+        raise MissingInput(f"{out_path} has no data/ shards to export")
     expr = row_filter(finish_reason if finish_reason is not None else default_finish, source)
 
     fs, path = resolve_filesystem(dest)
@@ -108,7 +109,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
 def run_cli(args: argparse.Namespace) -> int:
     try:
         counts = export(args.out, args.dest, args.format, args.finish_reason, args.source)
-    except (FileNotFoundError, ValueError) as e:
+    except (EagleDataError, ValueError) as e:
         print(f"export: {e}", file=sys.stderr)
         return 1
     print(json.dumps(counts, sort_keys=True))

@@ -94,7 +94,7 @@ def summary(out: Output) -> str:
 
 def inspect(path: str, sample_id: str | None = None, n: int | None = None,
             colour: bool | None = None) -> str:
-    out = Output(path)
+    out = Output.existing(path)
     if sample_id is None and n is None:
         return summary(out)
     rows = samples(out, sample_id, n or 1)
@@ -102,11 +102,8 @@ def inspect(path: str, sample_id: str | None = None, n: int | None = None,
         raise LookupError(f"no sample {sample_id!r} in {out.root}/data" if sample_id
                           else f"{out.root}/data has no samples yet")
     colour = sys.stdout.isatty() if colour is None else colour
-    manifest = out.manifest.data
-    tokenizer_info = manifest.get("phases", {}).get("generate", {}).get("tokenizer", {})
     try:
-        trust = manifest.get("config", {}).get("model", {}).get("trust_remote_code", False)
-        tokenizer = load_tokenizer(tokenizer_info["path"], trust)
+        tokenizer = load_tokenizer(out.manifest.tokenizer["path"], out.manifest.trust_remote_code)
     except Exception as e:  # the text fields still tell most of the story
         print(f"(token view off: cannot load the tokenizer: {e})", file=sys.stderr)
         tokenizer = None

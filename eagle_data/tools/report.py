@@ -76,13 +76,12 @@ def value_counts(column: pa.ChunkedArray) -> dict:
 
 
 def build_report(out: Output) -> dict:
-    manifest = out.manifest.data
+    manifest = out.manifest
     prompts, skipped = read_columns(out, "prompts"), read_columns(out, "skipped")
     data, failed = read_columns(out, "data"), read_columns(out, "failed")
     stopped = read_columns(out, "stopped")
-    max_attempts = manifest.get("config", {}).get("output", {}).get("max_attempts", 1)
     progress = SampleStatus(set(data.column("sample_id").to_pylist()),
-                        Counter(failed.column("sample_id").to_pylist()), max_attempts)
+                            Counter(failed.column("sample_id").to_pylist()), manifest.max_attempts)
     by_source: dict = defaultdict(Counter)
     for name, table in (("prompts", prompts), ("skipped", skipped), ("ok", data)):
         for source, n in value_counts(table.column("source")).items():
@@ -92,7 +91,7 @@ def build_report(out: Output) -> dict:
     failed_samples = no_ok.group_by("sample_id", use_threads=False).aggregate([("source", "last")])
     for source, n in value_counts(failed_samples.column("source_last")).items():
         by_source[source]["failed"] += n
-    quotas = manifest.get("phases", {}).get("prompts", {}).get("counts", {}).get("sources", {})
+    quotas = manifest.prompts_counts.get("sources", {})
     for source in set(by_source) | set(quotas):  # selected = prompts + skipped; per_source figures
         by_source[source]["selected"] = by_source[source]["prompts"] + by_source[source]["skipped"]
         by_source[source].update(quotas.get(source, {}))
@@ -101,13 +100,12 @@ def build_report(out: Output) -> dict:
         return data.column(name).to_numpy(zero_copy_only=False).astype(np.int64)
 
     completion = col("num_reasoning_tokens") + col("num_response_tokens") if data.num_rows else np.empty(0)
-    prompt_phase = manifest.get("phases", {}).get("prompts", {})
-    generate_phase = manifest.get("phases", {}).get("generate", {})
+    prompt_phase = manifest.phase("prompts")
     return {
         "out": out.root,
         "generated_at": mf.now(),
         "counts": {
-            "selected": prompt_phase.get("counts", {}).get("selected"),
+            "selected": manifest.prompts_counts.get("selected"),
             "prompts": prompts.num_rows,
             "skipped": skipped.num_rows,
             "ok": data.num_rows,
@@ -127,9 +125,10 @@ def build_report(out: Output) -> dict:
             "response": stats(col("num_response_tokens")) if data.num_rows else stats(np.empty(0)),
             "completion": stats(completion),
         },
-        "throughput": throughput(out, generate_phase.get("runs", [])),
-        "runs": {"prompts": {k: v for k, v in prompt_phase.items() if k != "prompt_config"},
-                 "generate": generate_phase.get("runs", [])},
+        "throughput": throughput(out, manifest.generate_runs),
+        # Each run's config stays in manifest.json.
+        "runs": {"prompts": {k: v for k, v in prompt_phase.items() if k not in ("prompt_config", "runs")},
+                 "generate": [{k: v for k, v in r.items() if k != "config"} for r in manifest.generate_runs]},
         "_lengths": {  # for the plots only; not written to report.json
             "data_source": data.column("source"), "completion": completion,
             "prompt": col("num_prompt_tokens") if data.num_rows else np.empty(0),

@@ -18,10 +18,10 @@ from collections import Counter
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from eagle_data.out.folder import FOLDERS, Output
+from eagle_data.out.contract import FOLDERS, turn_sample_id
+from eagle_data.out.folder import Output
 from eagle_data.out.status import SampleStatus
 from eagle_data.out.shards import shard_files
-from eagle_data.job.turns import turn_sample_id
 
 DATA_CHECK_COLUMNS = ["sample_id", "input_ids", "loss_mask", "num_prompt_tokens",
                       "num_reasoning_tokens", "num_response_tokens"]
@@ -29,7 +29,7 @@ DATA_CHECK_COLUMNS = ["sample_id", "input_ids", "loss_mask", "num_prompt_tokens"
 
 def verify(path: str) -> tuple[list[str], dict]:
     """(problems, counts); no problems means every invariant holds."""
-    out = Output(path)
+    out = Output.existing(path)
     problems: list[str] = []
     ids: dict[str, Counter] = {}
     conversations: dict[str, set] = {}  # folder -> conversation_ids
@@ -60,28 +60,23 @@ def verify(path: str) -> tuple[list[str], dict]:
         if stray:
             problems.append(f"{len(stray)} conversations in {folder}/ are not in prompts/, e.g. {sorted(stray)[0]}")
 
-    manifest = out.manifest.data
-    all_turns = manifest.get("config", {}).get("prompt", {}).get("turns") == "all"
-    made = manifest.get("phases", {}).get("prompts", {})
+    manifest = out.manifest
+    all_turns = manifest.turns == "all"
     counts = {"prompts": sum(prompts.values()), "skipped": sum(ids["skipped"].values())}
-    if made.get("status") == "complete":
-        counts["selected"] = made["counts"]["selected"]
+    if manifest.prompts_complete():
+        counts["selected"] = manifest.prompts_counts["selected"]
         if counts["prompts"] + counts["skipped"] != counts["selected"]:
             problems.append(f"prompts ({counts['prompts']}) + skipped ({counts['skipped']}) != "
                             f"selected ({counts['selected']}) recorded by the prompts phase")
-    elif manifest:
-        problems.append("the prompts phase has not finished (manifest status "
-                        f"{made.get('status')!r}): rerun the job")
     else:
-        problems.append(f"{out.root} has no manifest.json: not an eagle-data OUT")
+        problems.append("the prompts phase has not finished (manifest status "
+                        f"{manifest.prompts_status!r}): rerun the job")
 
-    max_attempts = manifest.get("config", {}).get("output", {}).get("max_attempts", 1)
-    progress = SampleStatus(set(ids["data"]), ids["failed"], max_attempts, set(ids["stopped"]))
+    progress = SampleStatus(set(ids["data"]), ids["failed"], manifest.max_attempts, set(ids["stopped"]))
     failed_only = set(ids["failed"]) - progress.ok
     counts.update(ok=len(progress.ok), failed=len(failed_only), failed_final=len(progress.given_up),
                   failed_retryable=len(failed_only - progress.given_up), stopped=len(progress.stopped))
-    runs = manifest.get("phases", {}).get("generate", {}).get("runs", [])
-    if runs and runs[-1].get("status") == "complete":
+    if manifest.generate_finished:
         missing = unanswered(num_turns, progress, all_turns)
         if missing:
             problems.append(f"{len(missing)} turns that could be asked have no data/, failed/ or stopped/ "
@@ -89,7 +84,7 @@ def verify(path: str) -> tuple[list[str], dict]:
         elif not all_turns and "selected" in counts and counts["ok"] + counts["failed"] + counts["skipped"] != counts["selected"]:
             problems.append(f"ok ({counts['ok']}) + failed ({counts['failed']}) + skipped "
                             f"({counts['skipped']}) != selected ({counts['selected']})")
-    counts["generate_finished"] = bool(runs) and runs[-1].get("status") == "complete"
+    counts["generate_finished"] = manifest.generate_finished
     return problems, counts
 
 

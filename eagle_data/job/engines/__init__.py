@@ -13,6 +13,8 @@ import ray
 
 from eagle_data.config import Config
 
+ENGINE_ERROR = "__inference_error__"  # Ray's stage: the row's error text, "" on success
+
 
 def apply_engine(ds: ray.data.Dataset, cfg: Config, pad_id: int) -> ray.data.Dataset:
     if cfg.engine.backend == "vllm":

@@ -13,11 +13,11 @@ import pyarrow as pa
 import ray
 
 from eagle_data.config import Config
+from eagle_data.job.engines import ENGINE_ERROR
 from eagle_data.model_files import pretrained_args
 
 log = logging.getLogger(__name__)
 
-ERROR_COLUMN = "__inference_error__"
 CONSUMED = ("tokenized_prompt", "sampling_params")  # popped by the engine, as Ray's stage does
 
 
@@ -109,7 +109,7 @@ def engine_output(prompt: list[int] | None = None, generated: list[int] = (), er
         "prompt": "", "prompt_token_ids": prompt, "num_input_tokens": len(prompt or ()),
         "generated_tokens": list(generated), "generated_text": "",
         "num_generated_tokens": len(generated), "embeddings": None, "metrics": None,
-        "logprobs": None, "prompt_logprobs": None, ERROR_COLUMN: error,
+        "logprobs": None, "prompt_logprobs": None, ENGINE_ERROR: error,
     }
 
 

@@ -1,0 +1,86 @@
+"""Phase 1, prompts (CPU): dataset -> seeded sample -> prompts stage -> OUT/prompts + OUT/skipped.
+
+A finished prompts phase made with the same prompt config is reused; an unfinished one is
+cheap to redo and may be partial, so it starts over.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from eagle_data.config import Config
+from eagle_data.job.prompts import PromptBuilder
+from eagle_data.job.sample import select_rows
+from eagle_data.job.source import read_source
+from eagle_data.out import manifest as mf
+from eagle_data.out.contract import PROMPTS_SCHEMA, SKIPPED_SCHEMA
+from eagle_data.out.folder import Output
+
+log = logging.getLogger("eagle_data")
+
+
+def run_prompts(cfg: Config, out: Output) -> dict:
+    if out.manifest.prompts_complete():
+        counts = out.manifest.prompts_counts
+        log.info("prompts: reusing finished phase in %s (%s)", out.root, counts)
+        return counts
+    out.remove("prompts", "skipped")
+    run = out.manifest.start_run("prompts", cfg, {"status": "running",
+                                                  "prompt_config": mf.normalised(mf.prompt_config(cfg))})
+    ds, per_source = select_rows(read_source(cfg.source), cfg.source)
+    ds = ds.map_batches(PromptBuilder.from_config(cfg), batch_format="pyarrow", batch_size=256)
+    counts = write_prompts(ds, out, cfg, run["run_id"])
+    if per_source is not None:  # source.per_source: rows available and quota per source
+        counts["sources"] = per_source
+    out.manifest.mark_prompts("complete")
+    out.manifest.finish_run("prompts", run, counts)
+    log.info("prompts: %s", counts)
+    return counts
+
+
+def write_prompts(ds, out: Output, cfg: Config, run_id: str) -> dict:
+    """Drain the prompts stage into prompts/ and skipped/; the phase's counts."""
+    prompts = out.writer("prompts", PROMPTS_SCHEMA, run_id, cfg, flush=False)
+    skipped = out.writer("skipped", SKIPPED_SCHEMA, run_id, cfg, flush=False)
+    seen: set[str] = set()  # sample_ids already in prompts/, for the duplicate check
+    reasons: Counter = Counter()
+    tokens = turns = 0
+    for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+        good, bad = split_duplicates(batch, seen)
+        prompts.add(good)
+        skipped.add(bad)
+        reasons.update(bad.column("reason").to_pylist())
+        tokens += pc.sum(good.column("num_prompt_tokens")).as_py() or 0
+        turns += pc.sum(pc.list_value_length(good.column("user_turns"))).as_py() or 0
+    prompts.close()
+    skipped.close()
+    return {
+        "selected": prompts.written + skipped.written,
+        "prompts": prompts.written,
+        "skipped": skipped.written,
+        "skipped_by_reason": dict(sorted(reasons.items())),
+        "prompt_tokens": tokens,
+        "user_turns": turns,  # = prompts under turns: first_user
+    }
+
+
+def split_duplicates(batch: pa.Table, seen: set[str]) -> tuple[pa.Table, pa.Table]:
+    """(rows for prompts/, rows for skipped/). A usable row whose sample_id is already in
+    prompts/ (`seen`, updated here) is skipped as a `duplicate`."""
+    reasons = batch.column("reason").to_pylist()
+    details = batch.column("detail").to_pylist()
+    for i, sample_id in enumerate(batch.column("sample_id").to_pylist()):
+        if reasons[i]:
+            continue
+        if sample_id in seen:
+            reasons[i], details[i] = "duplicate", "same prompt as an earlier row with this sample_id"
+        else:
+            seen.add(sample_id)
+    batch = batch.set_column(batch.schema.get_field_index("reason"), "reason", pa.array(reasons, pa.string()))
+    batch = batch.set_column(batch.schema.get_field_index("detail"), "detail", pa.array(details, pa.string()))
+    ok = pc.equal(batch.column("reason"), "")
+    return batch.filter(ok), batch.filter(pc.invert(ok))

@@ -1,0 +1,86 @@
+"""The OUT contract: everything a reader of an OUT folder relies on, in one place.
+
+The job's stages and the tools import it; it imports nothing of the job. README.md's
+"Output" section says the same (tests/test_contract.py checks that they agree).
+
+    OUT/manifest.json   what made this OUT and what each phase and run produced (below)
+    OUT/prompts/        one row per conversation to answer            PROMPTS_SCHEMA
+    OUT/skipped/        dataset rows that cannot become a prompt      SKIPPED_SCHEMA
+    OUT/data/           ok rows: the target's exact tokens + mask     DATA_SCHEMA
+    OUT/failed/         engine errors, one row per failed attempt     FAILED_SCHEMA
+    OUT/stopped/        turns not asked: the conversation stopped     STOPPED_SCHEMA
+
+Shards are `*.parquet` files in those folders, published atomically (out/shards.py).
+
+manifest.json (`schema_version` MANIFEST_VERSION):
+    phases.prompts:  status (running | complete | damaged), counts, prompt_config, runs
+    phases.generate: counts, generate_config, tokenizer (path, vocab_size, eos_ids, pad_id,
+                     reasoning_start_id, reasoning_end_id), runs
+    a run: run_id, started_at, finished_at, status (running | complete), config (the whole
+           resolved config of that run), versions (libraries), counts of that run
+Read it through out/manifest.py's accessors, not by key chains.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+FOLDERS = ("prompts", "skipped", "data", "failed", "stopped")
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 2  # 2: config and versions per run (1: once, at the top level)
+ERROR = "error"  # failed/: the engine's error text
+IDS = ("sample_id", "conversation_id", "turn", "source")  # carried by every data/failed/stopped row
+
+# `reasoning_content` is set only on the target's own earlier answers (turns: all), the
+# field OpenAI-style clients and chat templates (Qwen3, Kimi) use for an answer's reasoning.
+MESSAGE_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string()),
+                                   ("reasoning_content", pa.string())]))
+
+PROMPTS_SCHEMA = pa.schema([
+    ("sample_id", pa.string()),  # the conversation id: a hash of what the target is asked
+    ("source", pa.string()),
+    ("messages", MESSAGE_TYPE),  # the first turn's prompt (optional system + first user turn)
+    ("user_turns", pa.list_(pa.string())),  # the user texts the target answers, in order
+    ("tokenized_prompt", pa.list_(pa.int32())),
+    ("num_prompt_tokens", pa.int32()),
+    ("row_id", pa.string()),  # hash of the dataset row
+])
+SKIPPED_SCHEMA = pa.schema([
+    ("row_id", pa.string()), ("sample_id", pa.string()), ("source", pa.string()),
+    ("reason", pa.string()), ("detail", pa.string()),
+    ("raw", pa.string()),  # the dataset row as JSON text
+])
+DATA_SCHEMA = pa.schema([
+    ("sample_id", pa.string()),
+    # The conversation and which of its user turns this row answers (0 = the first);
+    # under turns: first_user, conversation_id = sample_id and turn = 0.
+    ("conversation_id", pa.string()),
+    ("turn", pa.int32()),
+    ("source", pa.string()),
+    ("messages", MESSAGE_TYPE),
+    ("reasoning", pa.string()),
+    ("response", pa.string()),
+    ("input_ids", pa.list_(pa.int32())),  # prompt tokens + generated tokens, exactly
+    ("loss_mask", pa.list_(pa.int8())),  # aligned with input_ids; 1 = a training target
+    ("num_prompt_tokens", pa.int32()),
+    ("num_reasoning_tokens", pa.int32()),
+    ("num_response_tokens", pa.int32()),
+    ("finish_reason", pa.string()),  # stop | length
+])
+FAILED_SCHEMA = pa.schema([*(DATA_SCHEMA.field(n) for n in IDS), (ERROR, pa.string()), ("run_id", pa.string())])
+STOPPED_SCHEMA = pa.schema([*(DATA_SCHEMA.field(n) for n in IDS), ("reason", pa.string()),
+                            ("detail", pa.string()), ("run_id", pa.string())])
+SCHEMAS = {"prompts": PROMPTS_SCHEMA, "skipped": SKIPPED_SCHEMA, "data": DATA_SCHEMA,
+           "failed": FAILED_SCHEMA, "stopped": STOPPED_SCHEMA}
+
+# Under prompt.turns: all, a turn's sample_id is <conversation_id>-<turn>.
+TURN_SEPARATOR = "-"
+
+
+def turn_sample_id(conversation_id: str, turn: int) -> str:
+    return f"{conversation_id}{TURN_SEPARATOR}{turn}"
+
+
+def turn_sample_ids(conversation_ids: pa.Array | pa.ChunkedArray, turn: int) -> pa.Array:
+    return pc.binary_join_element_wise(conversation_ids, pa.scalar(str(turn)), TURN_SEPARATOR)

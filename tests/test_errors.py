@@ -1,0 +1,49 @@
+"""Errors a user understands: a one-line message and a non-zero exit, before any work."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import REPO, job_settings, write_jsonl
+from eagle_data.errors import EagleDataError, NotAnOut
+from eagle_data.reader import Out
+
+
+def test_tools_refuse_a_folder_that_is_not_an_out(tmp_path):
+    (tmp_path / "data").mkdir()
+    for command in ("verify", "report", "inspect"):
+        for path in (tmp_path, tmp_path / "typo"):
+            result = subprocess.run([sys.executable, "-m", "eagle_data", command, str(path)],
+                                    cwd=REPO, capture_output=True, text=True)
+            assert result.returncode == 1, (command, result.stderr)
+            assert result.stderr.strip().splitlines()[-1].startswith(f"error: not an eagle-data OUT: {path}")
+    assert not (tmp_path / "typo").exists() and not (tmp_path / "report.json").exists()
+    with pytest.raises(NotAnOut):
+        Out(str(tmp_path / "typo"))
+
+
+def test_an_unsupported_dataset_file_stops_the_job_before_it_starts(tmp_path, qwen3_tokenizer_dir):
+    (tmp_path / "rows.csv").write_text("a,b\n1,2\n")
+    config = tmp_path / "job.yaml"
+    out = tmp_path / "out"
+    config.write_text(yaml.safe_dump(job_settings(out, qwen3_tokenizer_dir, tmp_path / "rows.csv")))
+    result = subprocess.run([sys.executable, "-m", "ray_jobs.generate", "--config", str(config),
+                             "--phase", "prompts"], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("error: source.dataset")
+    assert "unsupported file type" in result.stderr and "Traceback" not in result.stderr
+    assert not (out / "manifest.json").exists()  # nothing recorded as running
+
+
+def test_reader_pad_id_before_the_generate_phase_says_what_to_do(ray_local, tmp_path, qwen3_tokenizer_dir):
+    from eagle_data.job.run import run
+    from conftest import as_config
+
+    path = write_jsonl(tmp_path / "rows.jsonl", [{"messages": [{"role": "user", "content": "Hi?"}]}])
+    run(as_config(job_settings(tmp_path / "out", qwen3_tokenizer_dir, path)), phase="prompts")
+    with pytest.raises(EagleDataError, match="no generate phase yet"):
+        Out(str(tmp_path / "out")).pad_id

@@ -1,0 +1,74 @@
+"""The package's shape: imports run one way between its layers, and README's "Output"
+section lists the columns out/contract.py defines."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+from conftest import REPO
+from eagle_data.out.contract import SCHEMAS
+
+# Lower number = lower layer; a module may import from its own layer or lower ones.
+LAYERS = [
+    ("eagle_data.errors", 0), ("eagle_data.config", 0), ("eagle_data.model_files", 0),
+    ("eagle_data.out", 1), ("eagle_data.reader", 2), ("eagle_data.tools", 3),
+    ("eagle_data.job.prompts_phase", 5), ("eagle_data.job.generate_phase", 5), ("eagle_data.job.run", 6),
+    ("eagle_data.job", 4),  # the stages
+    ("eagle_data.__main__", 7), ("ray_jobs", 7),
+]
+
+
+def layer(module: str) -> int | None:
+    for prefix, number in LAYERS:
+        if module == prefix or module.startswith(prefix + "."):
+            return number
+    return None
+
+
+def imports(path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)  # `from eagle_data.out import manifest`
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return {n for n in names if n.startswith(("eagle_data", "ray_jobs"))}
+
+
+def module_name(path) -> str:
+    name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+    return name.removesuffix(".__init__")
+
+
+def test_no_module_imports_from_a_higher_layer():
+    upward = []
+    files = [*(REPO / "eagle_data").rglob("*.py"), *(REPO / "ray_jobs").rglob("*.py")]
+    for path in files:
+        here = module_name(path)
+        assert layer(here) is not None or here == "eagle_data", f"{here} belongs to no layer"
+        for name in imports(path):
+            there = layer(name)
+            if there is not None and layer(here) is not None and there > layer(here):
+                upward.append(f"{here} imports {name}")
+    assert upward == []
+
+
+def test_readme_output_section_matches_the_contract():
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("## Output", 1)[1].split("```")[1]
+    listed, folder = {}, None
+    for line in block.splitlines():
+        start = re.match(r"^(\w+)/\*\.parquet\s+(.*)$", line)
+        if start:
+            folder, line = start.groups()
+            listed[folder] = ""
+        elif not line.startswith(" "):
+            folder = None
+        if folder:
+            listed[folder] += " " + line.strip()
+    assert set(listed) == set(SCHEMAS)
+    for folder, schema in SCHEMAS.items():
+        columns = re.sub(r"\([^)]*\)", "", listed[folder])  # (int32), (stop | length), (turns: all)
+        assert [c.strip() for c in columns.split(",")] == schema.names, folder
