@@ -20,8 +20,10 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--sample-id")
     which.add_argument("--n", type=int, help="show the first N samples")
     from eagle_data.tools.export import add_cli as add_export
+    from eagle_data.tools.vocab import add_cli as add_vocab
 
     add_export(commands)
+    add_vocab(commands)
     args = parser.parse_args(argv)
     try:
         return run_command(args)
@@ -60,6 +62,10 @@ def run_command(args: argparse.Namespace) -> int:
         return 0
     if args.command == "export":
         from eagle_data.tools.export import run_cli
+
+        return run_cli(args)
+    if args.command == "vocab":
+        from eagle_data.tools.vocab import run_cli
 
         return run_cli(args)
     return 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -94,6 +95,27 @@ def special_tokens(tokenizer, reasoning_start: str, reasoning_end: str,
         reasoning_start_id=single_token_id(tokenizer, reasoning_start),
         reasoning_end_id=single_token_id(tokenizer, reasoning_end),
     )
+
+
+def model_vocab_size(path: str, trust_remote_code: bool = False) -> tuple[int | None, str]:
+    """(the target's embedding rows, where that was read): `vocab_size` of the model's
+    config (of its text model for a multimodal one), which can exceed len(tokenizer) (Qwen3:
+    151936 vs 151669). A draft's t2d must have this length. (None, why) when unknown."""
+    name, kwargs = pretrained_args(path)
+    config_file = os.path.join(name, "config.json")
+    if not kwargs and os.path.isfile(config_file):
+        with open(config_file) as f:
+            config, where = json.load(f), f"{config_file} vocab_size"
+    else:
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs).to_dict()
+        except (OSError, ValueError) as e:
+            return None, f"no model config found ({type(e).__name__})"
+        where = f"{path} config vocab_size"
+    value = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return (int(value), where) if value else (None, f"{where}: not set")
 
 
 def generation_eos_ids(path: str, trust_remote_code: bool = False) -> list[int] | int | None:

@@ -21,3 +21,19 @@ def test_missing_package_or_path_is_a_clear_error(tmp_path):
         resolve_model_path("package:no_such_pkg/model.gguf")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         check_tokenizer_path(str(tmp_path / "nothing-here"))
+
+
+def test_model_vocab_size_is_the_configs_not_the_tokenizers(tmp_path, qwen3_tokenizer_dir):
+    # Qwen3's embedding has 151936 rows for 151669 tokens: a draft's t2d needs the former.
+    import json
+    import shutil
+
+    from eagle_data.model_files import load_tokenizer, model_vocab_size
+
+    model = shutil.copytree(qwen3_tokenizer_dir, tmp_path / "qwen3")
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 151936}))
+    assert model_vocab_size(str(model)) == (151936, f"{model}/config.json vocab_size")
+    assert len(load_tokenizer(str(model))) == 151669
+    (model / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 163840}}))
+    assert model_vocab_size(str(model))[0] == 163840  # a multimodal model's text model (Kimi-K2.5)
+    assert model_vocab_size(str(tmp_path / "none"))[0] is None

@@ -25,7 +25,7 @@ from eagle_data.job.postprocess import Postprocessor
 from eagle_data.job.progress import Progress
 from eagle_data.job.ray_internals import bound_queues, read_parquet_in_small_tasks
 from eagle_data.job.turns import PREVIOUS_COLUMNS, TurnBuilder, next_user_texts
-from eagle_data.model_files import SpecialTokens, generation_eos_ids, load_tokenizer, special_tokens
+from eagle_data.model_files import SpecialTokens, generation_eos_ids, load_tokenizer, model_vocab_size, special_tokens
 from eagle_data.out import manifest as mf
 from eagle_data.out.contract import DATA_SCHEMA, ERROR, FAILED_SCHEMA, STOPPED_SCHEMA, turn_sample_ids
 from eagle_data.out.folder import Output
@@ -49,7 +49,8 @@ def run_generate(cfg: Config, out: Output, engine=None) -> dict:
     todo = total - len(finished)
     run = out.manifest.start_run("generate", cfg, {
         "generate_config": mf.normalised(mf.generate_config(cfg)),
-        "tokenizer": {"path": cfg.model.tokenizer_path, "vocab_size": len(tokenizer), **special.to_dict()},
+        "tokenizer": {"path": cfg.model.tokenizer_path, "vocab_size": len(tokenizer), **special.to_dict(),
+                      **target_vocab(cfg)},
     }, todo=todo)
     log.info("generate: %d turns to answer, %d already done, %d to do", total, len(finished), todo)
 
@@ -95,6 +96,12 @@ def target_tokens(cfg: Config, tokenizer) -> SpecialTokens:
         log.warning("%r is not one token of this tokenizer: every generated token counts as response",
                     cfg.model.reasoning_end)
     return special
+
+
+def target_vocab(cfg: Config) -> dict:
+    """The model's embedding rows, for the draft vocabulary tool (t2d has this length)."""
+    size, where = model_vocab_size(cfg.model.path, cfg.model.trust_remote_code)
+    return {"model_vocab_size": size, "model_vocab_size_from": where}
 
 
 def first_turn_prompts(cfg: Config, out: Output, finished: ray.ObjectRef) -> tuple[ray.data.Dataset | None, int]:

@@ -9,6 +9,8 @@ The job's stages and the tools import it; it imports nothing of the job. README.
     OUT/data/           ok rows: the target's exact tokens + mask     DATA_SCHEMA
     OUT/failed/         engine errors, one row per failed attempt     FAILED_SCHEMA
     OUT/stopped/        turns not asked: the conversation stopped     STOPPED_SCHEMA
+    OUT/report.json, report.html, report/*.png   the report (tools/report.py)
+    OUT/vocab/          the draft vocabulary, when the vocab tool wrote it there (tools/vocab.py)
 
 Shards are `*.parquet` files in those folders, published atomically (out/shards.py).
 
@@ -28,6 +30,7 @@ import pyarrow.compute as pc
 
 FOLDERS = ("prompts", "skipped", "data", "failed", "stopped")
 MANIFEST = "manifest.json"
+VOCAB_SUMMARY = "vocab/vocab.json"  # written by the vocab tool; read by the report
 MANIFEST_VERSION = 2  # 2: config and versions per run (1: once, at the top level)
 ERROR = "error"  # failed/: the engine's error text
 IDS = ("sample_id", "conversation_id", "turn", "source")  # carried by every data/failed/stopped row

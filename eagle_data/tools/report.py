@@ -11,6 +11,7 @@ import datetime
 import html
 import io
 import json
+import uuid
 from collections import Counter, defaultdict
 
 import numpy as np
@@ -21,7 +22,8 @@ import pyarrow.dataset as pads
 from eagle_data.out import manifest as mf
 from eagle_data.out.folder import Output
 from eagle_data.out.status import SampleStatus
-from eagle_data.out.files import write_json
+from eagle_data.out.contract import VOCAB_SUMMARY
+from eagle_data.out.files import STAGING, read_json, write_json
 from eagle_data.out.shards import shard_files
 
 COLUMNS = {
@@ -126,6 +128,9 @@ def build_report(out: Output) -> dict:
             "completion": stats(completion),
         },
         "throughput": throughput(out, manifest.generate_runs),
+        # Written by `python -m eagle_data vocab OUT` (OUT/vocab/vocab.json): how many masked
+        # tokens the top-D ids cover, to choose the draft vocabulary size D.
+        "vocab": read_json(out.fs, f"{out.root}/{VOCAB_SUMMARY}"),
         # Each run's config stays in manifest.json.
         "runs": {"prompts": {k: v for k, v in prompt_phase.items() if k not in ("prompt_config", "runs")},
                  "generate": [{k: v for k, v in r.items() if k != "config"} for r in manifest.generate_runs]},
@@ -190,6 +195,18 @@ def plots(report: dict) -> dict[str, bytes]:
     axes[1].set_title("generated tokens/s (published, per time bin)")
     axes[1].set_xlabel("minutes since the first generate run started")
     figures["throughput.png"] = _png(fig, plt)
+
+    if report["vocab"]:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        curve, chosen = report["vocab"]["coverage_curve"], report["vocab"]["draft_vocab_size"]
+        ax.plot(curve["draft_vocab_size"], curve["coverage"], marker=".")
+        ax.axvline(chosen, color="tab:red", linestyle="--", label=f"chosen D = {chosen}")
+        ax.set_xscale("log")
+        ax.set_xlabel("draft vocabulary size D (top-D target ids)")
+        ax.set_ylabel("share of masked tokens covered")
+        ax.set_title("draft vocabulary coverage")
+        ax.legend()
+        figures["vocab_coverage.png"] = _png(fig, plt)
     return figures
 
 
@@ -217,6 +234,8 @@ def to_html(report: dict, figures: dict[str, bytes]) -> str:
         f"<h2>Tokens</h2>{table(report['tokens'], ('', 'statistics'))}"
         f"<h2>By source</h2>{table(report['by_source'], ('source', 'rows'))}"
         f"<h2>Turns</h2>{table(report['turns'], ('', 'rows'))}"
+        + (f"<h2>Draft vocabulary coverage</h2>{table(report['vocab']['coverage'], ('top D ids', 'share of masked tokens'))}"
+           if report["vocab"] else "") +
         f"<h2>Plots</h2>{images}"
     )
 
@@ -234,5 +253,9 @@ def write_report(out: Output) -> dict:
 
 
 def _write_bytes(out: Output, path: str, payload: bytes) -> None:
-    with out.fs.open_output_stream(path) as f:
+    """Written aside and moved into place: a failed write (a full disk) leaves the old file."""
+    tmp = f"{out.root}/{STAGING}/{uuid.uuid4().hex}"
+    out.fs.create_dir(f"{out.root}/{STAGING}", recursive=True)
+    with out.fs.open_output_stream(tmp) as f:
         f.write(payload)
+    out.fs.move(tmp, path)
