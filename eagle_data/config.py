@@ -26,7 +26,7 @@ class PerSourceConfig(_Section):
 
 
 class SourceConfig(_Section):
-    dataset: str = "mlabonne/open-perfectblend"
+    dataset: str = Field(default="mlabonne/open-perfectblend", min_length=1, pattern=r"\S")
     split: str = "train"
     sample: int | None = Field(default=None, ge=1, description="rows to select; null = all")
     seed: int = 0
@@ -56,7 +56,7 @@ class PromptConfig(_Section):
 
 
 class ModelConfig(_Section):
-    path: str
+    path: str = Field(min_length=1, pattern=r"\S")
     tokenizer: str | None = None  # defaults to path
     trust_remote_code: bool = False
     reasoning_start: str = "<think>"
@@ -96,7 +96,9 @@ class MaskConfig(_Section):
 
 
 class OutputConfig(_Section):
-    path: str
+    # A folder that is new, empty, or an OUT of this project (local, a network mount, or a
+    # pyarrow filesystem URI). Empty is refused: it would mean the current directory.
+    path: str = Field(min_length=1, pattern=r"\S")
     rows_per_shard: int = Field(default=1000, ge=1)
     # A shard is also published when this many seconds passed since the last one, so a
     # kill loses at most this much finished work even when rows arrive slowly.

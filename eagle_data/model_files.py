@@ -10,6 +10,9 @@ import functools
 import importlib.util
 import json
 import os
+import socket
+import sys
+import urllib.parse
 import re
 from dataclasses import dataclass
 
@@ -46,12 +49,45 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs)
 
 
+def is_hub_id(path: str) -> bool:
+    """`name` or `org/name` that is not a local path: the hub's. A relative path with more
+    parts, or whose first part is a local folder, is a local path."""
+    resolved = resolve_model_path(path)
+    if path.startswith("package:") or resolved.startswith((".", "/", "~")) or resolved.endswith(".gguf"):
+        return False
+    parts = resolved.split("/")
+    return not os.path.exists(resolved) and len(parts) <= 2 and not (len(parts) == 2 and os.path.isdir(parts[0]))
+
+
 def check_tokenizer_path(path: str) -> None:
     """Fail fast, before any Ray work, on a local path that does not exist."""
     resolved = resolve_model_path(path)
-    looks_local = resolved.startswith((".", "/", "~")) or resolved.endswith(".gguf")
-    if looks_local and not os.path.exists(os.path.expanduser(resolved)):
+    if not is_hub_id(path) and not os.path.exists(os.path.expanduser(resolved)):
         raise MissingInput(f"model/tokenizer path {path!r} does not exist ({resolved})")
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the model/dataset hub answers a TCP connect (HF_ENDPOINT), in seconds, not
+    the minute of retries a download takes to fail."""
+    url = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                 timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def use_hub_cache_only() -> None:
+    """The hub is unreachable: read hub ids from the local cache only (a miss fails at once).
+    Set in the environment (Ray workers started later inherit it) and in the libraries that
+    read it at import."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    for module, name in (("huggingface_hub.constants", "HF_HUB_OFFLINE"), ("datasets.config", "HF_HUB_OFFLINE"),
+                         ("transformers.utils.hub", "_is_offline_mode")):
+        loaded = sys.modules.get(module)
+        if loaded is not None and hasattr(loaded, name):
+            setattr(loaded, name, True)
 
 
 def single_token_id(tokenizer, text: str) -> int | None:

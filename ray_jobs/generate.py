@@ -7,6 +7,7 @@ running local cluster) and starts a local Ray instance otherwise.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import sys
 
@@ -35,6 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     except EagleDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        if "No space left on device" not in str(e) and e.errno != errno.ENOSPC:
+            raise
+        print(f"error: no space left on device writing {cfg.output.path} ({e}). What was published "
+              "is kept: free some space and rerun the same command, it resumes.", file=sys.stderr)
+        return 4
     print(summary(cfg.output.path, result))
     return 0
 

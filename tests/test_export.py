@@ -144,6 +144,36 @@ def test_cli_hook(out, rows, tmp_path, capsys):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp file left
     missing = parser.parse_args(["export", str(tmp_path / "nope"), str(tmp_path / "x.jsonl"),
                                  "--format", "jsonl"])
-    assert run_cli(missing) == 1 and "no data/ shards" in capsys.readouterr().err
+    assert run_cli(missing) == 1 and "not an eagle-data OUT" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parser.parse_args(["export", str(out), "x.jsonl", "--format", "parquet"])
+
+
+def test_export_never_destroys_an_existing_dest(tmp_path, capsys):
+    """Every row cut off (`length`): SpecForge's default `stop` filter leaves nothing."""
+    rows = [synthetic_row(i, 4, 0, 2, "length", "a") for i in range(20)]
+    src = write_out(tmp_path / "cut", rows, rows_per_shard=7)
+    dest = tmp_path / "train.jsonl"
+    dest.write_text("the user's file\n")
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers(dest="command"))
+
+    def cli(*argv):
+        return run_cli(parser.parse_args(["export", str(src), *map(str, argv)]))
+
+    assert cli(dest, "--format", "specforge") == 1
+    assert "exists; pass --overwrite" in capsys.readouterr().err
+    assert cli(dest, "--format", "specforge", "--overwrite") == 1
+    err = capsys.readouterr().err
+    assert "no rows left after the filters (finish_reason in ['stop'] removed 20 rows)" in err
+    assert dest.read_text() == "the user's file\n"  # untouched by both refusals
+    assert cli(dest, "--format", "specforge", "--overwrite", "--allow-empty") == 0
+    assert dest.read_text() == "" and "finish_reason in ['stop'] removed 20 rows" in capsys.readouterr().err
+    assert cli(dest, "--format", "speculators", "--overwrite") == 0
+    assert sum(1 for _ in open(dest)) == 20
+
+    assert cli(tmp_path, "--format", "jsonl") == 1
+    assert "is a folder; give a file name" in capsys.readouterr().err
+    assert cli(dest / "x.jsonl", "--format", "jsonl") == 1
+    assert "is a file, so" in capsys.readouterr().err
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp file left

@@ -145,8 +145,16 @@ def test_finish_reason_filter_on_mixed_rows(tmp_path):
 
 def test_max_len_truncates_or_drops(out, rows):
     cut = sorted(len(r["input_ids"]) for r in rows.values())[len(rows) // 2]
+    # A sample cut before its first generated token would train on nothing: dropped, counted.
+    shorter = sorted(r["num_prompt_tokens"] for r in rows.values())[len(rows) // 2]
+    for max_len in (cut, shorter):
+        cut_ds = OutDataset(str(out), max_len=max_len, overflow="truncate", columns=["sample_id"])
+        keeps_loss = {k for k, r in rows.items() if r["num_prompt_tokens"] < max_len}
+        assert sorted(ids_of(cut_ds)) == sorted(keeps_loss)
+        assert cut_ds.dropped_no_loss == len(rows) - len(keeps_loss)
+        assert all(s["loss_mask"].sum() > 0 for s in cut_ds)
+    assert 0 < len(keeps_loss) < len(rows)  # at the shorter cut some are dropped
     ds = OutDataset(str(out), max_len=cut, overflow="truncate", columns=["sample_id"])
-    assert len(ds) == len(rows)  # nothing dropped
     for s in ds:
         full = rows[s["sample_id"]]
         n = min(cut, len(full["input_ids"]))

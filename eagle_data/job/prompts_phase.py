@@ -28,10 +28,11 @@ def run_prompts(cfg: Config, out: Output) -> dict:
         counts = out.manifest.prompts_counts
         log.info("prompts: reusing finished phase in %s (%s)", out.root, counts)
         return counts
+    rows = read_source(cfg.source)  # a dataset that cannot be read fails before the phase is recorded
     out.remove("prompts", "skipped")
     run = out.manifest.start_run("prompts", cfg, {"status": "running",
                                                   "prompt_config": mf.normalised(mf.prompt_config(cfg))})
-    ds, per_source = select_rows(read_source(cfg.source), cfg.source)
+    ds, per_source = select_rows(rows, cfg.source)
     ds = ds.map_batches(PromptBuilder.from_config(cfg), batch_format="pyarrow", batch_size=256)
     counts = write_prompts(ds, out, cfg, run["run_id"])
     if per_source is not None:  # source.per_source: rows available and quota per source

@@ -7,15 +7,18 @@ checked before Ray starts; rerunning the same command resumes.
 from __future__ import annotations
 
 import logging
+import os
 
+import pyarrow as pa
+import pyarrow.fs as pafs
 import ray
 
 from eagle_data.config import Config
-from eagle_data.errors import MissingInput
+from eagle_data.errors import EagleDataError, MissingInput, NotWritable
 from eagle_data.job.generate_phase import run_generate
 from eagle_data.job.prompts_phase import run_prompts
 from eagle_data.job.source import local_files
-from eagle_data.model_files import check_tokenizer_path, load_tokenizer
+from eagle_data.model_files import check_tokenizer_path, hub_reachable, is_hub_id, load_tokenizer, use_hub_cache_only
 from eagle_data.out.folder import Output
 from eagle_data.tools.report import write_report
 
@@ -25,31 +28,70 @@ log = logging.getLogger("eagle_data")
 def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None) -> dict:
     """`engine(ds, cfg, pad_id) -> ds` replaces the configured engine stage (benchmarks put
     a simulated one there)."""
-    out = Output(cfg.output.path)
+    out = open_output(cfg.output.path)
+    out.check_ours()  # before anything is written, moved or deleted there
     out.check_writable()
     if not fresh:
         out.manifest.check_prompts_config(cfg)
         if phase != "prompts":
             out.manifest.check_generate_config(cfg)
+    dataset_files = local_files(cfg.source.dataset) if phase != "generate" else []
+    check_hub(cfg, uses_hub_dataset=dataset_files is None)
     check_model_files(cfg, need_weights=phase != "prompts")
-    if phase != "generate":
-        local_files(cfg.source.dataset)  # a local dataset exists and holds supported files
+    check_dataset_outside(dataset_files, out)
     with out.lock():
         if fresh:
             log.warning("--fresh: deleting what earlier runs wrote in %s", out.root)
             out.wipe()
         out.clear_staging()
         out.quarantine_corrupt()
+        out.check_prompts_record()
         if not ray.is_initialized():
             ray.init()  # joins the cluster when there is one, else starts a local instance
         result = {}
         if phase in ("prompts", "all"):
             result["prompts"] = run_prompts(cfg, out)
-            write_report(out)
+            report(out)
         if phase in ("generate", "all"):
             result["generate"] = run_generate(cfg, out, engine)
-            write_report(out)
+            report(out)
     return result
+
+
+def report(out: Output) -> None:
+    """The report after a phase; the data is complete whether or not it can be written."""
+    try:
+        write_report(out)
+    except (OSError, pa.ArrowException) as e:
+        log.warning("the phase's data is complete, but its report could not be written (%s); "
+                    "free the space and run `python -m eagle_data report %s`", e, out.root)
+
+
+def check_hub(cfg: Config, uses_hub_dataset: bool) -> None:
+    """With a hub id (dataset or model) and no hub, read the local HF cache only: a cached id
+    works, a missing one fails at once instead of after a minute of retries."""
+    hub_ids = [p for p in (cfg.model.path, cfg.model.tokenizer_path) if is_hub_id(p)]
+    if (uses_hub_dataset or hub_ids) and not os.environ.get("HF_HUB_OFFLINE") and not hub_reachable():
+        log.warning("the model/dataset hub is unreachable: using the local HF cache only for %s",
+                    ", ".join([*(["source.dataset " + cfg.source.dataset] if uses_hub_dataset else []), *hub_ids]))
+        use_hub_cache_only()
+
+
+def open_output(path: str) -> Output:
+    try:
+        return Output(path)
+    except (OSError, pa.ArrowException) as e:  # an unreachable or unknown filesystem URI
+        raise NotWritable(f"output.path {path!r} cannot be opened ({e}); check the URI and "
+                          "credentials, or choose a local folder") from None
+
+
+def check_dataset_outside(files: list[str] | None, out: Output) -> None:
+    """A dataset inside OUT would be deleted by --fresh or read back as output."""
+    if files and isinstance(out.fs, pafs.LocalFileSystem):
+        inside = [f for f in files if os.path.commonpath([f, out.root]) == out.root]
+        if inside:
+            raise EagleDataError(f"source.dataset {inside[0]} is inside output.path {out.root}: "
+                                 "keep the dataset outside OUT")
 
 
 def check_model_files(cfg: Config, need_weights: bool) -> None:

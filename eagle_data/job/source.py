@@ -58,7 +58,11 @@ def read_source(cfg: SourceConfig) -> ray.data.Dataset:
     if files is None:
         import datasets  # hub id: datasets downloads (or reuses its cache), Ray reads it
 
-        hf = datasets.load_dataset(cfg.dataset, split=cfg.split)
+        try:
+            hf = datasets.load_dataset(cfg.dataset, split=cfg.split)
+        except Exception as e:  # network, cache miss, unknown id or split: all the user's to fix
+            raise MissingInput(f"source.dataset {cfg.dataset!r} (split {cfg.split!r}) cannot be loaded "
+                               f"from the hub or its local cache: {type(e).__name__}: {e}") from None
         return ray.data.from_huggingface(hf).map_batches(table_to_raw, batch_format="pyarrow")
     parquet = [f for f in files if f.endswith(PARQUET_SUFFIXES)]
     jsonl = [f for f in files if f.endswith(JSON_SUFFIXES)]

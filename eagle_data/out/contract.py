@@ -12,7 +12,9 @@ The job's stages and the tools import it; it imports nothing of the job. README.
     OUT/report.json, report.html, report/*.png   the report (tools/report.py)
     OUT/vocab/          the draft vocabulary, when the vocab tool wrote it there (tools/vocab.py)
 
-Shards are `*.parquet` files in those folders, published atomically (out/shards.py).
+Shards are `part-<run id>-<n>.parquet` files in those folders, published atomically with
+Parquet page checksums (out/shards.py). Nothing else is ours: a job refuses an output.path
+holding a file it did not write (`is_ours`), so --fresh and every delete touch only ours.
 
 manifest.json (`schema_version` MANIFEST_VERSION):
     phases.prompts:  status (running | complete | damaged), counts, prompt_config, runs
@@ -24,6 +26,8 @@ Read it through out/manifest.py's accessors, not by key chains.
 """
 
 from __future__ import annotations
+
+import re
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -76,6 +80,29 @@ STOPPED_SCHEMA = pa.schema([*(DATA_SCHEMA.field(n) for n in IDS), ("reason", pa.
                             ("detail", pa.string()), ("run_id", pa.string())])
 SCHEMAS = {"prompts": PROMPTS_SCHEMA, "skipped": SKIPPED_SCHEMA, "data": DATA_SCHEMA,
            "failed": FAILED_SCHEMA, "stopped": STOPPED_SCHEMA}
+
+SHARD_NAME = re.compile(r"part-\d{8}T\d{6}-[0-9a-f]{6}-\d{5}\.parquet")
+QUARANTINE = "quarantine"  # damaged shards moved out of the folders that are read
+STAGING = ".staging"  # files being written; nothing reads them, the next run deletes them
+LOCK = ".lock"
+REPORT_FILES = ("report.json", "report.html")
+VOCAB = "vocab"
+
+
+def is_ours(relative: str) -> bool:
+    """Whether a file at this path inside OUT is one the project writes."""
+    parts = relative.split("/")
+    if len(parts) == 1:
+        return parts[0] in (MANIFEST, LOCK, *REPORT_FILES)
+    top, name = parts[0], parts[-1]
+    if top in (STAGING, VOCAB):
+        return True
+    if top == "report":
+        return len(parts) == 2 and name.endswith(".png")
+    if top == QUARANTINE:
+        return len(parts) == 3 and parts[1] in FOLDERS and bool(SHARD_NAME.fullmatch(name))
+    return top in FOLDERS and len(parts) == 2 and bool(SHARD_NAME.fullmatch(name))
+
 
 # Under prompt.turns: all, a turn's sample_id is <conversation_id>-<turn>.
 TURN_SEPARATOR = "-"

@@ -9,7 +9,7 @@ import uuid
 
 import pyarrow.fs as pafs
 
-STAGING = ".staging"  # files being written; nothing reads them, the next run deletes them
+from eagle_data.out.contract import STAGING
 
 
 def filesystem(path: str) -> tuple[pafs.FileSystem, str]:

@@ -47,8 +47,14 @@ class Manifest:
     def __init__(self, fs, out: str):
         self.fs, self.out = fs, out
         self.path = f"{out}/{MANIFEST}"
-        found = read_json(fs, self.path)
-        self.exists = found is not None
+        try:
+            found = read_json(fs, self.path)
+        except ValueError:  # not JSON: not ours
+            found = {"unreadable": True}
+        # A manifest.json of ours has `phases`; another one (a user's) is not ours.
+        self.foreign = found is not None and "phases" not in found
+        self.exists = found is not None and not self.foreign
+        found = None if self.foreign else found
         self.data = found or {"schema_version": MANIFEST_VERSION}
         self.data.setdefault("phases", {})
         version = self.data.get("schema_version", 1)

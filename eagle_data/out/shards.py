@@ -33,7 +33,9 @@ def publish_table(fs: pafs.FileSystem, out: str, folder: str, name: str, table: 
     final = f"{out}/{folder}/{name}"
     fs.create_dir(f"{out}/{STAGING}", recursive=True)
     fs.create_dir(f"{out}/{folder}", recursive=True)
-    pq.write_table(table, staging, filesystem=fs)
+    # Page checksums: `verify` and the start-of-run check catch bytes flipped inside a page,
+    # which the footer alone does not show.
+    pq.write_table(table, staging, filesystem=fs, write_page_checksum=True)
     fs.move(staging, final)
     return final
 

@@ -120,6 +120,19 @@ def row_filter(finish_reason: Sequence[str] | None = None, source: Sequence[str]
     return expr
 
 
+def keeps_a_loss_token(max_len: int, train_on: str | None, expr: pc.Expression | None) -> pc.Expression:
+    """Rows that still have a loss token when cut to max_len tokens: the first one is at
+    num_prompt_tokens (+ num_reasoning_tokens under mask.train_on=response); a row with no
+    loss token at all is dropped too. A prompt-only sample would train on nothing."""
+    first = pc.field("num_prompt_tokens").cast(pa.int64())
+    if train_on == "response":
+        first = first + pc.field("num_reasoning_tokens")
+    total = (pc.field("num_prompt_tokens").cast(pa.int64()) + pc.field("num_reasoning_tokens")
+             + pc.field("num_response_tokens"))
+    keep = (first < max_len) & (first < total)
+    return keep if expr is None else expr & keep
+
+
 class Samples:
     """The filtered row index, the epoch order, the rank's slice of it, and a small LRU
     cache of decoded row groups. `sample(pos)` gives numpy arrays; the torch datasets
@@ -141,9 +154,19 @@ class Samples:
         self.rank, self.world_size = rank, world_size
         self.shuffle, self.seed, self.window = shuffle, seed, max(1, window)
         expr = row_filter(finish_reason, source, min_len, None if self.truncate else max_len)
-        self._build_index(expr)
+        self.dropped_no_loss = 0  # truncate: samples cut before their first loss token
+        if self.truncate:
+            before = self._count(expr)
+            expr = keeps_a_loss_token(max_len, self.out.manifest.config.get("mask", {}).get("train_on"), expr)
+            self._build_index(expr)
+            self.dropped_no_loss = before - self.row.size
+        else:
+            self._build_index(expr)
         self._cache: OrderedDict = OrderedDict()
         self.set_epoch(0)
+
+    def _count(self, expr: pc.Expression | None) -> int:
+        return sum(b.num_rows for b in self.out.batches(FILTER_COLUMNS, filter=expr))
 
     def _build_index(self, expr: pc.Expression | None) -> None:
         """Per row group: its (file, row group) and the kept row numbers in it. Reads only

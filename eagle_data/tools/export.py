@@ -33,6 +33,9 @@ import sys
 import uuid
 from typing import Callable, Sequence
 
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+
 from eagle_data.errors import EagleDataError, MissingInput
 from eagle_data.out.contract import DATA_SCHEMA
 from eagle_data.reader.samples import Out, resolve_filesystem, row_filter
@@ -62,35 +65,69 @@ FORMATS: dict[str, tuple[tuple[str, ...], Callable[[dict], dict], tuple[str, ...
 
 
 def export(out_path: str, dest: str, fmt: str, finish_reason: Sequence[str] | None = None,
-           source: Sequence[str] | None = None) -> dict:
+           source: Sequence[str] | None = None, overwrite: bool = False, allow_empty: bool = False) -> dict:
     """Write OUT's data/ to DEST as JSONL in `fmt`. finish_reason None = the format's
-    default (specforge: "stop" only; others: all rows). Returns counts."""
+    default (specforge: "stop" only; others: all rows). DEST appears only once complete;
+    an existing DEST is replaced only with `overwrite`, and a result of 0 rows is an error
+    (DEST untouched) unless `allow_empty`. Returns counts, with the rows each filter removed."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
     columns, convert, default_finish = FORMATS[fmt]
     out = Out(out_path)
     if not out.files:
         raise MissingInput(f"{out_path} has no data/ shards to export")
-    expr = row_filter(finish_reason if finish_reason is not None else default_finish, source)
-
+    finish_reason = finish_reason if finish_reason is not None else default_finish
+    removed = filter_counts(out, finish_reason, source)
     fs, path = resolve_filesystem(dest)
+    check_dest(fs, path, dest, overwrite)
+
     parent = path.rsplit("/", 1)[0] if "/" in path else "."
-    fs.create_dir(parent, recursive=True)
     tmp = f"{parent}/.{path.rsplit('/', 1)[-1]}.{uuid.uuid4().hex}.tmp"
     rows = 0
     try:
         with fs.open_output_stream(tmp) as f:
-            for batch in out.batches(columns, filter=expr):
+            for batch in out.batches(columns, filter=row_filter(finish_reason, source)):
                 lines = [json.dumps(convert(r), ensure_ascii=False) for r in batch.to_pylist()]
                 if lines:
                     f.write(("\n".join(lines) + "\n").encode())
                 rows += len(lines)
+        if rows == 0 and not allow_empty:
+            raise EagleDataError(f"export: no rows left after the filters ({describe(removed)}); "
+                                 f"{dest} was not written. Change the filters, or pass --allow-empty")
         fs.move(tmp, path)
     except BaseException:
         if fs.get_file_info(tmp).is_file:
             fs.delete_file(tmp)
         raise
-    return {"format": fmt, "dest": dest, "rows": rows}
+    return {"format": fmt, "dest": dest, "rows": rows, "removed_by_filter": removed}
+
+
+def filter_counts(out: Out, finish_reason: Sequence[str] | None, source: Sequence[str] | None) -> dict:
+    """{filter: rows it removes on its own}: what a filter costs, said before it is applied."""
+    removed = {}
+    for name, values in (("finish_reason", finish_reason), ("source", source)):
+        if values is not None:
+            kept = sum(b.num_rows for b in out.batches([name], filter=pc.field(name).isin(list(values))))
+            total = sum(b.num_rows for b in out.batches([name]))
+            removed[f"{name} in {list(values)}"] = total - kept
+    return removed
+
+
+def describe(removed: dict) -> str:
+    return "; ".join(f"{name} removed {n} rows" for name, n in removed.items()) or "no filter"
+
+
+def check_dest(fs, path: str, dest: str, overwrite: bool) -> None:
+    info = fs.get_file_info(path)
+    if info.type == pafs.FileType.Directory:
+        raise EagleDataError(f"export: {dest} is a folder; give a file name, e.g. {dest.rstrip('/')}/train.jsonl")
+    if info.type == pafs.FileType.File and not overwrite:
+        raise EagleDataError(f"export: {dest} exists; pass --overwrite to replace it")
+    parent = path.rsplit("/", 1)[0] if "/" in path else "."
+    parent_info = fs.get_file_info(parent)
+    if parent_info.type == pafs.FileType.File:
+        raise EagleDataError(f"export: {parent} is a file, so {dest} cannot be created under it")
+    fs.create_dir(parent, recursive=True)
 
 
 def add_cli(subparsers) -> argparse.ArgumentParser:
@@ -103,14 +140,19 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--finish-reason", nargs="+", choices=["stop", "length"], default=None,
                    help="rows to keep (default: specforge 'stop', other formats all)")
     p.add_argument("--source", nargs="+", default=None, help="keep only these sources")
+    p.add_argument("--overwrite", action="store_true", help="replace DEST if it exists")
+    p.add_argument("--allow-empty", action="store_true", help="write DEST even when no row is left")
     return p
 
 
 def run_cli(args: argparse.Namespace) -> int:
     try:
-        counts = export(args.out, args.dest, args.format, args.finish_reason, args.source)
+        counts = export(args.out, args.dest, args.format, args.finish_reason, args.source,
+                        args.overwrite, args.allow_empty)
     except (EagleDataError, ValueError) as e:
         print(f"export: {e}", file=sys.stderr)
         return 1
+    if counts["removed_by_filter"]:
+        print(f"export: filters: {describe(counts['removed_by_filter'])}", file=sys.stderr)
     print(json.dumps(counts, sort_keys=True))
     return 0

@@ -1,0 +1,222 @@
+"""Never destroy what is not ours, never exit 0 on a wrong result, errors instead of
+tracebacks, integrity beyond the footer (issue 13, the OUT side)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from conftest import REPO, SAMPLE, job_config, job_settings, read, shards
+from eagle_data.config import ConfigError, load_config
+from eagle_data.errors import EagleDataError
+from eagle_data.job.run import run
+from eagle_data.out.contract import is_ours
+from eagle_data.out.folder import Output, OutputLocked
+from eagle_data.tools.verify import verify
+
+
+def generate(config: Path, *args, cwd=REPO):
+    return subprocess.run([sys.executable, "-m", "ray_jobs.generate", "--config", str(config), *args],
+                          cwd=cwd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def user_files(root: Path) -> dict[str, str]:
+    files = {"data/train.jsonl": '{"messages": []}\n', "failed/important.log": "keep me\n",
+             "manifest.json": '{"mine": true}\n', "notes.txt": "hello\n"}
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return files
+
+
+def test_empty_output_path_is_refused():
+    with pytest.raises(ConfigError, match="output.path"):
+        load_config(None, ["model.path=/m", "output.path="])
+
+
+def test_what_is_ours_is_only_what_the_project_writes():
+    shard = "part-20261130T083052-39a5c6-00001.parquet"
+    ours = ["manifest.json", ".lock", "report.json", "report.html", "report/lengths.png", f"data/{shard}",
+            f"prompts/{shard}", f"quarantine/failed/{shard}", ".staging/x.parquet", "vocab/d2t.pt"]
+    theirs = ["notes.txt", "data/train.jsonl", "data/part-00000.parquet", f"data/sub/{shard}",
+              "failed/important.log", "report/report.pdf", f"quarantine/{shard}", f"other/{shard}"]
+    assert all(is_ours(p) for p in ours) and not any(is_ours(p) for p in theirs)
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_a_folder_with_files_not_ours_is_refused_and_untouched(tmp_path, qwen3_tokenizer_dir, fresh):
+    out = tmp_path / "out"
+    files = user_files(out)
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump(job_settings(out, qwen3_tokenizer_dir)))
+    result = generate(config, "--phase", "prompts", *(["--fresh"] if fresh else []))
+    assert result.returncode == 2, result.stderr
+    assert "holds files eagle-data did not write (data/train.jsonl, failed/important.log, manifest.json, notes.txt)" \
+        in result.stderr and "Traceback" not in result.stderr
+    assert {p: (out / p).read_text() for p in files} == files  # nothing deleted or overwritten
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == sorted(files)
+
+
+def test_output_path_dot_in_a_users_folder_is_refused(tmp_path, qwen3_tokenizer_dir):
+    scratch = tmp_path / "scratch"
+    (scratch / "data").mkdir(parents=True)
+    (scratch / "data" / "mine.jsonl").write_text("{}\n")
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump(job_settings(".", qwen3_tokenizer_dir)))
+    result = generate(config, "--phase", "prompts", "--fresh", cwd=scratch)
+    assert result.returncode == 2 and "data/mine.jsonl" in result.stderr
+    assert (scratch / "data" / "mine.jsonl").read_text() == "{}\n"
+
+
+def test_a_dataset_inside_out_is_refused(tmp_path, qwen3_tokenizer_dir):
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(EagleDataError, match="not write|inside output.path"):
+        run(job_config(out, qwen3_tokenizer_dir, shutil.copy(SAMPLE, out / "rows.jsonl")), phase="prompts")
+    (tmp_path / "out2" / "vocab").mkdir(parents=True)  # a folder of ours that takes any file
+    with pytest.raises(EagleDataError, match="is inside output.path"):
+        run(job_config(tmp_path / "out2", qwen3_tokenizer_dir, shutil.copy(SAMPLE, tmp_path / "out2" / "vocab")),
+            phase="prompts")
+
+
+def test_unreachable_object_store_output_is_a_message(tmp_path, qwen3_tokenizer_dir):
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump(job_settings("s3://eagle-data-no-such-bucket-x1/out", qwen3_tokenizer_dir)))
+    result = generate(config, "--phase", "prompts")
+    assert result.returncode == 2 and "error: output.path 's3://eagle-data-no-such-bucket-x1/out' cannot be" \
+        in result.stderr and "Traceback" not in result.stderr
+
+
+def _take_lock(path: str, barrier, results) -> None:
+    barrier.wait()
+    try:
+        with Output(path).lock():
+            results.put("locked")
+            barrier.wait()  # hold it until both have tried
+            return
+    except OutputLocked:
+        results.put("refused")
+    barrier.wait()
+
+
+def test_the_lock_is_taken_atomically(tmp_path):
+    ctx = multiprocessing.get_context("fork")
+    for trial in range(10):
+        path = str(tmp_path / f"out{trial}")
+        barrier, results = ctx.Barrier(2), ctx.Queue()
+        procs = [ctx.Process(target=_take_lock, args=(path, barrier, results)) for _ in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+        assert sorted(results.get(timeout=5) for _ in procs) == ["locked", "refused"], trial
+        assert not os.path.exists(f"{path}/.lock")
+
+
+def test_a_dead_runs_lock_is_taken_over_with_a_message(tmp_path, caplog):
+    out = Output(str(tmp_path / "out"))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / ".lock").write_text(
+        f'{{"pid": {dead.stdout.strip()}, "host": "{os.uname().nodename}", "started": "earlier"}}')
+    with caplog.at_level("WARNING", logger="eagle_data"), out.lock():
+        assert str(os.getpid()) in (tmp_path / "out" / ".lock").read_text()
+    assert any("took over the lock" in r.getMessage() and dead.stdout.strip() in r.getMessage()
+               for r in caplog.records)
+
+
+def _flip_bytes_in_a_data_page(shard: Path, column: str) -> None:
+    meta = pq.read_metadata(shard)
+    names = [meta.row_group(0).column(i).path_in_schema for i in range(meta.num_columns)]
+    chunk = meta.row_group(0).column(names.index(f"{column}.list.element"))
+    start, size = chunk.data_page_offset, chunk.total_compressed_size
+    data = bytearray(shard.read_bytes())
+    for at in (start + size - 9, start + size - 5):  # inside the page's data, past its header
+        data[at] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+
+def test_flipped_bytes_are_caught_and_the_shard_regenerated(ray_local, tmp_path, tiny_qwen3):
+    cfg = job_config(tmp_path / "out", tiny_qwen3, source__sample=8, output__rows_per_shard=4)
+    out = tmp_path / "out"
+    run(cfg)
+    before = {r["sample_id"]: r["input_ids"] for r in read(out, "data")}
+    victim = shards(out, "data")[0]
+    _flip_bytes_in_a_data_page(victim, "input_ids")
+    problems, _ = verify(str(out))
+    assert any(victim.name in p and "unreadable" in p for p in problems), problems
+    again = run(cfg)["generate"]
+    assert (out / "quarantine" / "data" / victim.name).exists()
+    assert verify(str(out))[0] == [] and again["ok"] == len(before)
+    assert {r["sample_id"]: r["input_ids"] for r in read(out, "data")} == before  # greedy: the same rows
+
+
+def test_a_deleted_prompts_shard_is_rebuilt(ray_local, tmp_path, qwen3_tokenizer_dir):
+    cfg = job_config(tmp_path / "out", qwen3_tokenizer_dir, source__sample=20, output__rows_per_shard=4)
+    out = tmp_path / "out"
+    first = run(cfg, phase="prompts")["prompts"]
+    before = sorted(r["sample_id"] for r in read(out, "prompts"))
+    shards(out, "prompts")[1].unlink()
+    assert run(cfg, phase="prompts")["prompts"] == first
+    assert sorted(r["sample_id"] for r in read(out, "prompts")) == before
+    assert verify(str(out))[0] == []
+
+
+def test_tools_report_what_a_half_finished_out_holds(ray_local, tmp_path, qwen3_tokenizer_dir):
+    out = tmp_path / "out"
+    run(job_config(out, qwen3_tokenizer_dir, source__sample=10), phase="prompts")
+    problems, counts = verify(str(out))
+    assert problems == [] and counts["prompts"] + counts["skipped"] == 10 and not counts["generate_finished"]
+    for command in ("report", "inspect"):
+        result = subprocess.run([sys.executable, "-m", "eagle_data", command, str(out)], cwd=REPO,
+                                capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+    assert "ok 0" in result.stdout
+
+
+def test_a_report_that_cannot_be_written_does_not_fail_complete_data(ray_local, tmp_path, qwen3_tokenizer_dir,
+                                                                      monkeypatch, caplog):
+    import eagle_data.job.run as job_run
+
+    def full_disk(out):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(job_run, "write_report", full_disk)
+    with caplog.at_level("WARNING", logger="eagle_data"):
+        counts = run(job_config(tmp_path / "out", qwen3_tokenizer_dir, source__sample=6), phase="prompts")
+    assert counts["prompts"]["selected"] == 6
+    assert any("data is complete, but its report could not be written" in r.getMessage() for r in caplog.records)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root) to fill a disk")
+    yield disk
+    subprocess.run(["umount", str(disk)])
+
+
+def test_a_full_disk_is_a_message_and_the_rerun_resumes(tmp_path, small_disk, qwen3_tokenizer_dir):
+    out = small_disk / "out"
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump(job_settings(out, qwen3_tokenizer_dir, output__rows_per_shard=5)))
+    filler = small_disk / "filler"
+    free = shutil.disk_usage(small_disk).free
+    filler.write_bytes(b"\0" * (free - 48 * 1024))  # room for the manifest, not for the prompts
+    result = generate(config, "--phase", "prompts")
+    assert result.returncode == 4, result.stderr
+    assert "error: no space left on device" in result.stderr and "Traceback" not in result.stderr
+    filler.unlink()
+    again = generate(config, "--phase", "prompts")
+    assert again.returncode == 0, again.stderr
+    assert verify(str(out))[0] == []
