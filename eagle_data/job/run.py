@@ -11,10 +11,10 @@ import logging
 import ray
 
 from eagle_data.config import Config
-from eagle_data.errors import MissingInput
+from eagle_data.errors import EmptyResult, MissingInput
 from eagle_data.job.generate_phase import run_generate
 from eagle_data.job.prompts_phase import run_prompts
-from eagle_data.job.source import local_files
+from eagle_data.job.source import locate
 from eagle_data.model_files import check_tokenizer_path, load_tokenizer
 from eagle_data.out.folder import Output
 from eagle_data.tools.report import write_report
@@ -22,9 +22,10 @@ from eagle_data.tools.report import write_report
 log = logging.getLogger("eagle_data")
 
 
-def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None) -> dict:
+def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow_empty: bool = False) -> dict:
     """`engine(ds, cfg, pad_id) -> ds` replaces the configured engine stage (benchmarks put
-    a simulated one there)."""
+    a simulated one there). A prompts phase that leaves 0 prompts (an empty dataset, or
+    every row skipped) raises EmptyResult after its report, unless `allow_empty`."""
     out = Output(cfg.output.path)
     out.check_writable()
     if not fresh:
@@ -33,7 +34,7 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None) -> di
             out.manifest.check_generate_config(cfg)
     check_model_files(cfg, need_weights=phase != "prompts")
     if phase != "generate":
-        local_files(cfg.source.dataset)  # a local dataset exists and holds supported files
+        locate(cfg.source)  # a local dataset exists and holds only supported files
     with out.lock():
         if fresh:
             log.warning("--fresh: deleting what earlier runs wrote in %s", out.root)
@@ -46,6 +47,8 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None) -> di
         if phase in ("prompts", "all"):
             result["prompts"] = run_prompts(cfg, out)
             write_report(out)
+            if not result["prompts"]["prompts"] and not allow_empty:
+                raise EmptyResult(empty_message(cfg, out, result["prompts"]))
         if phase in ("generate", "all"):
             result["generate"] = run_generate(cfg, out, engine)
             write_report(out)
@@ -63,3 +66,13 @@ def check_model_files(cfg: Config, need_weights: bool) -> None:
             f"cannot load the tokenizer from model.tokenizer/model.path {cfg.model.tokenizer_path!r}: {e}. "
             "A local path must hold a tokenizer; a hub id needs the hub or a filled HF cache."
         ) from None
+
+
+def empty_message(cfg: Config, out: Output, counts: dict) -> str:
+    if not counts["selected"]:
+        why = f"source.dataset {cfg.source.dataset!r} holds no rows"
+    else:
+        reasons = ", ".join(f"{k} {v}" for k, v in counts["skipped_by_reason"].items())
+        why = (f"all {counts['selected']} selected rows of {cfg.source.dataset!r} were skipped ({reasons}); "
+               f"see {out.root}/skipped/ (reason, detail)")
+    return f"0 prompts: {why}. Nothing to generate; pass --allow-empty to accept an empty result"
