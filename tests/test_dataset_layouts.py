@@ -252,6 +252,10 @@ def test_zero_prompts_is_an_error_unless_allowed(ray_local, tmp_path, qwen3_toke
     counts = run(job_config(tmp_path / "out2", qwen3_tokenizer_dir, tmp_path / "junk.jsonl", preset=PROMPTS),
                  phase="prompts", allow_empty=True)["prompts"]
     assert (counts["selected"], counts["prompts"]) == (2, 0)
+    # A generate phase on that OUT is refused too (no engine started for nothing).
+    with pytest.raises(EmptyResult, match="0 prompts"):
+        run(job_config(tmp_path / "out2", qwen3_tokenizer_dir, tmp_path / "junk.jsonl", preset=PROMPTS),
+            phase="generate")
 
 
 def test_the_entry_point_exits_3_on_zero_prompts(tmp_path, qwen3_tokenizer_dir):

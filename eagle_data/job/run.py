@@ -24,7 +24,7 @@ log = logging.getLogger("eagle_data")
 
 def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow_empty: bool = False) -> dict:
     """`engine(ds, cfg, pad_id) -> ds` replaces the configured engine stage (benchmarks put
-    a simulated one there). A prompts phase that leaves 0 prompts (an empty dataset, or
+    a simulated one there). A prompts phase that left 0 prompts (an empty dataset, or
     every row skipped) raises EmptyResult after its report, unless `allow_empty`."""
     out = Output(cfg.output.path)
     out.check_writable()
@@ -47,8 +47,10 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow
         if phase in ("prompts", "all"):
             result["prompts"] = run_prompts(cfg, out)
             write_report(out)
-            if not result["prompts"]["prompts"] and not allow_empty:
-                raise EmptyResult(empty_message(cfg, out, result["prompts"]))
+        # 0 prompts is a wrong result, not a success: refused after the prompts phase (its
+        # skipped/ and report written) and before a generate phase, unless allowed.
+        if not allow_empty and out.manifest.prompts_complete() and (out.manifest.prompts_counts or {}).get("prompts") == 0:
+            raise EmptyResult(empty_message(cfg, out, out.manifest.prompts_counts))
         if phase in ("generate", "all"):
             result["generate"] = run_generate(cfg, out, engine)
             write_report(out)
@@ -69,10 +71,10 @@ def check_model_files(cfg: Config, need_weights: bool) -> None:
 
 
 def empty_message(cfg: Config, out: Output, counts: dict) -> str:
-    if not counts["selected"]:
+    if not counts.get("selected"):
         why = f"source.dataset {cfg.source.dataset!r} holds no rows"
     else:
-        reasons = ", ".join(f"{k} {v}" for k, v in counts["skipped_by_reason"].items())
+        reasons = ", ".join(f"{k} {v}" for k, v in counts.get("skipped_by_reason", {}).items())
         why = (f"all {counts['selected']} selected rows of {cfg.source.dataset!r} were skipped ({reasons}); "
                f"see {out.root}/skipped/ (reason, detail)")
     return f"0 prompts: {why}. Nothing to generate; pass --allow-empty to accept an empty result"

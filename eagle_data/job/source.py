@@ -82,13 +82,6 @@ def locate(cfg: SourceConfig) -> Layout:
     return Layout("files", tuple(os.path.abspath(f) for f in files))
 
 
-def local_files(dataset: str) -> list[str] | None:
-    """The data files a local path or glob names, or None when `dataset` is a hub id or a
-    save_to_disk folder (kept for callers that only need the files)."""
-    layout = locate(SourceConfig(dataset=dataset))
-    return list(layout.paths) if layout.kind == "files" else None
-
-
 def _ignored(path: str) -> bool:
     """Files a dataset folder may hold beside its data: hidden files and docs."""
     name = os.path.basename(path)
@@ -99,7 +92,7 @@ def _folder_files(dataset: str, folder: str) -> list[str]:
     files = []
     for root, dirs, names in os.walk(folder):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # .git, .cache, ...
-        if root != folder and _is_saved(root):
+        if _is_saved(root):  # (a dataset folder that is one itself never gets here)
             raise UnsupportedDataset(
                 f"source.dataset {dataset!r}: {root} is a datasets.save_to_disk folder; "
                 "set source.dataset to that folder itself")
