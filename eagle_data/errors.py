@@ -22,3 +22,10 @@ class NotAnOut(EagleDataError, FileNotFoundError):
 
     def __init__(self, path: str, why: str = ""):
         super().__init__(f"not an eagle-data OUT: {path}{f' ({why})' if why else ''}")
+
+
+class EmptyResult(EagleDataError):
+    """The job made nothing: an empty dataset, or every row skipped. Its own exit code
+    (EXIT_CODE) so that a pipeline can tell it from a setup error."""
+
+    EXIT_CODE = 3

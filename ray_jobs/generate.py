@@ -14,7 +14,7 @@ import sys
 import pyarrow.parquet as pq
 
 from eagle_data.config import load_config
-from eagle_data.errors import EagleDataError
+from eagle_data.errors import EagleDataError, EmptyResult
 from eagle_data.job.run import run
 from eagle_data.out.files import filesystem
 from eagle_data.out.shards import shard_files
@@ -28,11 +28,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--phase", choices=["prompts", "generate", "all"], default="all")
     parser.add_argument("--fresh", action="store_true",
                         help="delete everything in output.path first and start over")
+    parser.add_argument("--allow-empty", action="store_true",
+                        help="exit 0 when the prompts phase leaves 0 prompts (empty dataset, every row "
+                             f"skipped); otherwise that is an error, exit {EmptyResult.EXIT_CODE}")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         cfg = load_config(args.config, args.overrides)
-        result = run(cfg, phase=args.phase, fresh=args.fresh)
+        result = run(cfg, phase=args.phase, fresh=args.fresh, allow_empty=args.allow_empty)
+    except EmptyResult as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EmptyResult.EXIT_CODE
     except EagleDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

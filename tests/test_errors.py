@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 import yaml
 
-from conftest import REPO, job_settings, write_jsonl
+from conftest import REPO, SAMPLE, job_settings, write_jsonl
 from eagle_data.errors import EagleDataError, NotAnOut
 from eagle_data.reader import Out
 
@@ -47,3 +48,22 @@ def test_reader_pad_id_before_the_generate_phase_says_what_to_do(ray_local, tmp_
     run(as_config(job_settings(tmp_path / "out", qwen3_tokenizer_dir, path)), phase="prompts")
     with pytest.raises(EagleDataError, match="no generate phase yet"):
         Out(str(tmp_path / "out")).pad_id
+
+
+def test_missing_paths_fail_at_once_without_hub_retries(tmp_path, qwen3_tokenizer_dir):
+    (tmp_path / "data").mkdir()
+    config = tmp_path / "job.yaml"
+    # A relative dataset path under a local folder is local: missing means missing.
+    config.write_text(yaml.safe_dump(job_settings(tmp_path / "out", qwen3_tokenizer_dir, "data/nope.jsonl")))
+    result = subprocess.run([sys.executable, "-m", "ray_jobs.generate", "--config", str(config), "--phase",
+                             "prompts"], cwd=tmp_path, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 2 and "error: source.dataset 'data/nope.jsonl' does not exist" in result.stderr
+    # A model id that looks like the hub's, with no hub: the cache only, a miss fails at once.
+    config.write_text(yaml.safe_dump(job_settings(tmp_path / "out", "nobody/no-such-model", SAMPLE)))
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    result = subprocess.run([sys.executable, "-m", "ray_jobs.generate", "--config", str(config), "--phase",
+                             "prompts"], cwd=REPO, capture_output=True, text=True, env=env)
+    assert result.returncode == 2, result.stderr
+    assert "hub is unreachable: using the local HF cache only for nobody/no-such-model" in result.stderr
+    assert "error: cannot load the tokenizer from model.tokenizer/model.path 'nobody/no-such-model'" in result.stderr

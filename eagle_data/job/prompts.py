@@ -1,6 +1,7 @@
 """Rows -> chat messages -> validated, tokenized prompts (a `map_batches` stage).
 
-Stage contract: takes `row_id`, `source`, `raw`; makes `sample_id`, `messages` (the first
+Stage contract: takes `row_id`, `source`, `raw`, `origin` (FILE:LINE or "", put before a
+skipped row's detail), `encoding_error` ("" or why the row is not UTF-8); makes `sample_id`, `messages` (the first
 turn's prompt), `user_turns` (the user texts the target answers: one, or all of them under
 `prompt.turns: all`), `tokenized_prompt`, `num_prompt_tokens`, `reason` ("" when the row is
 usable) and `detail`.
@@ -49,16 +50,20 @@ def parse_turns(raw: str) -> list[dict]:
     """The row's turns as [{role, content}] with normalised roles, or Skip."""
     try:
         row = json.loads(raw)
+    except RecursionError:
+        raise Skip("bad_json", "nested too deeply to parse") from None
     except ValueError as e:
         raise Skip("bad_json", f"line is not JSON ({e})") from None
     if not isinstance(row, dict):
         raise Skip("bad_schema", f"row is a {type(row).__name__}, not an object")
-    if "conversations" in row and row["conversations"] is None:
-        raise Skip("bad_schema", "'conversations' is null")
+    # A table (parquet, a folder of files) with both columns gives every row both keys, the
+    # other one null: a row is read from whichever column holds it.
     if row.get("conversations") is not None:
         column, role_key, text_key = "conversations", "from", "value"
     elif row.get("messages") is not None:
         column, role_key, text_key = "messages", "role", "content"
+    elif "conversations" in row:
+        raise Skip("bad_schema", "'conversations' is null")
     else:
         raise Skip("bad_schema", "no 'conversations' (ShareGPT) or 'messages' (OpenAI) list")
     turns = row[column]
@@ -74,6 +79,12 @@ def parse_turns(raw: str) -> list[dict]:
                 raise Skip("bad_schema", f"{where} has no '{key}'")
             if not isinstance(turn[key], str):
                 raise Skip("bad_schema", f"{where}.{key} is a {type(turn[key]).__name__}, not a string")
+        for key in (role_key, text_key):
+            try:
+                turn[key].encode("utf-8")
+            except UnicodeEncodeError as e:  # JSON allows "\ud800"; Unicode text does not
+                raise Skip("bad_encoding", f"{where}.{key} holds a lone surrogate "
+                                           f"U+{ord(turn[key][e.start]):04X} at {e.start}") from None
         role = ROLES.get(turn[role_key].strip().lower())
         if role is None:
             raise Skip("bad_schema", f"{where}.{role_key} is an unknown role {turn[role_key]!r}")
@@ -159,7 +170,7 @@ class PromptRenderer:
 class PromptBuilder(PromptRenderer):
     """The prompts stage."""
 
-    requires: ClassVar = ("row_id", "source", "raw")
+    requires: ClassVar = ("row_id", "source", "raw", "origin", "encoding_error")
     produces: ClassVar = PROMPT_SCHEMA
 
     reasoning_markers: tuple[str, ...] = ()
@@ -177,11 +188,15 @@ class PromptBuilder(PromptRenderer):
             self.tokenizer_path, self.trust_remote_code, self.reasoning_markers
         )
         rows, conversations = [], []
-        for row_id, source, raw in zip(*(batch.column(c).to_pylist() for c in ("row_id", "source", "raw"))):
+        origins = []
+        for row_id, source, raw, origin, encoding_error in zip(*(batch.column(c).to_pylist() for c in self.requires)):
             out = {"row_id": row_id, "source": source, "raw": raw, "sample_id": "",
                    "messages": None, "user_turns": None, "reason": "", "detail": "",
                    "tokenized_prompt": None}
+            origins.append(origin)
             try:
+                if encoding_error:
+                    raise Skip("bad_encoding", encoding_error)
                 turns = parse_turns(raw)
                 if self.turns == "all":
                     messages, users = conversation_messages(turns)
@@ -205,7 +220,9 @@ class PromptBuilder(PromptRenderer):
         ok = [i for i, m in enumerate(conversations) if m is not None]
         for i, (ids, reason, detail) in zip(ok, self.render([conversations[i] for i in ok])):
             rows[i].update(tokenized_prompt=ids, reason=reason, detail=detail)
-        for row in rows:
+        for row, origin in zip(rows, origins):
+            if row["reason"] and origin:  # where the row is: "FILE:LINE: why"
+                row["detail"] = f"{origin}: {row['detail']}"
             ids = row["tokenized_prompt"]
             row["num_prompt_tokens"] = len(ids) if ids is not None else 0
             if row["reason"]:

@@ -14,10 +14,10 @@ import pyarrow.fs as pafs
 import ray
 
 from eagle_data.config import Config
-from eagle_data.errors import EagleDataError, MissingInput, NotWritable
+from eagle_data.errors import EagleDataError, EmptyResult, MissingInput, NotWritable
 from eagle_data.job.generate_phase import run_generate
 from eagle_data.job.prompts_phase import run_prompts
-from eagle_data.job.source import local_files
+from eagle_data.job.source import locate
 from eagle_data.model_files import check_tokenizer_path, hub_reachable, is_hub_id, load_tokenizer, use_hub_cache_only
 from eagle_data.out.folder import Output
 from eagle_data.tools.report import write_report
@@ -25,9 +25,10 @@ from eagle_data.tools.report import write_report
 log = logging.getLogger("eagle_data")
 
 
-def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None) -> dict:
+def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow_empty: bool = False) -> dict:
     """`engine(ds, cfg, pad_id) -> ds` replaces the configured engine stage (benchmarks put
-    a simulated one there)."""
+    a simulated one there). A prompts phase that left 0 prompts (an empty dataset, or
+    every row skipped) raises EmptyResult after its report, unless `allow_empty`."""
     out = open_output(cfg.output.path)
     out.check_ours()  # before anything is written, moved or deleted there
     out.check_writable()
@@ -35,10 +36,10 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None) -> di
         out.manifest.check_prompts_config(cfg)
         if phase != "prompts":
             out.manifest.check_generate_config(cfg)
-    dataset_files = local_files(cfg.source.dataset) if phase != "generate" else []
-    check_hub(cfg, uses_hub_dataset=dataset_files is None)
+    layout = locate(cfg.source) if phase != "generate" else None  # exists, supported files only
+    check_hub(cfg, uses_hub_dataset=layout is not None and layout.kind == "hub")
     check_model_files(cfg, need_weights=phase != "prompts")
-    check_dataset_outside(dataset_files, out)
+    check_dataset_outside(layout.paths if layout else (), out)
     with out.lock():
         if fresh:
             log.warning("--fresh: deleting what earlier runs wrote in %s", out.root)
@@ -52,6 +53,10 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None) -> di
         if phase in ("prompts", "all"):
             result["prompts"] = run_prompts(cfg, out)
             report(out)
+        # 0 prompts is a wrong result, not a success: refused after the prompts phase (its
+        # skipped/ and report written) and before a generate phase, unless allowed.
+        if not allow_empty and out.manifest.prompts_complete() and (out.manifest.prompts_counts or {}).get("prompts") == 0:
+            raise EmptyResult(empty_message(cfg, out, out.manifest.prompts_counts))
         if phase in ("generate", "all"):
             result["generate"] = run_generate(cfg, out, engine)
             report(out)
@@ -85,10 +90,10 @@ def open_output(path: str) -> Output:
                           "credentials, or choose a local folder") from None
 
 
-def check_dataset_outside(files: list[str] | None, out: Output) -> None:
+def check_dataset_outside(files: tuple[str, ...], out: Output) -> None:
     """A dataset inside OUT would be deleted by --fresh or read back as output."""
     if files and isinstance(out.fs, pafs.LocalFileSystem):
-        inside = [f for f in files if os.path.commonpath([f, out.root]) == out.root]
+        inside = [f for f in files if os.path.commonpath([os.path.abspath(f), out.root]) == out.root]
         if inside:
             raise EagleDataError(f"source.dataset {inside[0]} is inside output.path {out.root}: "
                                  "keep the dataset outside OUT")
@@ -105,3 +110,13 @@ def check_model_files(cfg: Config, need_weights: bool) -> None:
             f"cannot load the tokenizer from model.tokenizer/model.path {cfg.model.tokenizer_path!r}: {e}. "
             "A local path must hold a tokenizer; a hub id needs the hub or a filled HF cache."
         ) from None
+
+
+def empty_message(cfg: Config, out: Output, counts: dict) -> str:
+    if not counts.get("selected"):
+        why = f"source.dataset {cfg.source.dataset!r} holds no rows"
+    else:
+        reasons = ", ".join(f"{k} {v}" for k, v in counts.get("skipped_by_reason", {}).items())
+        why = (f"all {counts['selected']} selected rows of {cfg.source.dataset!r} were skipped ({reasons}); "
+               f"see {out.root}/skipped/ (reason, detail)")
+    return f"0 prompts: {why}. Nothing to generate; pass --allow-empty to accept an empty result"

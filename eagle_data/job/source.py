@@ -1,61 +1,146 @@
 """Reading the chat dataset (the sample is picked in job/sample.py).
 
-Every row becomes `row_id` (hash of its content), `source` and `raw` (the row as JSON text).
-Keeping the row as text until the prompts stage parses it means a malformed row (wrong
-types, missing keys, a line that is not JSON) cannot break Arrow's schema inference or
-crash a reader: it reaches the prompts stage and is skipped there with a reason.
+Every row becomes `row_id` (hash of its content), `source`, `raw` (the row as JSON text),
+`origin` ("FILE:LINE" for jsonl and JSON array files, "" otherwise) and `encoding_error`
+("" or why the line is not valid UTF-8). Keeping the row as text until the prompts stage
+parses it means a malformed row (wrong types, missing keys, a line that is not JSON or not
+UTF-8) cannot break Arrow's schema inference or crash a reader: it reaches the prompts
+stage and is skipped there with a reason that names its file and line.
+
+Supported layouts (`locate` checks them before Ray starts and refuses anything else):
+jsonl (plain or .gz), parquet, a `.json` file holding one JSON array of records, a
+`datasets.save_to_disk` folder, a folder or glob of such files, and a hub dataset id.
 """
 
 from __future__ import annotations
 
 import glob
+import gzip
 import hashlib
 import json
 import logging
 import os
+from dataclasses import dataclass
 
 import pyarrow as pa
 import ray
 
 from eagle_data.config import SourceConfig
+from eagle_data.model_files import is_hub_id
 from eagle_data.errors import MissingInput
 
 log = logging.getLogger("eagle_data")
 
 JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
 PARQUET_SUFFIXES = (".parquet",)
-RAW_SCHEMA = pa.schema([("row_id", pa.string()), ("source", pa.string()), ("raw", pa.string())])
+SUPPORTED = ("jsonl (or .jsonl.gz), parquet, a .json array of records, a datasets.save_to_disk "
+             "folder, or a hub dataset id")
+RAW_SCHEMA = pa.schema([("row_id", pa.string()), ("source", pa.string()), ("raw", pa.string()),
+                        ("origin", pa.string()), ("encoding_error", pa.string())])
 
 
-def local_files(dataset: str) -> list[str] | None:
-    """The data files a local path or glob names, or None when `dataset` is a hub id."""
+class UnsupportedDataset(MissingInput):
+    """source.dataset names files this job cannot read (the file is named)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the rows are: `hub` (paths empty), `files` (jsonl/json/parquet files) or
+    `saved` (one datasets.save_to_disk folder, its split or None for a plain Dataset)."""
+
+    kind: str
+    paths: tuple[str, ...] = ()
+    split: str | None = None
+
+
+def locate(cfg: SourceConfig) -> Layout:
+    """The dataset's layout, checked: a local path exists and holds only supported files
+    (hidden files and *.md docs in a folder are ignored), else an error naming the file."""
+    dataset = cfg.dataset
     if glob.has_magic(dataset):
-        files = sorted(glob.glob(dataset, recursive=True))
+        matched = sorted(glob.glob(dataset, recursive=True))
+        if not matched:
+            raise MissingInput(f"source.dataset {dataset!r} matches no files")
+        files = []
+        for path in matched:
+            files += _folder_files(dataset, path) if os.path.isdir(path) else (
+                [] if _ignored(path) else [path])
     elif os.path.isdir(dataset):
-        files = sorted(
-            os.path.join(root, f)
-            for root, _, names in os.walk(dataset)
-            for f in names
-            if f.endswith(JSON_SUFFIXES + PARQUET_SUFFIXES)
-        )
+        saved = _saved_layout(dataset, cfg.split)
+        if saved is not None:
+            return saved
+        files = _folder_files(dataset, dataset)
     elif os.path.isfile(dataset):
         files = [dataset]
-    elif dataset.startswith((".", "/", "~")):
+    elif not is_hub_id(dataset):  # a local path (./x, /x, a/b/c, or under a local folder)
         raise MissingInput(f"source.dataset {dataset!r} does not exist")
     else:
-        return None
+        return Layout("hub")
     if not files:
-        raise MissingInput(f"source.dataset {dataset!r} matches no parquet/jsonl files")
-    other = [f for f in files if not f.endswith(JSON_SUFFIXES + PARQUET_SUFFIXES)]
-    if other:
-        raise MissingInput(f"source.dataset {dataset!r}: unsupported file type(s) {other[:3]}; "
-                           "use parquet or jsonl")
-    return [os.path.abspath(f) for f in files]
+        raise MissingInput(f"source.dataset {dataset!r} holds no data files ({SUPPORTED})")
+    for path in files:
+        _check_file(dataset, path)
+    return Layout("files", tuple(os.path.abspath(f) for f in files))
+
+
+def _ignored(path: str) -> bool:
+    """Files a dataset folder may hold beside its data: hidden files and docs."""
+    name = os.path.basename(path)
+    return name.startswith(".") or name.lower().endswith(".md")
+
+
+def _folder_files(dataset: str, folder: str) -> list[str]:
+    files = []
+    for root, dirs, names in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # .git, .cache, ...
+        if _is_saved(root):  # (a dataset folder that is one itself never gets here)
+            raise UnsupportedDataset(
+                f"source.dataset {dataset!r}: {root} is a datasets.save_to_disk folder; "
+                "set source.dataset to that folder itself")
+        files += [os.path.join(root, n) for n in sorted(names) if not _ignored(n)]
+    return files
+
+
+def _check_file(dataset: str, path: str) -> None:
+    lower = path.lower()
+    if lower.endswith(JSON_SUFFIXES + PARQUET_SUFFIXES):
+        return
+    if lower.endswith(".arrow"):
+        hint = "read a datasets.save_to_disk folder by naming the folder itself"
+    else:
+        hint = f"supported: {SUPPORTED}"
+    named = "" if os.path.abspath(path) == os.path.abspath(dataset) else f"{dataset!r}: "
+    raise UnsupportedDataset(f"source.dataset {named}{path}: unsupported file type "
+                             f"{os.path.splitext(path)[1] or '(no suffix)'!r}; {hint}")
+
+
+def _is_saved(folder: str) -> bool:
+    has = lambda name: os.path.isfile(os.path.join(folder, name))  # noqa: E731
+    return has("dataset_dict.json") or (has("state.json") and has("dataset_info.json"))
+
+
+def _saved_layout(folder: str, split: str) -> Layout | None:
+    """A datasets.save_to_disk folder: a DatasetDict (dataset_dict.json lists its splits,
+    source.split picks one) or a single Dataset (state.json + dataset_info.json)."""
+    if not _is_saved(folder):
+        return None
+    index = os.path.join(folder, "dataset_dict.json")
+    if not os.path.isfile(index):
+        return Layout("saved", (os.path.abspath(folder),))
+    try:
+        with open(index) as f:
+            splits = json.load(f)["splits"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise MissingInput(f"source.dataset {folder!r}: unreadable {index} ({e})") from None
+    if split not in splits:
+        raise MissingInput(f"source.dataset {folder!r} has no split {split!r} (source.split); "
+                           f"it has {splits}")
+    return Layout("saved", (os.path.abspath(folder),), split)
 
 
 def read_source(cfg: SourceConfig) -> ray.data.Dataset:
-    files = local_files(cfg.dataset)
-    if files is None:
+    layout = locate(cfg)
+    if layout.kind == "hub":
         import datasets  # hub id: datasets downloads (or reuses its cache), Ray reads it
 
         try:
@@ -64,13 +149,26 @@ def read_source(cfg: SourceConfig) -> ray.data.Dataset:
             raise MissingInput(f"source.dataset {cfg.dataset!r} (split {cfg.split!r}) cannot be loaded "
                                f"from the hub or its local cache: {type(e).__name__}: {e}") from None
         return ray.data.from_huggingface(hf).map_batches(table_to_raw, batch_format="pyarrow")
-    parquet = [f for f in files if f.endswith(PARQUET_SUFFIXES)]
-    jsonl = [f for f in files if f.endswith(JSON_SUFFIXES)]
+    if layout.kind == "saved":
+        import datasets
+
+        hf = datasets.load_from_disk(layout.paths[0])
+        if layout.split is not None:
+            hf = hf[layout.split]
+        # What ray.data.from_huggingface does for a local Dataset, without its first step:
+        # asking the hub whether the dataset's name is a public dataset (a network round
+        # trip, or retries when there is no network, for a folder on disk).
+        return ray.data.from_arrow(hf.with_format("arrow")[:]).map_batches(table_to_raw, batch_format="pyarrow")
+    parquet = [f for f in layout.paths if f.lower().endswith(PARQUET_SUFFIXES)]
+    json_files = [f for f in layout.paths if f.lower().endswith(JSON_SUFFIXES)]
     parts = []
     if parquet:
         parts.append(ray.data.read_parquet(parquet).map_batches(table_to_raw, batch_format="pyarrow"))
-    if jsonl:
-        parts.append(ray.data.read_text(jsonl).map_batches(lines_to_raw, batch_format="pyarrow"))
+    if json_files:
+        # Bytes, not ray.data.read_text: one line that is not UTF-8 must become a skipped
+        # row naming its file and line, not a UnicodeDecodeError that fails the read.
+        parts.append(ray.data.read_binary_files(json_files, include_paths=True)
+                     .map_batches(files_to_raw, batch_format="pyarrow", batch_size=1))
     return parts[0] if len(parts) == 1 else parts[0].union(*parts[1:])
 
 
@@ -80,31 +178,111 @@ def _row_id(raw: str) -> str:
 
 def _source_of(row) -> str:
     source = row.get("source") if isinstance(row, dict) else None
-    return source if isinstance(source, str) else ""
+    if not isinstance(source, str):
+        return ""
+    try:
+        source.encode()
+    except UnicodeEncodeError:  # a lone surrogate: the row is skipped as bad_encoding
+        return ""
+    return source
+
+
+def _json_text(row) -> str:
+    text = json.dumps(row, sort_keys=True, ensure_ascii=False, default=str)
+    try:
+        text.encode()
+    except UnicodeEncodeError:  # lone surrogates: keep them as \\ud800 escapes (Arrow needs UTF-8)
+        text = json.dumps(row, sort_keys=True, default=str)
+    return text
 
 
 def table_to_raw(table: pa.Table) -> pa.Table:
     rows = []
     for row in table.to_pylist():
-        raw = json.dumps(row, sort_keys=True, ensure_ascii=False, default=str)
-        rows.append((_row_id(raw), _source_of(row), raw))
+        raw = _json_text(row)
+        rows.append((_row_id(raw), _source_of(row), raw, "", ""))
     return _raw_table(rows)
 
 
-def lines_to_raw(table: pa.Table) -> pa.Table:
+def files_to_raw(batch: pa.Table) -> pa.Table:
+    """jsonl / JSON array files (one per row of `batch`: path, bytes) -> raw rows."""
     rows = []
-    for line in table.column("text").to_pylist():
-        line = line.strip()
-        if not line:
-            continue  # blank lines are not rows
-        try:
-            source = _source_of(json.loads(line))
-        except ValueError:
-            source = ""  # not JSON: skipped later as bad_json
-        rows.append((_row_id(line), source, line))
+    for path, data in zip(batch.column("path").to_pylist(), batch.column("bytes").to_pylist()):
+        if data[:2] == b"\x1f\x8b":  # still gzip-compressed (Ray decompresses by suffix)
+            data = gzip.decompress(data)
+        if data[:3] == b"\xef\xbb\xbf":  # a UTF-8 byte order mark
+            data = data[3:]
+        is_array = path.lower().endswith((".json", ".json.gz")) and data.lstrip()[:1] == b"["
+        rows += array_rows(path, data) if is_array else line_rows(path, data)
     return _raw_table(rows)
 
 
-def _raw_table(rows: list[tuple[str, str, str]]) -> pa.Table:
-    columns = list(zip(*rows)) if rows else [[], [], []]
+def line_rows(path: str, data: bytes) -> list[tuple]:
+    """One row per non-blank line, each decoded on its own."""
+    rows = []
+    for number, line in enumerate(data.split(b"\n"), start=1):
+        origin = f"{path}:{number}"
+        try:
+            text, error = line.decode("utf-8").strip(), ""
+        except UnicodeDecodeError as e:
+            text = line.decode("utf-8", errors="backslashreplace").strip()
+            error = f"not UTF-8: byte 0x{line[e.start]:02x} at column {e.start + 1}"
+        if not text:
+            continue  # blank lines are not rows
+        source = ""
+        if not error:
+            try:
+                source = _source_of(json.loads(text))
+            except (ValueError, RecursionError):
+                pass  # not JSON: skipped later as bad_json
+        rows.append((_row_id(text), source, text, origin, error))
+    return rows
+
+
+def array_rows(path: str, data: bytes) -> list[tuple]:
+    """A `.json` file holding `[record, ...]`: one row per record, decoded one at a time, so
+    a record with a bad byte is skipped alone. A file that stops being JSON part way
+    through gives one bad_json row for the rest (named by file and line)."""
+    # surrogateescape: a bad byte becomes a lone surrogate in the record that holds it.
+    text = data.decode("utf-8", errors="surrogateescape")
+    decoder = json.JSONDecoder()
+    rows = []
+    pos = text.index("[") + 1
+    line = text.count("\n", 0, pos) + 1
+    while True:
+        start = _skip_space(text, pos)
+        line += text.count("\n", pos, start)
+        if start < len(text) and text[start] == "]" and not text[start + 1:].strip():
+            return rows
+        origin = f"{path}:{line}"
+        try:
+            record, end = decoder.raw_decode(text, start)
+        except (ValueError, RecursionError) as e:
+            rest = text[start:].encode("utf-8", errors="surrogateescape").decode("utf-8", errors="backslashreplace")
+            rows.append((_row_id(rest), "", rest, origin, ""))
+            log.warning("%s: not a JSON array from here on (%s); the rest is one bad_json row", origin, e)
+            return rows
+        chunk = text[start:end]
+        try:
+            chunk.encode("utf-8")
+            raw, error = _json_text(record), ""
+        except UnicodeEncodeError as e:
+            raw = chunk.encode("utf-8", errors="surrogateescape").decode("utf-8", errors="backslashreplace")
+            error = f"not UTF-8: byte 0x{ord(chunk[e.start]) - 0xDC00:02x}"
+        rows.append((_row_id(raw), "" if error else _source_of(record), raw, origin, error))
+        line += text.count("\n", start, end)
+        pos = _skip_space(text, end)
+        line += text.count("\n", end, pos)
+        if pos < len(text) and text[pos] == ",":
+            pos += 1
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+def _raw_table(rows: list[tuple]) -> pa.Table:
+    columns = list(zip(*rows)) if rows else [[]] * len(RAW_SCHEMA)
     return pa.Table.from_arrays([pa.array(c, pa.string()) for c in columns], schema=RAW_SCHEMA)
