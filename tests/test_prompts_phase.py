@@ -184,7 +184,7 @@ def test_unfinished_prompts_phase_is_redone(ray_local, tmp_path, qwen3_tokenizer
     manifest = json.loads((out / "manifest.json").read_text())
     manifest["phases"]["prompts"]["status"] = "running"
     (out / "manifest.json").write_text(json.dumps(manifest))
-    stale = out / "prompts" / "part-stale-00000.parquet"
+    stale = out / "prompts" / "part-20000101T000000-abcdef-00000.parquet"  # a killed run's shard
     stale.write_bytes((next((out / "prompts").glob("*.parquet"))).read_bytes())
     counts = run(cfg, phase="prompts")["prompts"]
     assert not stale.exists()
