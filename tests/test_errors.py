@@ -67,3 +67,15 @@ def test_missing_paths_fail_at_once_without_hub_retries(tmp_path, qwen3_tokenize
     assert result.returncode == 2, result.stderr
     assert "hub is unreachable: using the local HF cache only for nobody/no-such-model" in result.stderr
     assert "error: cannot load the tokenizer from model.tokenizer/model.path 'nobody/no-such-model'" in result.stderr
+
+
+def test_a_hub_dataset_without_the_hub_is_a_message_not_a_traceback(tmp_path, qwen3_tokenizer_dir):
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump(job_settings(tmp_path / "out", qwen3_tokenizer_dir, "nobody/no-such-dataset")))
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    result = subprocess.run([sys.executable, "-m", "ray_jobs.generate", "--config", str(config), "--phase",
+                             "prompts"], cwd=REPO, capture_output=True, text=True, env=env)
+    assert result.returncode == 2, result.stderr
+    assert "hub is unreachable: using the local HF cache only for source.dataset nobody/no-such-dataset" in result.stderr
+    assert "error: source.dataset 'nobody/no-such-dataset' (split 'train') cannot be loaded" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "out" / "manifest.json").exists()
