@@ -14,13 +14,13 @@ from conftest import REPO
 
 # script -> (smoke arguments, text its output must contain)
 SMOKE = {
-    "driver_memory.py": (["--rows", "200", "400"], "peak"),
+    "driver_memory.py": (["--rows", "200", "400"], "driver peak RSS"),
     "engine_feeding.py": (["--slots", "4", "--rows", "40", "--measure-s", "2", "--settings", "4x4", "naive",
                            "--no-model-table"], "util"),
     "postprocess_throughput.py": (["--rows", "40", "--repeats", "1"], "ours (Postprocessor)"),
-    "prompts_memory.py": (["--rows", "200", "400"], "rows"),
-    "reader_memory.py": (["--rows", "400", "--tokens", "50", "--rows-per-shard", "100"], "RSS"),
-    "resume_cost.py": (["--rows", "2000", "--rows-per-shard", "500", "--failed", "50", "--repeats", "1"], "rows"),
+    "prompts_memory.py": (["--rows", "200", "400"], "driver peak RSS"),
+    "reader_memory.py": (["--rows", "400", "--tokens", "50", "--rows-per-shard", "100"], "samples"),
+    "resume_cost.py": (["--rows", "2000", "--rows-per-shard", "500", "--failed", "50", "--repeats", "1"], "resume reads what it needs"),
     "vocab_count.py": (["--smoke"], "rows"),
     "vllm_vs_job.py": (["--smoke"], "| bare vLLM (LLM.generate) |"),
 }
