@@ -67,7 +67,7 @@ def run_job(cfg_dict: dict, tmp_path, *extra_args) -> subprocess.CompletedProces
     path = tmp_path / f"job-{time.monotonic_ns()}.yaml"
     path.write_text(yaml.safe_dump(cfg_dict))
     return subprocess.run([sys.executable, "-m", "ray_jobs.generate", "--config", str(path), *extra_args],
-                          cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=900)
+                          cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=2400)
 
 
 def job_env() -> dict:
@@ -110,7 +110,7 @@ def vllm_reference(tmp_path, model, rows: list[dict]) -> list[dict]:
     result = tmp_path / "reference-out.json"
     proc = subprocess.run([sys.executable, "-c", REFERENCE, str(spec), str(result)], cwd=tmp_path,
                           env={**job_env(), "VLLM_CPU_KVCACHE_SPACE": ""}, capture_output=True, text=True,
-                          timeout=900)
+                          timeout=2400)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return json.loads(result.read_text())
 
@@ -258,7 +258,7 @@ def test_faults_on_vllm(tmp_path, babble_qwen3):
     cfg_path.write_text(yaml.safe_dump(settings))
     job = subprocess.Popen([sys.executable, "-m", "ray_jobs.generate", "--config", str(cfg_path)], cwd=REPO,
                            env=job_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + 2400
     while len(shards(out, "data")) < 2 and job.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     assert job.poll() is None, "the job finished before it could be killed"
@@ -272,7 +272,7 @@ def test_faults_on_vllm(tmp_path, babble_qwen3):
     killed = []
 
     def kill_replica_once_data_flows():
-        end = time.monotonic() + 600
+        end = time.monotonic() + 2400
         while time.monotonic() < end and not killed and rerun.poll() is None:
             pids = _vllm_replica_pids()
             if pids and len(shards(out, "data")) >= len(after_kill) // 2 + 3:
@@ -284,7 +284,7 @@ def test_faults_on_vllm(tmp_path, babble_qwen3):
                              env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     killer = threading.Thread(target=kill_replica_once_data_flows)
     killer.start()
-    log, _ = rerun.communicate(timeout=900)
+    log, _ = rerun.communicate(timeout=2400)
     killer.join()
     assert rerun.returncode == 0, log[-4000:]
     assert killed, "the vLLM replica was never killed"
