@@ -108,10 +108,11 @@ def vllm_reference(tmp_path, model, rows: list[dict]) -> list[dict]:
     spec = tmp_path / "reference-in.json"
     spec.write_text(json.dumps({"model": str(model), "engine_kwargs": ENGINE_KWARGS, "rows": rows}))
     result = tmp_path / "reference-out.json"
-    proc = subprocess.run([sys.executable, "-c", REFERENCE, str(spec), str(result)], cwd=tmp_path,
-                          env={**job_env(), "VLLM_CPU_KVCACHE_SPACE": ""}, capture_output=True, text=True,
-                          timeout=2400)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    script = tmp_path / "reference.py"  # a file: vLLM's spawned workers re-import __main__
+    script.write_text(REFERENCE)
+    proc = subprocess.run([sys.executable, str(script), str(spec), str(result)], cwd=tmp_path,
+                          env=job_env(), capture_output=True, text=True, timeout=2400)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-12000:]
     return json.loads(result.read_text())
 
 
@@ -137,7 +138,8 @@ def check_reasoning(rows: list[dict], tokenizer, stop_ids: set[int]) -> dict:
         stop = int(r["finish_reason"] == "stop")
         assert (gen[-1] in stop_ids) == bool(stop), r["sample_id"]
         response = gen[nr:len(gen) - stop] if nr < len(gen) else []
-        assert r["response"] == tokenizer.decode(response, skip_special_tokens=False), r["sample_id"]
+        text = tokenizer.decode(response, skip_special_tokens=False, clean_up_tokenization_spaces=None).strip()
+        assert r["response"] == text, r["sample_id"]
         seen["closed" if end_id in gen else "open" if nr else "none"] += 1
     return seen
 
