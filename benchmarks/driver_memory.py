@@ -137,8 +137,16 @@ def child(n: int, mean_tokens: float, take_census: bool = False, batch_size: int
     sampler = Sampler()
     # Attribute the driver's memory to the parts of the run (same functions, wrapped).
     pipeline.run_prompts = sampler.wrap("prompts phase", pipeline.run_prompts)
-    pipeline.write_report = sampler.wrap("prompts report", pipeline.write_report)
-    generate.write_report = sampler.wrap("generate report", generate.write_report)
+    # job/run.py writes the report after each phase; the first call is the prompts phase's.
+    original_report = pipeline.write_report
+    calls = []
+
+    def write_report(*a, **k):
+        calls.append(1)
+        label = "prompts report" if len(calls) == 1 else "generate report"
+        return sampler.wrap(label, original_report)(*a, **k)
+
+    pipeline.write_report = write_report
     read = sampler.wrap("resume read (SampleStatus.read)", generate.SampleStatus.read.__func__)
     censuses = []
 

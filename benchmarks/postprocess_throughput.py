@@ -86,11 +86,14 @@ def build_rows(tokenizer, special, n: int, seed: int = 0) -> pa.Table:
             body = L - 3
             r = int(round(rng.uniform(0.5, 0.9) * body))
             gen = np.concatenate([[think], piece(r), [end], piece(body - r), [eos]])
-        rows.append({"sample_id": f"{rng.integers(0, 2**63):016x}", "source": SOURCES[i % 5],
+        sid = f"{rng.integers(0, 2**63):016x}"
+        # first_user rows: the conversation is the sample, its turn 0 (out/contract.py IDS).
+        rows.append({"sample_id": sid, "conversation_id": sid, "turn": 0, "source": SOURCES[i % 5],
                      "messages": messages, "prompt_token_ids": list(prompt),
                      "generated_tokens": gen.astype(np.int64).tolist(), "__inference_error__": ""})
     schema = pa.schema([
-        ("sample_id", pa.string()), ("source", pa.string()),
+        ("sample_id", pa.string()), ("conversation_id", pa.string()), ("turn", pa.int32()),
+        ("source", pa.string()),
         ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
         ("prompt_token_ids", pa.list_(pa.int64())), ("generated_tokens", pa.list_(pa.int64())),
         ("__inference_error__", pa.string()),

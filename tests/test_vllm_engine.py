@@ -1,0 +1,342 @@
+"""The production engine, run for real: the job's vLLM backend (`build_processor` on the
+project's `processor_config`, engine.device=cpu) with vLLM's CPU build, on tiny Qwen3 models
+with real tokenizers.
+
+Every job run loads the model in a fresh engine actor (30-130 s on 2 busy cores), so the
+runs are few and each one carries several checks: module-scoped fixtures run a job once and
+the tests read its OUT.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import REPO, as_config, build_babbling_model, build_tiny_model, job_settings, read, shards, write_jsonl
+
+pytestmark = pytest.mark.vllm
+
+WORDS = [" the", " cat", " sat", " on", " mat", " and", " dog", " ran", "."]
+
+# engine.device=cpu; small KV cache and batches; fp32 so that the parity test compares
+# like with like (vLLM and transformers both compute in fp32).
+VLLM = dict(engine__backend="vllm", engine__device="cpu", engine__num_cpus=1, engine__cpu_kv_cache_gib=0.25,
+            engine__batch_size=4, engine__max_concurrent_batches=4, engine__resource_wait_s=30,
+            engine__engine_kwargs={"dtype": "float32", "enforce_eager": True, "max_num_seqs": 8})
+ENGINE_KWARGS = {"dtype": "float32", "enforce_eager": True, "max_num_seqs": 8, "max_model_len": 1024,
+                 "kv_cache_memory_bytes": int(0.25 * 2**30)}
+
+
+def sampled(**extra) -> dict:
+    return {**VLLM, "sampling__temperature": 1.0, "sampling__top_p": 1.0, "sampling__max_tokens": 16,
+            "sampling__seed": 3, **extra}
+
+
+@pytest.fixture(scope="module")
+def babble_qwen3(tmp_path_factory, qwen3_tokenizer_dir):
+    # Qwen3: the model emits <think> itself; p(stop) 0.12 per token gives both finishes at 16 tokens.
+    probs = {**{w: 0.07 for w in WORDS}, "<think>": 0.07, "</think>": 0.1, "<|im_end|>": 0.12}
+    return build_babbling_model(qwen3_tokenizer_dir, tmp_path_factory.mktemp("model") / "babble-qwen3-h64",
+                                ["<|im_end|>", "<|endoftext|>"], probs, head_dim=64)
+
+
+@pytest.fixture(scope="module")
+def babble_r1(tmp_path_factory, deepseek_r1_tokenizer_dir):
+    # DeepSeek-R1: the template opens <think> in the prompt; the model closes it.
+    probs = {**{w: 0.08 for w in WORDS}, "</think>": 0.1, "<｜end▁of▁sentence｜>": 0.15}
+    return build_babbling_model(deepseek_r1_tokenizer_dir, tmp_path_factory.mktemp("model") / "babble-r1-h64",
+                                ["<｜end▁of▁sentence｜>"], probs, head_dim=64)
+
+
+def run_job(cfg_dict: dict, tmp_path, *extra_args) -> subprocess.CompletedProcess:
+    """The job as a user runs it (its own driver and Ray instance), so the module's tests do
+    not depend on the session's Ray instance having CPUs free."""
+    import yaml
+
+    path = tmp_path / f"job-{time.monotonic_ns()}.yaml"
+    path.write_text(yaml.safe_dump(cfg_dict))
+    return subprocess.run([sys.executable, "-m", "ray_jobs.generate", "--config", str(path), *extra_args],
+                          cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=2400)
+
+
+def job_env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(REPO), "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
+
+
+def check_ok(proc: subprocess.CompletedProcess) -> str:
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    return log
+
+
+def verify_ok(out) -> None:
+    proc = subprocess.run([sys.executable, "-m", "eagle_data", "verify", str(out)], cwd=REPO, env=job_env(),
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# vllm.LLM.generate itself on the same TokensPrompts and SamplingParams, in a subprocess
+# (vLLM's engine process is spawned, which needs a __main__ guard).
+REFERENCE = textwrap.dedent("""
+    import json, sys
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if __name__ == "__main__":
+        spec = json.load(open(sys.argv[1]))
+        llm = LLM(model=spec["model"], **spec["engine_kwargs"])
+        prompts = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in spec["rows"]]
+        params = [SamplingParams(**r["params"]) for r in spec["rows"]]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        json.dump([{"token_ids": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason}
+                   for o in outs], open(sys.argv[2], "w"))
+""")
+
+
+def vllm_reference(tmp_path, model, rows: list[dict]) -> list[dict]:
+    spec = tmp_path / "reference-in.json"
+    spec.write_text(json.dumps({"model": str(model), "engine_kwargs": ENGINE_KWARGS, "rows": rows}))
+    result = tmp_path / "reference-out.json"
+    script = tmp_path / "reference.py"  # a file: vLLM's spawned workers re-import __main__
+    script.write_text(REFERENCE)
+    proc = subprocess.run([sys.executable, str(script), str(spec), str(result)], cwd=tmp_path,
+                          env=job_env(), capture_output=True, text=True, timeout=2400)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-12000:]
+    return json.loads(result.read_text())
+
+
+def expected_split(prompt: list[int], gen: list[int], start_id: int, end_id: int) -> int:
+    """Reasoning tokens at the head of `gen` (markers included), by the rule in README."""
+    if end_id in gen:
+        return gen.index(end_id) + 1
+    opened = start_id in prompt and (end_id not in prompt or
+                                     len(prompt) - 1 - prompt[::-1].index(start_id) >
+                                     len(prompt) - 1 - prompt[::-1].index(end_id))
+    return len(gen) if start_id in gen or opened else 0
+
+
+def check_reasoning(rows: list[dict], tokenizer, stop_ids: set[int]) -> dict:
+    start_id, end_id = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    seen = {"closed": 0, "open": 0, "none": 0}
+    for r in rows:
+        ids = list(r["input_ids"])
+        prompt, gen = ids[:r["num_prompt_tokens"]], ids[r["num_prompt_tokens"]:]
+        nr = expected_split(prompt, gen, start_id, end_id)
+        assert r["num_reasoning_tokens"] == nr, r["sample_id"]
+        assert r["num_reasoning_tokens"] + r["num_response_tokens"] == len(gen)
+        stop = int(r["finish_reason"] == "stop")
+        assert (gen[-1] in stop_ids) == bool(stop), r["sample_id"]
+        response = gen[nr:len(gen) - stop] if nr < len(gen) else []
+        text = tokenizer.decode(response, skip_special_tokens=False, clean_up_tokenization_spaces=None).strip()
+        assert r["response"] == text, r["sample_id"]
+        seen["closed" if end_id in gen else "open" if nr else "none"] += 1
+    return seen
+
+
+# --- exactness against vllm.LLM.generate, finish reasons, Qwen3 reasoning ----------------
+
+@pytest.fixture(scope="module")
+def qwen3_job(tmp_path_factory, babble_qwen3):
+    tmp = tmp_path_factory.mktemp("vllm-exact")
+    out = tmp / "out"
+    started = time.monotonic()
+    log = check_ok(run_job(job_settings(out, babble_qwen3, preset=sampled(source__sample=24)), tmp))
+    return out, log, time.monotonic() - started
+
+
+def test_data_rows_are_exactly_what_vllm_generates(qwen3_job, babble_qwen3, tmp_path):
+    from eagle_data.job.generate_phase import row_seed
+    from eagle_data.model_files import load_tokenizer
+
+    out, log, seconds = qwen3_job
+    assert "engine: vLLM 0.29.0" in log and "on cpu" in log  # the job log says which engine ran
+    rows = sorted(read(out, "data"), key=lambda r: r["sample_id"])
+    prompts = {p["sample_id"]: p for p in read(out, "prompts")}
+    assert len(rows) == len(prompts) and not read(out, "failed")
+    tokenizer = load_tokenizer(str(babble_qwen3))
+    manifest = json.loads((out / "manifest.json").read_text())
+    stop_ids = list(manifest["phases"]["generate"]["tokenizer"]["eos_ids"])  # what the job asked for
+    requests = [{"prompt": list(prompts[r["sample_id"]]["tokenized_prompt"]),
+                 "params": {"max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "seed": row_seed(3, r["sample_id"]),
+                            "stop_token_ids": stop_ids, "detokenize": False}} for r in rows]
+    reference = vllm_reference(tmp_path, babble_qwen3, requests)
+    for row, req, ref in zip(rows, requests, reference):
+        assert list(row["input_ids"]) == req["prompt"] + ref["token_ids"], row["sample_id"]
+        assert row["finish_reason"] == ref["finish_reason"], row["sample_id"]
+        assert list(row["loss_mask"]) == [0] * len(req["prompt"]) + [1] * len(ref["token_ids"])
+    finishes = {r["finish_reason"] for r in rows}
+    assert finishes == {"stop", "length"}, finishes
+    seen = check_reasoning(rows, tokenizer, set(stop_ids))
+    assert seen["closed"] and seen["none"], seen  # the model opened and closed <think> itself
+    print(f"\nvLLM exactness: {len(rows)} rows, finishes {sorted(finishes)}, reasoning {seen}, job {seconds:.0f}s")
+
+
+# --- DeepSeek-R1 template + turns: all --------------------------------------------------
+
+def conversations() -> list[dict]:
+    rows = []
+    for i in range(6):
+        turns = [{"from": "system", "value": "You are terse."}] if i % 3 == 0 else []
+        for t in range(1 + i % 2):
+            turns += [{"from": "human", "value": f"question {t} of conversation {i}?"},
+                      {"from": "gpt", "value": f"DATASET ANSWER {i}.{t}"}]
+        rows.append({"conversations": turns, "source": "chats"})
+    return rows
+
+
+def test_multi_turn_on_deepseek_r1_template(tmp_path, babble_r1):
+    from eagle_data.model_files import load_tokenizer
+
+    out = tmp_path / "out"
+    chats = write_jsonl(tmp_path / "chats.jsonl", conversations())
+    settings = job_settings(out, babble_r1, chats, preset=sampled(prompt__turns="all", prompt__max_turns=2,
+                                                                  engine__max_model_len=512))
+    started = time.monotonic()
+    check_ok(run_job(settings, tmp_path))
+    seconds = time.monotonic() - started
+    rows = read(out, "data")
+    tokenizer = load_tokenizer(str(babble_r1))
+    assert all(r["num_prompt_tokens"] > 0 for r in rows)
+    [eos] = tokenizer.convert_tokens_to_ids(["<｜end▁of▁sentence｜>"])
+    seen = check_reasoning(rows, tokenizer, {eos})
+    assert seen["closed"], seen
+    start_id = tokenizer.convert_tokens_to_ids("<think>")
+    # The R1 template opens the reasoning in the prompt: every prompt ends inside <think>.
+    assert all(start_id in list(r["input_ids"])[:r["num_prompt_tokens"]] for r in rows)
+    by_turn = {}
+    for r in rows:
+        by_turn.setdefault(r["turn"], []).append(r)
+    assert set(by_turn) == {0, 1}
+    # A second turn's prompt holds the target's own first answer, never the dataset's.
+    firsts = {r["conversation_id"]: r for r in by_turn[0]}
+    for r in by_turn[1]:
+        assert "DATASET ANSWER" not in json.dumps(r["messages"])
+        assert r["messages"][-2]["content"] == firsts[r["conversation_id"]]["response"]
+    verify_ok(out)
+    print(f"\nvLLM turns=all on R1: {len(rows)} rows over turns {sorted(by_turn)}, reasoning {seen}, {seconds:.0f}s")
+
+
+# --- faults: a row vLLM rejects, driver SIGKILL + rerun, a replica killed mid-run -------
+
+def _plant_too_long_prompt(out, max_model_len: int) -> str:
+    """Bypass the prompts phase's prompt_too_long filter: one prompt longer than the context."""
+    shard = shards(out, "prompts")[0]
+    table = pq.read_table(shard)
+    rows = table.to_pylist()
+    rows[0]["tokenized_prompt"] = rows[0]["tokenized_prompt"] * (max_model_len // len(rows[0]["tokenized_prompt"]) + 1)
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), shard)
+    return rows[0]["sample_id"]
+
+
+def _vllm_replica_pids() -> list[int]:
+    import psutil
+
+    return [p.pid for p in psutil.process_iter(["cmdline"])
+            if "vLLMEngineStageUDF" in " ".join(p.info["cmdline"] or []) and "MapWorker" in " ".join(p.info["cmdline"] or [])]
+
+
+def test_faults_on_vllm(tmp_path, babble_qwen3):
+    out = tmp_path / "out"
+    settings = job_settings(out, babble_qwen3, preset=sampled(source__sample=40, output__rows_per_shard=2,
+                                                              output__flush_seconds=1, output__max_attempts=1))
+    check_ok(run_job(settings, tmp_path, "--phase", "prompts"))
+    bad = _plant_too_long_prompt(out, 1024)
+
+    # 1. The driver is SIGKILLed once data flows.
+    import yaml
+
+    cfg_path = tmp_path / "faults.yaml"
+    cfg_path.write_text(yaml.safe_dump(settings))
+    job = subprocess.Popen([sys.executable, "-m", "ray_jobs.generate", "--config", str(cfg_path)], cwd=REPO,
+                           env=job_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 2400
+    while len(shards(out, "data")) < 2 and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert job.poll() is None, "the job finished before it could be killed"
+    os.kill(job.pid, signal.SIGKILL)
+    job.wait()
+    _kill_group(job.pid)  # the killed driver's local Ray instance and engine, started in its session
+    after_kill = {r["sample_id"] for r in read(out, "data")}
+    assert after_kill
+
+    # 2. Rerun; the vLLM replica is SIGKILLed once the rerun has published data.
+    killed = []
+
+    def kill_replica_once_data_flows():
+        end = time.monotonic() + 2400
+        while time.monotonic() < end and not killed and rerun.poll() is None:
+            pids = _vllm_replica_pids()
+            if pids and len(shards(out, "data")) >= len(after_kill) // 2 + 3:
+                os.kill(pids[0], signal.SIGKILL)
+                killed.append(pids[0])
+            time.sleep(0.2)
+
+    rerun = subprocess.Popen([sys.executable, "-m", "ray_jobs.generate", "--config", str(cfg_path)], cwd=REPO,
+                             env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killer = threading.Thread(target=kill_replica_once_data_flows)
+    killer.start()
+    log, _ = rerun.communicate(timeout=2400)
+    killer.join()
+    assert rerun.returncode == 0, log[-4000:]
+    assert killed, "the vLLM replica was never killed"
+
+    # 3. Nothing lost, nothing duplicated; vLLM's own error text for the row it rejected.
+    verify_ok(out)
+    data = read(out, "data")
+    ids = [r["sample_id"] for r in data]
+    assert len(ids) == len(set(ids)) and after_kill <= set(ids)
+    failed = read(out, "failed")
+    assert [f["sample_id"] for f in failed] == [bad]
+    assert "maximum context length" in failed[0]["error"] and "VLLMValidationError" in failed[0]["error"], failed[0]
+    prompts = read(out, "prompts")
+    assert len(ids) + 1 == len(prompts)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+# --- backend parity at temperature 0 ----------------------------------------------------
+
+def test_greedy_parity_with_transformers_backend(tmp_path, qwen3_tokenizer_dir):
+    """Same random-weight fp32 model, same prompts, temperature 0: vLLM and transformers pick
+    the same argmax, except where two logits are closer than the two implementations'
+    floating-point differences (different kernels and summation orders); after such a tie
+    the continuations differ. The test bounds that: most rows identical, and every row
+    identical up to its first divergence, which must be at a near-tie."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = build_tiny_model(qwen3_tokenizer_dir, tmp_path / "tiny-h64", head_dim=64)
+    rows = {}
+    for backend, extra in (("vllm", VLLM), ("transformers", dict(engine__backend="transformers", engine__batch_size=1))):
+        out = tmp_path / backend
+        greedy = {**extra, "source__sample": 12, "sampling__temperature": 0.0, "sampling__max_tokens": 12}
+        check_ok(run_job(job_settings(out, model, preset=greedy), tmp_path))
+        rows[backend] = {r["sample_id"]: list(r["input_ids"]) for r in read(out, "data")}
+    assert rows["vllm"].keys() == rows["transformers"].keys()
+    same = [sid for sid in rows["vllm"] if rows["vllm"][sid] == rows["transformers"][sid]]
+    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    for sid in set(rows["vllm"]) - set(same):
+        a, b = rows["vllm"][sid], rows["transformers"][sid]
+        k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        with torch.no_grad():
+            logits = hf(torch.tensor([a[:k]])).logits[0, -1]
+        gap = abs(float(logits[a[k]] - logits[b[k]]))
+        assert gap < 1e-3, f"{sid}: diverged at token {k} with a logit gap of {gap}"
+    assert len(same) >= 0.75 * len(rows["vllm"]), f"{len(same)}/{len(rows['vllm'])} identical"
+    print(f"\nbackend parity: {len(same)}/{len(rows['vllm'])} rows identical at temperature 0")
