@@ -74,7 +74,8 @@ class Output:
             self.fs.delete_file(probe)
         except OSError as e:
             raise NotWritable(
-                f"output.path {self.root} is not writable ({e}); choose another output.path"
+                f"output.path {self.root} is not writable ({e}); choose another output.path "
+                "(with more than one node: storage every node sees, an NFS/EFS mount or s3://...)"
             ) from None
 
     @contextlib.contextmanager
@@ -88,6 +89,9 @@ class Output:
         if held and held.get("host") != socket.gethostname():
             raise OutputLocked(f"{self.root} is locked by a run on host {held.get('host')} "
                                f"(pid {held.get('pid')}); if that run is gone, delete {path}")
+        if held:  # same host, its process is gone: a killed or stopped run
+            log.warning("taking over the lock on %s left by pid %s (started %s), which is no "
+                        "longer running", self.root, held.get("pid"), held.get("started"))
         with self.fs.open_output_stream(path) as f:
             f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                 "started": mf.now()}).encode())

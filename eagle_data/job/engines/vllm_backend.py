@@ -65,7 +65,20 @@ def processor_config(cfg: Config):
         tokenize_stage=False,
         detokenize_stage=False,
         should_continue_on_error=True,
+        placement_group_config=placement_group_config(cfg),
     )
+
+
+def placement_group_config(cfg: Config) -> dict | None:
+    """A replica's bundles (one GPU + one CPU per TP/PP worker, and PACK, as Ray's default)
+    with engine.replica_resources added to the first one; None (Ray's default placement)
+    without replica_resources."""
+    if not cfg.engine.replica_resources:
+        return None
+    workers = cfg.engine.tensor_parallel_size * cfg.engine.engine_kwargs.get("pipeline_parallel_size", 1)
+    bundles = [{"CPU": 1, "GPU": 1} for _ in range(workers)]
+    bundles[0].update(cfg.engine.replica_resources)
+    return {"bundles": bundles, "strategy": "PACK"}
 
 
 def build_vllm_processor(cfg: Config):
