@@ -108,7 +108,7 @@ def actor_nodes(class_names: tuple[str, ...]) -> list[str] | None:
         from ray.util.state import list_actors
 
         actors = list_actors(address=context.gcs_address, filters=[("job_id", "=", context.get_job_id())],
-                             limit=10_000, raise_on_missing_output=False, timeout=30)
+                             limit=10_000, raise_on_missing_output=False, timeout=10)
         # Without a dashboard the state API falls back to 127.0.0.1:8265, which may be
         # another cluster's: keep only nodes of this one.
         ours = {node["NodeID"] for node in ray.nodes()}
