@@ -91,6 +91,11 @@ class EngineConfig(_Section):
     # otherwise limit it to num_cpus).
     num_cpus: float = Field(default=1, gt=0)
     cpu_threads: int | None = Field(default=None, ge=1)
+    # Custom Ray resources one engine replica takes, e.g. {eagle_replica: 1} with every
+    # node started as `ray start --resources '{"eagle_replica": 1}'`: one replica per node,
+    # whatever else fits (both backends; vLLM: in the first bundle of the replica's
+    # placement group). Empty = Ray places replicas by CPUs/GPUs alone.
+    replica_resources: dict[str, Annotated[float, Field(gt=0, allow_inf_nan=False)]] = Field(default_factory=dict)
 
 
 class SamplingConfig(_Section):
@@ -142,6 +147,10 @@ class Config(_Section):
             raise ValueError("model.reasoning_start and model.reasoning_end must differ")
         if self.prompt.max_turns is not None and self.prompt.turns != "all":
             raise ValueError("prompt.max_turns needs prompt.turns=all")
+        builtin = sorted(set(self.engine.replica_resources) & {"CPU", "GPU", "memory", "object_store_memory"})
+        if builtin:
+            raise ValueError(f"engine.replica_resources takes custom resources only, not {', '.join(builtin)} "
+                             "(CPUs: engine.num_cpus; GPUs follow engine.tensor_parallel_size)")
         if self.engine.backend == "transformers" and self.engine.tensor_parallel_size != 1:
             raise ValueError("engine.tensor_parallel_size > 1 needs engine.backend=vllm")
         if self.engine.backend == "vllm" and self.engine.device == "cpu" and self.engine.tensor_parallel_size != 1:

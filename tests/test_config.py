@@ -13,6 +13,9 @@ def test_defaults_and_overrides_are_typed():
     assert cfg.sampling.temperature == 0.0
     assert cfg.prompt.chat_template_kwargs == {"enable_thinking": False}
     assert cfg.model.tokenizer_path == "/m"
+    assert cfg.engine.replica_resources == {}
+    assert load_config(None, BASE + ["engine.replica_resources={eagle_replica: 1}"]).engine.replica_resources \
+        == {"eagle_replica": 1}
 
 
 def test_yaml_file_plus_set(tmp_path):
@@ -29,6 +32,8 @@ def test_yaml_file_plus_set(tmp_path):
     ("mask.train_on=all", "mask.train_on: Input should be 'generated' or 'response'"),
     ("sampling.max_tokens=20000", "sampling.max_tokens (20000) must be smaller than engine.max_model_len (16384)"),
     ("output.rows_per_shard=0", "output.rows_per_shard: Input should be greater than or equal to 1"),
+    ("engine.replica_resources={GPU: 8}", "engine.replica_resources takes custom resources only, not GPU"),
+    ("engine.replica_resources={eagle_replica: 0}", "engine.replica_resources.eagle_replica: Input should be greater than 0"),
 ])
 def test_errors_name_the_key(override, message):
     with pytest.raises(ConfigError) as e:

@@ -206,7 +206,7 @@ def test_verify_catches_a_duplicated_sample(ray_local, tmp_path, tiny_qwen3):
     assert any("times in data/ (exactly-once broken)" in p for p in problems)
 
 
-def test_bad_setup_fails_fast_with_a_message(ray_local, tmp_path, tiny_qwen3):
+def test_bad_setup_fails_fast_with_a_message(ray_local, tmp_path, tiny_qwen3, caplog):
     base = job_settings(tmp_path / "out", tiny_qwen3, preset=FAULTS, source__sample=4)
 
     missing = as_config({**base, "model": {"path": str(tmp_path / "no-such-model")}})
@@ -233,7 +233,9 @@ def test_bad_setup_fails_fast_with_a_message(ray_local, tmp_path, tiny_qwen3):
     finally:
         holder.kill()
         holder.wait()
-    # Its process gone, the lock is stale and taken over.
-    run(as_config(base))
+    # Its process gone, the lock is stale and taken over, with a message saying so.
+    with caplog.at_level("WARNING", logger="eagle_data"):
+        run(as_config(base))
+    assert f"taking over the lock on {tmp_path / 'out'} left by pid {holder.pid}" in caplog.text
     assert not (tmp_path / "out" / ".lock").exists()
     assert Output(str(tmp_path / "out")).manifest.prompts_complete()

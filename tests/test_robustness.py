@@ -129,7 +129,7 @@ def test_a_dead_runs_lock_is_taken_over_with_a_message(tmp_path, caplog):
         f'{{"pid": {dead.stdout.strip()}, "host": "{os.uname().nodename}", "started": "earlier"}}')
     with caplog.at_level("WARNING", logger="eagle_data"), out.lock():
         assert str(os.getpid()) in (tmp_path / "out" / ".lock").read_text()
-    assert any("took over the lock" in r.getMessage() and dead.stdout.strip() in r.getMessage()
+    assert any("taking over the lock" in r.getMessage() and dead.stdout.strip() in r.getMessage()
                for r in caplog.records)
 
 

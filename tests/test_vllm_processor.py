@@ -67,14 +67,21 @@ def test_replicas_and_pass_through(kimi):
     assert (pc.chat_template_stage, pc.tokenize_stage, pc.detokenize_stage) == (False, False, False)
 
 
-def test_cluster_yaml_describes_one_8_gpu_blackwell_node():
-    import yaml
+def test_replica_resources_go_into_each_replicas_placement(ray_local, kimi):
+    """engine.replica_resources: on vLLM, the first bundle of a replica's placement group
+    (TP 8: Ray's executor makes the group), or the engine actor's own resources (TP 1)."""
+    cfg = load_config(KIMI, ["engine.replica_resources={eagle_replica: 1}"])
+    assert processor_config(kimi).placement_group_config is None  # Ray's default placement
+    group = processor_config(cfg).placement_group_config
+    assert group["bundles"] == [{"CPU": 1, "GPU": 1, "eagle_replica": 1}] + [{"CPU": 1, "GPU": 1}] * 7
+    stage = build_vllm_processor(cfg).get_stage_by_name("vLLMEngineStage")
+    make_group = stage.map_batches_kwargs["ray_remote_args_fn"]
+    assert make_group.args[2]["bundles"][0]["eagle_replica"] == 1
 
-    cluster = yaml.safe_load((KIMI.parent.parent / "cluster.yaml").read_text())
-    head = cluster["available_node_types"][cluster["head_node_type"]]
-    assert head["node_config"]["InstanceType"] == "p6-b200.48xlarge"  # 8x B200
-    assert cluster["max_workers"] == 0  # one node; more nodes = more replicas
-    assert any("eagle-data[vllm]" in c for c in cluster["setup_commands"])
+    one_gpu = load_config(KIMI, ["engine.replica_resources={eagle_replica: 1}", "engine.tensor_parallel_size=1"])
+    stage = build_vllm_processor(one_gpu).get_stage_by_name("vLLMEngineStage")
+    kwargs = stage.map_batches_kwargs
+    assert (kwargs["resources"], kwargs["num_gpus"]) == ({"eagle_replica": 1}, 1)
 
 
 def test_cpu_device_asks_for_cpu_bundles_and_sets_the_kv_cache(kimi):

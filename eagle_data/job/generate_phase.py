@@ -20,10 +20,10 @@ from ray.data.expressions import col, lit
 
 from eagle_data.config import Config, SamplingConfig
 from eagle_data.errors import MissingInput
-from eagle_data.job.engines import apply_engine
+from eagle_data.job.engines import ENGINE_CLASSES, apply_engine
 from eagle_data.job.postprocess import Postprocessor
 from eagle_data.job.progress import Progress
-from eagle_data.job.ray_internals import bound_queues, read_parquet_in_small_tasks
+from eagle_data.job.ray_internals import actor_nodes, bound_queues, read_parquet_in_small_tasks
 from eagle_data.job.turns import PREVIOUS_COLUMNS, TurnBuilder, next_user_texts
 from eagle_data.model_files import SpecialTokens, generation_eos_ids, load_tokenizer, model_vocab_size, special_tokens
 from eagle_data.out import manifest as mf
@@ -58,9 +58,10 @@ def run_generate(cfg: Config, out: Output, engine=None) -> dict:
     data = out.writer("data", DATA_SCHEMA, run_id, cfg, flush=True)
     failed = out.writer("failed", FAILED_SCHEMA, run_id, cfg, flush=True)
     stopped = out.writer("stopped", STOPPED_SCHEMA, run_id, cfg, flush=True)
+    replicas = ReplicaNodes()
     progress = Progress(total=total, done_before=len(finished), todo=todo,
                         max_tokens=cfg.sampling.max_tokens, every_s=cfg.output.log_every_s,
-                        data_writer=data, failed_writer=failed)
+                        data_writer=data, failed_writer=failed, on_line=replicas.look)
     finished_ref = ray.put(pa.array(sorted(finished), pa.string()))  # shared by every task
     with progress:
         for turn in itertools.count() if cfg.prompt.turns == "all" else [0]:
@@ -81,12 +82,35 @@ def run_generate(cfg: Config, out: Output, engine=None) -> dict:
                 writer.close()
 
     counts = totals(out, cfg, total)
+    nodes = replicas.report()
     out.manifest.finish_run("generate", run, counts, ok=data.written, failed=failed.written,
                             generated_tokens=progress.generated_tokens,
-                            wall_s=round(time.monotonic() - progress.started, 1))
+                            wall_s=round(time.monotonic() - progress.started, 1),
+                            **({"replica_nodes": nodes} if nodes is not None else {}))
     log.info("generate: run %s wrote %d ok, %d failed; OUT totals %s", run_id, data.written,
              failed.written, counts)
     return counts
+
+
+class ReplicaNodes:
+    """The Ray nodes this run's engine replicas ran on, looked up at every progress line
+    and at the end: a replica restarted on another node after its node died is seen on
+    both (Ray's state API knows only its latest node)."""
+
+    def __init__(self):
+        self.seen: set[str] | None = None  # None: the state API never answered
+
+    def look(self) -> None:
+        nodes = actor_nodes(ENGINE_CLASSES)
+        if nodes is not None:
+            self.seen = (self.seen or set()) | set(nodes)
+
+    def report(self) -> list[str] | None:
+        if self.seen is None:
+            log.info("generate: engine replica nodes not recorded (Ray's state API needs the dashboard)")
+            return None
+        log.info("generate: engine replicas ran on %d node(s): %s", len(self.seen), ", ".join(sorted(self.seen)) or "none")
+        return sorted(self.seen)
 
 
 def target_tokens(cfg: Config, tokenizer) -> SpecialTokens:

@@ -23,8 +23,10 @@ RECENT_WINDOW_S = 300
 
 class Progress:
     def __init__(self, total: int, done_before: int, todo: int, max_tokens: int, every_s: float,
-                 data_writer, failed_writer):
+                 data_writer, failed_writer, on_line=None):
+        """`on_line()` is called before each line, from the logging thread."""
         self.total, self.done_before, self.todo, self.every_s = total, done_before, todo, every_s
+        self.on_line = on_line or (lambda: None)
         self.data_writer, self.failed_writer = data_writer, failed_writer
         self.received = self.generated_tokens = self.length_finishes = 0
         # Completion lengths as a histogram: exact mean/p95 in memory independent of row count.
@@ -76,6 +78,7 @@ class Progress:
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
+            self.on_line()
             log.info(self.line())
 
     def __enter__(self) -> "Progress":
@@ -85,6 +88,7 @@ class Progress:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+        self.on_line()
         log.info(self.line())
 
 

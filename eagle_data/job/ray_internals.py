@@ -96,3 +96,24 @@ def read_parquet_in_small_tasks(files: list[str], fs: pafs.FileSystem, columns: 
             del os.environ[BIN_BYTES_ENV]
         else:
             os.environ[BIN_BYTES_ENV] = before
+
+
+def actor_nodes(class_names: tuple[str, ...]) -> list[str] | None:
+    """The node ids of this job's Ray Data actors running one of `class_names` (alive or
+    ended; a restarted actor on its latest node), from Ray's state API; None where it
+    cannot answer (no dashboard, e.g. a local `ray.init(include_dashboard=False)`). Ray
+    Data names its actors after the operator: class `MapWorker(MapBatches(TransformersEngine))`."""
+    context = ray.get_runtime_context()
+    try:
+        from ray.util.state import list_actors
+
+        actors = list_actors(address=context.gcs_address, filters=[("job_id", "=", context.get_job_id())],
+                             limit=10_000, raise_on_missing_output=False, timeout=10)
+        # Without a dashboard the state API falls back to 127.0.0.1:8265, which may be
+        # another cluster's: keep only nodes of this one.
+        ours = {node["NodeID"] for node in ray.nodes()}
+    except Exception as e:  # the state API is best effort: a missing record, not a failed run
+        log.debug("Ray's state API did not answer: %s", e)
+        return None
+    return sorted({a.node_id for a in actors if a.node_id in ours
+                   and any(f"({name})" in (a.class_name or "") for name in class_names)})

@@ -21,7 +21,9 @@ manifest.json (`schema_version` MANIFEST_VERSION):
     phases.generate: counts, generate_config, tokenizer (path, vocab_size, eos_ids, pad_id,
                      reasoning_start_id, reasoning_end_id), runs
     a run: run_id, started_at, finished_at, status (running | complete), config (the whole
-           resolved config of that run), versions (libraries), counts of that run
+           resolved config of that run), versions (libraries), counts of that run;
+           a generate run also: replica_nodes (the Ray node ids its engine replicas ran on,
+           when Ray's state API could tell)
 Read it through out/manifest.py's accessors, not by key chains.
 """
 

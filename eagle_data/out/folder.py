@@ -77,7 +77,8 @@ class Output:
             self.fs.delete_file(probe)
         except OSError as e:
             raise NotWritable(
-                f"output.path {self.root} is not writable ({e}); choose another output.path"
+                f"output.path {self.root} is not writable ({e}); choose another output.path "
+                "(with more than one node: storage every node sees, an NFS/EFS mount or s3://...)"
             ) from None
 
     def foreign_files(self) -> list[str]:
@@ -155,8 +156,8 @@ class Output:
             self.fs.move(aside, path)
             raise OutputLocked(f"{self.root} was just locked by another run; wait for it or stop it first")
         self.fs.delete_file(aside)
-        log.warning("took over the lock of %s left by a run that is gone (pid %s on %s, started %s)",
-                    self.root, held.get("pid"), held.get("host"), held.get("started"))
+        log.warning("taking over the lock on %s left by pid %s (started %s), which is no longer running",
+                    self.root, held.get("pid"), held.get("started"))
 
     def _read_lock(self, path: str) -> dict | None:
         try:

@@ -38,6 +38,8 @@ class TransformersEngine:
             name, trust_remote_code=trust_remote_code, **kwargs, **engine_kwargs
         ).to(self.device).eval()
         self.pad_id = pad_id
+        # Into the job log (actor stdout reaches the driver): where this replica runs.
+        print(f"engine replica on node {ray.get_runtime_context().get_node_id()}", flush=True)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
@@ -127,4 +129,5 @@ def transformers_stage(ds: ray.data.Dataset, cfg: Config, pad_id: int) -> ray.da
         compute=ray.data.ActorPoolStrategy(size=cfg.engine.replicas),
         num_cpus=cfg.engine.num_cpus,
         num_gpus=gpus,
+        resources=cfg.engine.replica_resources or None,
     )

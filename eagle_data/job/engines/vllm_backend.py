@@ -47,18 +47,31 @@ def engine_kwargs(cfg: Config) -> dict:
     return kwargs
 
 
-def replica_resources(cfg: Config) -> dict[str, float]:
-    """What one replica asks Ray for: Ray's default is a {"GPU": 1, "CPU": 1} bundle per TP
-    rank; on CPU one bundle of engine.num_cpus CPUs (TP 1, see config.py)."""
+def replica_needs(cfg: Config) -> dict[str, float]:
+    """What one replica asks Ray for on one node: Ray's default is a {"GPU": 1, "CPU": 1}
+    bundle per TP rank; on CPU one bundle of engine.num_cpus CPUs (TP 1, see config.py);
+    plus engine.replica_resources."""
     if cfg.engine.device == "cpu":
-        return {"CPU": cfg.engine.num_cpus}
-    return {"GPU": float(cfg.engine.tensor_parallel_size), "CPU": float(cfg.engine.tensor_parallel_size)}
+        need = {"CPU": float(cfg.engine.num_cpus)}
+    else:
+        need = {"GPU": float(cfg.engine.tensor_parallel_size), "CPU": float(cfg.engine.tensor_parallel_size)}
+    return {**need, **cfg.engine.replica_resources}
 
 
-def placement(cfg: Config) -> dict:
+def placement_group_config(cfg: Config) -> dict | None:
+    """A replica's bundles. CPU: one bundle of engine.num_cpus CPUs (without it Ray's stage
+    asks for a GPU and waits forever). GPU: Ray's default (one GPU + one CPU per TP/PP
+    worker, PACK), or None (the default itself) without engine.replica_resources, which go
+    into the first bundle."""
     if cfg.engine.device == "cpu":
-        return {"placement_group_config": {"bundles": [{"CPU": cfg.engine.num_cpus}]}}
-    return {}
+        bundles = [{"CPU": cfg.engine.num_cpus}]
+    elif cfg.engine.replica_resources:
+        workers = cfg.engine.tensor_parallel_size * cfg.engine.engine_kwargs.get("pipeline_parallel_size", 1)
+        bundles = [{"CPU": 1, "GPU": 1} for _ in range(workers)]
+    else:
+        return None
+    bundles[0].update(cfg.engine.replica_resources)
+    return {"bundles": bundles, "strategy": "PACK"}
 
 
 def wait_for_replica_resources(cfg: Config, poll_s: float = 2.0) -> None:
@@ -67,7 +80,7 @@ def wait_for_replica_resources(cfg: Config, poll_s: float = 2.0) -> None:
     engine.resource_wait_s to add the nodes."""
     import ray
 
-    need = replica_resources(cfg)
+    need = replica_needs(cfg)
     deadline = time.monotonic() + cfg.engine.resource_wait_s
     while True:
         # Per node: a TP group's bundles are packed on one node by Ray's stage.
@@ -110,7 +123,7 @@ def processor_config(cfg: Config):
         tokenize_stage=False,
         detokenize_stage=False,
         should_continue_on_error=True,
-        **placement(cfg),
+        placement_group_config=placement_group_config(cfg),
     )
 
 
@@ -132,4 +145,4 @@ def describe(cfg: Config) -> str:
         except PackageNotFoundError:
             vllm = "not installed"
     return (f"vLLM {vllm} through ray.data.llm's vLLM stage on {cfg.engine.device}, "
-            f"{cfg.engine.replicas} replica(s) of {replica_resources(cfg)}")
+            f"{cfg.engine.replicas} replica(s) of {replica_needs(cfg)}")

@@ -1,0 +1,363 @@
+"""Submitted the way users submit it: `ray job submit` to a real Ray head started with
+`ray start` (free ports, its own temp dir and auth token), worker nodes joined with
+`ray start --address`, `ray job stop` and a resubmit, a worker node killed mid-run; and
+cluster.yaml read with Ray's own cluster-config validation.
+
+Every wait is bounded: a job that hangs fails its test instead of hanging CI."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from conftest import REPO, read
+from eagle_data.tools.verify import verify
+
+RAY = str(Path(sys.executable).parent / "ray")
+# What the job uploads (README: the runtime_env the job needs).
+RUNTIME_ENV = {"working_dir": str(REPO), "excludes": [".venv/", "out/"]}
+# Variables that would point a `ray` process at another cluster or token, or at another
+# copy of the code than the uploaded working_dir.
+SCRUB = ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_TMPDIR",
+         "RAY_JOB_ID", "RAY_NODE_ID", "RAY_RAYLET_PID", "PYTHONPATH")
+# A dead node is noticed in seconds, not Ray's default ~30 s.
+FAST_HEALTH_CHECKS = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",
+                      "RAY_health_check_failure_threshold": "3", "RAY_health_check_initial_delay_ms": "1000"}
+JOB_TIMEOUT_S = 420
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+class RayNode:
+    """The processes of one `ray start`: those naming its temp dir, and their descendants."""
+
+    def __init__(self, name: str, temp_dir: str):
+        self.name, self.temp_dir = name, temp_dir
+
+    def processes(self) -> list[psutil.Process]:
+        roots = []
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                if any(self.temp_dir in arg for arg in p.info["cmdline"] or ()):
+                    roots.append(p)
+            except psutil.Error:
+                pass
+        found = {p.pid: p for p in roots}
+        for p in roots:
+            try:
+                found.update((c.pid, c) for c in p.children(recursive=True))
+            except psutil.Error:
+                pass
+        return list(found.values())
+
+    def raylet(self) -> psutil.Process:
+        [raylet] = [p for p in self.processes() if p.name() == "raylet"]
+        return raylet
+
+    def stop(self, grace_s: float = 10) -> None:
+        """`ray stop` has no address: it would stop every Ray on the machine."""
+        procs = self.processes()
+        for p in procs:
+            with _quiet():
+                p.terminate()
+        _, alive = psutil.wait_procs(procs, timeout=grace_s)
+        for p in alive:
+            with _quiet():
+                p.kill()
+        psutil.wait_procs(alive, timeout=5)
+
+
+class _quiet:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, *_):
+        return kind is not None and issubclass(kind, psutil.Error)
+
+
+class RayCluster:
+    """A head with the job server (ray[default]) on free ports, with its own temp dir and
+    auth token; `add_worker` joins worker nodes with `ray start --address`."""
+
+    def __init__(self, num_cpus: int, env: dict | None = None):
+        self.root = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: unix socket paths live under it
+        self.env = {k: v for k, v in os.environ.items() if k not in SCRUB}
+        # The job's `python` is resolved from the raylet's PATH: this venv's.
+        self.env["PATH"] = f"{Path(sys.executable).parent}:{self.env.get('PATH', '')}"
+        # Ray 2.60 turns token auth on for clusters it starts itself: the head gets a token,
+        # and every client (CLI, job client) has to present it.
+        self.token = secrets.token_hex(32)
+        (Path(self.root) / "auth_token").write_text(self.token)
+        self.env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=f"{self.root}/auth_token", **(env or {}))
+        self.nodes: list[RayNode] = []
+        port, dashboard = free_ports(2)
+        self.gcs_address = f"127.0.0.1:{port}"
+        self.url = f"http://127.0.0.1:{dashboard}"
+        try:
+            self._start("head", num_cpus, {}, ["--head", f"--port={port}", f"--dashboard-port={dashboard}",
+                                               "--dashboard-host=127.0.0.1", "--include-dashboard=true"])
+        except BaseException:
+            shutil.rmtree(self.root, ignore_errors=True)
+            raise
+
+    def add_worker(self, num_cpus: int, resources: dict) -> RayNode:
+        return self._start(f"w{len(self.nodes)}", num_cpus, resources, [f"--address={self.gcs_address}"])
+
+    def _start(self, name: str, num_cpus: int, resources: dict, args: list[str]) -> RayNode:
+        # Every port ray start would otherwise take from a fixed default (shared by every
+        # Ray on the machine), and random worker ports.
+        names = ["node-manager-port", "object-manager-port", "ray-client-server-port",
+                 "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
+                 "metrics-export-port"]
+        for attempt in (1, 2):  # a loaded machine can miss ray start's own startup deadline
+            ports = [f"--{n}={p}" for n, p in zip(names, free_ports(len(names)))]
+            node = RayNode(name, f"{self.root}/{name}-{attempt}")
+            command = [RAY, "start", *args, *ports, "--min-worker-port=0", "--max-worker-port=0",
+                       "--node-ip-address=127.0.0.1", "--disable-usage-stats", f"--temp-dir={node.temp_dir}",
+                       f"--num-cpus={num_cpus}", f"--resources={json.dumps(resources)}",
+                       f"--labels={json.dumps({'eagle-test-node': name})}"]
+            try:
+                done = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=240)
+            except subprocess.TimeoutExpired as e:
+                done = subprocess.CompletedProcess(command, "timeout", e.stdout or "", e.stderr or "")
+            if done.returncode == 0:
+                self.nodes.append(node)
+                return node
+            node.stop()
+        raise RuntimeError(f"ray start failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+
+    def stop(self) -> None:
+        for node in reversed(self.nodes):  # workers first
+            node.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        """`ray ...` as a user runs it against this cluster."""
+        return subprocess.run([RAY, *args], env={**self.env, "RAY_ADDRESS": self.url}, cwd=REPO,
+                              capture_output=True, text=True, timeout=timeout)
+
+    def client(self):
+        from ray.job_submission import JobSubmissionClient
+
+        return JobSubmissionClient(self.url, headers={"Authorization": f"Bearer {self.token}"})
+
+    def node_names(self) -> dict[str, tuple[str, str]]:
+        """node id -> (node name, ALIVE | DEAD), from `ray list nodes`."""
+        listed = self.cli("list", "nodes", "--format", "json", "--detail")
+        assert listed.returncode == 0, listed.stderr[-2000:]
+        return {n["node_id"]: (n["labels"].get("eagle-test-node"), n["state"]) for n in json.loads(listed.stdout)}
+
+    def engine_actors(self) -> list[dict]:
+        listed = self.cli("list", "actors", "--format", "json", "--limit", "10000")
+        assert listed.returncode == 0, listed.stderr[-2000:]
+        if not listed.stdout.lstrip().startswith("["):  # "No resource in the cluster"
+            return []
+        return [a for a in json.loads(listed.stdout) if "(TransformersEngine)" in a["class_name"]]
+
+
+def entrypoint(out: Path, model: Path, *overrides: str) -> str:
+    """The demo job on the tiny model: what a user types after `ray job submit ... --`."""
+    sets = [f"model.path={model}", f"output.path={out}", "sampling.max_tokens=16",
+            "output.log_every_s=2", *overrides]
+    return " ".join(["python -m ray_jobs.generate --config configs/demo.yaml",
+                     *(f"--set {shlex.quote(s)}" for s in sets)])
+
+
+def wait_for(what: str, condition, timeout_s: float, every_s: float = 1.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        result = condition()
+        if result:
+            return result
+        time.sleep(every_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def finished(client, job_id: str, timeout_s: float = JOB_TIMEOUT_S):
+    """The job's final status; a job still running after `timeout_s` is stopped and fails the test."""
+    try:
+        wait_for(f"job {job_id} to end", lambda: client.get_job_status(job_id).is_terminal(), timeout_s, 2)
+    except AssertionError:
+        logs = client.get_job_logs(job_id)
+        client.stop_job(job_id)
+        raise AssertionError(f"job {job_id} still running after {timeout_s} s; log tail:\n{logs[-3000:]}") from None
+    return client.get_job_info(job_id)
+
+
+def assert_verified(out: Path) -> dict:
+    problems, counts = verify(str(out))
+    assert problems == [], problems
+    return counts
+
+
+def generate_runs(out: Path) -> list[dict]:
+    return json.loads((out / "manifest.json").read_text())["phases"]["generate"]["runs"]
+
+
+@pytest.fixture(scope="module")
+def head():
+    cluster = RayCluster(num_cpus=2)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.mark.cluster
+def test_ray_job_submit_runs_the_demo_config(head, tiny_qwen3):
+    out = Path(head.root) / "out-submit"
+    submitted = head.cli("job", "submit", "--submission-id", "demo-1", "--working-dir", ".",
+                         "--runtime-env-json", json.dumps({"excludes": RUNTIME_ENV["excludes"]}),
+                         "--", *shlex.split(entrypoint(out, tiny_qwen3, "source.sample=6")), timeout=JOB_TIMEOUT_S)
+    assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
+    status = head.cli("job", "status", "demo-1")
+    assert "job 'demo-1' succeeded" in status.stdout.lower()
+    logs = head.cli("job", "logs", "demo-1").stdout
+    assert "progress:" in logs and f"OUT = {out}" in logs, logs[-3000:]
+    counts = assert_verified(out)
+    assert counts["ok"] + counts["failed_final"] == counts["prompts"] > 0
+    # One replica, on the only node: in the job log and in the run's record.
+    [run] = generate_runs(out)
+    [node] = run["replica_nodes"]
+    assert head.node_names()[node][0] == "head"
+    assert f"engine replicas ran on 1 node(s): {node}" in logs
+
+
+@pytest.mark.cluster
+def test_config_error_fails_the_job_with_the_message(head, tiny_qwen3):
+    client = head.client()
+    job = client.submit_job(entrypoint=entrypoint(Path(head.root) / "out-bad", tiny_qwen3, "source.sampel=3"),
+                            runtime_env=RUNTIME_ENV)
+    info = finished(client, job)
+    assert info.status == "FAILED" and info.driver_exit_code == 2
+    assert "source.sampel: unknown key" in client.get_job_logs(job)
+    status = head.cli("job", "status", job)
+    assert f"job '{job}' failed".lower() in status.stdout.lower()
+
+
+@pytest.mark.cluster
+def test_ray_job_stop_then_the_same_submit_resumes(head, tiny_qwen3):
+    out = Path(head.root) / "out-stop"
+    # One row per engine batch and per shard: shards land while the job runs.
+    command = entrypoint(out, tiny_qwen3, "source.sample=12", "sampling.max_tokens=32", "engine.batch_size=1",
+                         "output.rows_per_shard=1", "output.flush_seconds=1")
+    client = head.client()
+    first = client.submit_job(entrypoint=command, runtime_env=RUNTIME_ENV)
+    wait_for("2 data shards", lambda: len(list((out / "data").glob("*.parquet"))) >= 2
+             or client.get_job_status(first).is_terminal(), JOB_TIMEOUT_S)
+    stopped = head.cli("job", "stop", first)
+    assert stopped.returncode == 0, stopped.stderr[-2000:]
+    assert finished(client, first, 60).status == "STOPPED", "the job ended before it could be stopped"
+    lock_left = (out / ".lock").exists()
+
+    second = client.submit_job(entrypoint=command, runtime_env=RUNTIME_ENV)
+    info = finished(client, second)
+    logs = client.get_job_logs(second)
+    assert info.status == "SUCCEEDED", logs[-3000:]
+    done_before = int(re.search(r"generate: \d+ turns to answer, (\d+) already done", logs).group(1))
+    assert done_before >= 2
+    # Ray's stop (SIGTERM, then SIGKILL after 3 s) usually lets the driver release the lock;
+    # when it did not, the resubmit takes it over and says so.
+    assert not lock_left or "taking over the lock" in logs
+    assert not (out / ".lock").exists()
+    counts = assert_verified(out)  # each sample in data/ at most once, the counts add up
+    assert counts["ok"] + counts["failed_final"] == counts["prompts"] > done_before
+    assert len(read(out, "data")) == counts["ok"]
+
+
+@pytest.mark.cluster
+@pytest.mark.cluster
+def test_one_replica_per_node_and_a_node_lost_mid_run(tiny_qwen3):
+    """Head (no replica resource) + two workers declaring one replica each, standing in for
+    8-GPU nodes: engine.replicas=2 puts one replica on each. Then one worker's raylet is
+    killed while its replica generates: Ray Data restarts that replica's actor on the first
+    node with a replica's resources free (here the survivor's node, once its own replica
+    has drained the queue and is released) and retries its batches there; the job finishes."""
+    cluster = RayCluster(num_cpus=1, env=FAST_HEALTH_CHECKS)
+    try:
+        kept = cluster.add_worker(num_cpus=1, resources={"eagle_replica": 1})
+        lost = cluster.add_worker(num_cpus=1, resources={"eagle_replica": 1})
+        out = Path(cluster.root) / "out"
+        client = cluster.client()
+        job = client.submit_job(entrypoint=entrypoint(
+            out, tiny_qwen3, "source.sample=20", "sampling.max_tokens=32", "engine.replicas=2",
+            "engine.replica_resources={eagle_replica: 1}", "engine.cpu_threads=1", "engine.batch_size=1",
+            "output.rows_per_shard=1", "output.flush_seconds=1"), runtime_env=RUNTIME_ENV)
+
+        def replicas_alive():
+            assert not client.get_job_status(job).is_terminal(), client.get_job_logs(job)[-3000:]
+            alive = [a for a in cluster.engine_actors() if a["state"] == "ALIVE"]
+            return alive if len(alive) == 2 else None
+
+        actors = wait_for("both engine replicas", replicas_alive, JOB_TIMEOUT_S, 2)
+        names = cluster.node_names()
+        assert sorted(names[a["node_id"]][0] for a in actors) == [kept.name, lost.name]
+        wait_for("a data shard", lambda: list((out / "data").glob("*.parquet")), JOB_TIMEOUT_S)
+        lost.raylet().send_signal(signal.SIGKILL)
+        assert not client.get_job_status(job).is_terminal(), "the job ended before the node was lost"
+
+        info = finished(client, job)
+        logs = client.get_job_logs(job)
+        assert info.status == "SUCCEEDED", logs[-3000:]
+        names = cluster.node_names()
+        assert sorted(names.values()) == [("head", "ALIVE"), (kept.name, "ALIVE"), (lost.name, "DEAD")]
+        # Both nodes the replicas ran on, in the run's record and in the job log.
+        [run] = generate_runs(out)
+        assert sorted(names[n][0] for n in run["replica_nodes"]) == [kept.name, lost.name]
+        assert f"engine replicas ran on 2 node(s): {', '.join(run['replica_nodes'])}" in logs
+        counts = assert_verified(out)  # nothing lost, nothing twice
+        assert counts["ok"] == counts["prompts"] == len(read(out, "data"))
+    finally:
+        cluster.stop()
+
+
+def validate_cluster_config(config: dict) -> None:
+    """What `ray up` checks before it launches anything: the provider's defaults merged in,
+    then Ray's cluster-config JSON schema."""
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    validate_config(prepare_config(config))
+
+
+def test_cluster_yaml_passes_rays_own_validation():
+    cluster = yaml.safe_load((REPO / "cluster.yaml").read_text())
+    validate_cluster_config(cluster)
+    head = cluster["available_node_types"][cluster["head_node_type"]]
+    assert head["node_config"]["InstanceType"] == "p6-b200.48xlarge"  # 8x B200: one TP-8 replica
+
+    import jsonschema
+
+    typo = yaml.safe_load((REPO / "cluster.yaml").read_text())
+    typo["available_node_types"]["gpu_head"]["min_worker"] = 0  # for min_workers
+    with pytest.raises(jsonschema.ValidationError, match="min_worker"):
+        validate_cluster_config(typo)
+
+
+def test_cluster_yaml_installs_the_project_as_the_readme_says():
+    cluster = yaml.safe_load((REPO / "cluster.yaml").read_text())
+    readme = (REPO / "README.md").read_text()
+    install = [c for c in cluster["setup_commands"] if "pip install" in c]
+    assert install, "cluster.yaml installs nothing"
+    for command in install:
+        assert command in readme, f"cluster.yaml's {command!r} is not what README.md says"
