@@ -33,7 +33,7 @@ test: setup
 
 # A few minutes: no real vLLM, no multi-node cluster tests.
 test-fast: setup
-	$(PY) -m pytest -q -m "not vllm"
+	$(PY) -m pytest -q -m "not vllm and not cluster"
 
 clean-demo:
 	rm -rf out/demo
