@@ -280,15 +280,16 @@ def test_faults_on_vllm(tmp_path, babble_qwen3):
     after_kill = {r["sample_id"] for r in read(out, "data")}
     assert after_kill
 
-    # 2. Rerun; the vLLM replica is SIGKILLed once the rerun has published data.
+    # 2. Rerun; its vLLM replica is SIGKILLed (while it starts); Ray restarts it.
     killed = []
-    shards_before = len(shards(out, "data"))
 
     def kill_replica_once_data_flows():
         end = time.monotonic() + 2400
         while time.monotonic() < end and not killed and rerun.poll() is None:
             pids = _vllm_replica_pids()
-            if pids and len(shards(out, "data")) >= shards_before + 2:  # the rerun's engine is answering
+            # As soon as the replica exists: the rerun's rows are few and answered within
+            # seconds of the model load, so a kill that waits for new shards can miss them all.
+            if pids:
                 os.kill(pids[0], signal.SIGKILL)
                 killed.append(pids[0])
             time.sleep(0.2)
