@@ -29,7 +29,7 @@ demo: setup
 	fi
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # A few minutes: no real vLLM, no multi-node cluster tests.
 test-fast: setup

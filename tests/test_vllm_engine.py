@@ -18,12 +18,11 @@ import textwrap
 import threading
 import time
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import REPO, as_config, build_babbling_model, build_tiny_model, job_settings, read, shards, write_jsonl
+from conftest import REPO, build_babbling_model, build_tiny_model, job_settings, read, shards, write_jsonl
 
 pytestmark = pytest.mark.vllm
 
