@@ -206,6 +206,7 @@ def plots(report: dict) -> dict[str, bytes]:
         ax.set_ylabel("share of masked tokens covered")
         ax.set_title("draft vocabulary coverage")
         ax.legend()
+        fig.tight_layout()
         figures["vocab_coverage.png"] = _png(fig, plt)
     return figures
 
