@@ -190,6 +190,16 @@ def job_settings(out, model_dir, dataset=SAMPLE, preset: dict = {}, **overrides)
     }, {**preset, **overrides})
 
 
+def job_cli(config: Path, *args: str, cwd=REPO, env: dict | None = None):
+    """`python -m ray_jobs.generate --config CONFIG ARGS` as a user runs it (this checkout's code)."""
+    import subprocess
+    import sys
+
+    env = {**(os.environ if env is None else env), "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "ray_jobs.generate", "--config", str(config), *args],
+                          cwd=cwd, capture_output=True, text=True, env=env)
+
+
 def as_config(cfg: dict):
     from eagle_data.config import load_config
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import REPO, SAMPLE, job_settings, write_jsonl
+from conftest import REPO, SAMPLE, job_cli, job_settings, write_jsonl
 from eagle_data.errors import EagleDataError, NotAnOut
 from eagle_data.reader import Out
 
@@ -32,8 +32,7 @@ def test_an_unsupported_dataset_file_stops_the_job_before_it_starts(tmp_path, qw
     config = tmp_path / "job.yaml"
     out = tmp_path / "out"
     config.write_text(yaml.safe_dump(job_settings(out, qwen3_tokenizer_dir, tmp_path / "rows.csv")))
-    result = subprocess.run([sys.executable, "-m", "ray_jobs.generate", "--config", str(config),
-                             "--phase", "prompts"], cwd=REPO, capture_output=True, text=True)
+    result = job_cli(config, "--phase", "prompts")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("error: source.dataset")
     assert "unsupported file type" in result.stderr and "Traceback" not in result.stderr
@@ -55,15 +54,12 @@ def test_missing_paths_fail_at_once_without_hub_retries(tmp_path, qwen3_tokenize
     config = tmp_path / "job.yaml"
     # A relative dataset path under a local folder is local: missing means missing.
     config.write_text(yaml.safe_dump(job_settings(tmp_path / "out", qwen3_tokenizer_dir, "data/nope.jsonl")))
-    result = subprocess.run([sys.executable, "-m", "ray_jobs.generate", "--config", str(config), "--phase",
-                             "prompts"], cwd=tmp_path, capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    result = job_cli(config, "--phase", "prompts", cwd=tmp_path)
     assert result.returncode == 2 and "error: source.dataset 'data/nope.jsonl' does not exist" in result.stderr
     # A model id that looks like the hub's, with no hub: the cache only, a miss fails at once.
     config.write_text(yaml.safe_dump(job_settings(tmp_path / "out", "nobody/no-such-model", SAMPLE)))
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
-    result = subprocess.run([sys.executable, "-m", "ray_jobs.generate", "--config", str(config), "--phase",
-                             "prompts"], cwd=REPO, capture_output=True, text=True, env=env)
+    result = job_cli(config, "--phase", "prompts", env=env)
     assert result.returncode == 2, result.stderr
     assert "hub is unreachable: using the local HF cache only for nobody/no-such-model" in result.stderr
     assert "error: cannot load the tokenizer from model.tokenizer/model.path 'nobody/no-such-model'" in result.stderr
@@ -73,8 +69,7 @@ def test_a_hub_dataset_without_the_hub_is_a_message_not_a_traceback(tmp_path, qw
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(job_settings(tmp_path / "out", qwen3_tokenizer_dir, "nobody/no-such-dataset")))
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
-    result = subprocess.run([sys.executable, "-m", "ray_jobs.generate", "--config", str(config), "--phase",
-                             "prompts"], cwd=REPO, capture_output=True, text=True, env=env)
+    result = job_cli(config, "--phase", "prompts", env=env)
     assert result.returncode == 2, result.stderr
     assert "hub is unreachable: using the local HF cache only for source.dataset nobody/no-such-dataset" in result.stderr
     assert "error: source.dataset 'nobody/no-such-dataset' (split 'train') cannot be loaded" in result.stderr

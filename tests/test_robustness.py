@@ -14,18 +14,13 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from conftest import REPO, SAMPLE, job_config, job_settings, read, shards
+from conftest import REPO, SAMPLE, job_cli, job_config, job_settings, read, shards
 from eagle_data.config import ConfigError, load_config
 from eagle_data.errors import EagleDataError
 from eagle_data.job.run import run
 from eagle_data.out.contract import is_ours
 from eagle_data.out.folder import Output, OutputLocked
 from eagle_data.tools.verify import verify
-
-
-def generate(config: Path, *args, cwd=REPO):
-    return subprocess.run([sys.executable, "-m", "ray_jobs.generate", "--config", str(config), *args],
-                          cwd=cwd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
 def user_files(root: Path) -> dict[str, str]:
@@ -57,7 +52,7 @@ def test_a_folder_with_files_not_ours_is_refused_and_untouched(tmp_path, qwen3_t
     files = user_files(out)
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(job_settings(out, qwen3_tokenizer_dir)))
-    result = generate(config, "--phase", "prompts", *(["--fresh"] if fresh else []))
+    result = job_cli(config, "--phase", "prompts", *(["--fresh"] if fresh else []))
     assert result.returncode == 2, result.stderr
     assert "holds files eagle-data did not write (data/train.jsonl, failed/important.log, manifest.json, notes.txt)" \
         in result.stderr and "Traceback" not in result.stderr
@@ -71,7 +66,7 @@ def test_output_path_dot_in_a_users_folder_is_refused(tmp_path, qwen3_tokenizer_
     (scratch / "data" / "mine.jsonl").write_text("{}\n")
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(job_settings(".", qwen3_tokenizer_dir)))
-    result = generate(config, "--phase", "prompts", "--fresh", cwd=scratch)
+    result = job_cli(config, "--phase", "prompts", "--fresh", cwd=scratch)
     assert result.returncode == 2 and "data/mine.jsonl" in result.stderr
     assert (scratch / "data" / "mine.jsonl").read_text() == "{}\n"
 
@@ -90,7 +85,7 @@ def test_a_dataset_inside_out_is_refused(tmp_path, qwen3_tokenizer_dir):
 def test_unreachable_object_store_output_is_a_message(tmp_path, qwen3_tokenizer_dir):
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(job_settings("s3://eagle-data-no-such-bucket-x1/out", qwen3_tokenizer_dir)))
-    result = generate(config, "--phase", "prompts")
+    result = job_cli(config, "--phase", "prompts")
     assert result.returncode == 2 and "error: output.path 's3://eagle-data-no-such-bucket-x1/out' cannot be" \
         in result.stderr and "Traceback" not in result.stderr
 
@@ -213,10 +208,10 @@ def test_a_full_disk_is_a_message_and_the_rerun_resumes(tmp_path, small_disk, qw
     filler = small_disk / "filler"
     free = shutil.disk_usage(small_disk).free
     filler.write_bytes(b"\0" * (free - 48 * 1024))  # room for the manifest, not for the prompts
-    result = generate(config, "--phase", "prompts")
+    result = job_cli(config, "--phase", "prompts")
     assert result.returncode == 4, result.stderr
     assert "error: no space left on device" in result.stderr and "Traceback" not in result.stderr
     filler.unlink()
-    again = generate(config, "--phase", "prompts")
+    again = job_cli(config, "--phase", "prompts")
     assert again.returncode == 0, again.stderr
     assert verify(str(out))[0] == []
