@@ -280,7 +280,7 @@ def test_errors_say_what_to_do(tmp_path):
     (tmp_path / "empty" / "data").mkdir(parents=True)
     with pytest.raises(NotAnOut):
         build_vocab(str(tmp_path / "empty"), 10, 100)
-    (tmp_path / "empty" / "manifest.json").write_text("{}")
+    (tmp_path / "empty" / "manifest.json").write_text('{"phases": {}}')
     with pytest.raises(VocabError, match="has no shards: run the generate phase"):
         build_vocab(str(tmp_path / "empty"), 10, 100)
     with pytest.raises(VocabError, match="has no rows"):
