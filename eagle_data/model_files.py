@@ -83,11 +83,10 @@ def use_hub_cache_only() -> None:
     Set in the environment (Ray workers started later inherit it) and in the libraries that
     read it at import."""
     os.environ["HF_HUB_OFFLINE"] = "1"
-    for module, name in (("huggingface_hub.constants", "HF_HUB_OFFLINE"), ("datasets.config", "HF_HUB_OFFLINE"),
-                         ("transformers.utils.hub", "_is_offline_mode")):
+    for module in ("huggingface_hub.constants", "datasets.config"):
         loaded = sys.modules.get(module)
-        if loaded is not None and hasattr(loaded, name):
-            setattr(loaded, name, True)
+        if loaded is not None:
+            loaded.HF_HUB_OFFLINE = True
 
 
 def single_token_id(tokenizer, text: str) -> int | None:
