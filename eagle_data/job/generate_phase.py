@@ -203,10 +203,15 @@ def answers(ds: ray.data.Dataset, cfg: Config, special: SpecialTokens, engine) -
     """Prompts -> requests -> engine -> postprocess: rows for data/ and failed/."""
     ds = ds.map_batches(requests, batch_format="pyarrow", fn_kwargs=dict(
         sampling=engine_sampling(cfg.sampling), stop_ids=list(special.eos_ids)))
-    # One engine batch per block: an engine task's output reaches the driver (and a
-    # shard) when the task ends, so a block of 1,000 prompts would hold back 1,000
-    # finished rows.
-    ds = ds.repartition(target_num_rows_per_block=cfg.engine.batch_size)
+    # One engine batch per block, so one batch per engine task: a task's output reaches
+    # the driver (and a shard) when the task ends, so a block of 1,000 prompts would hold
+    # back 1,000 finished rows. Strict: the non-strict repartition is fused into the read
+    # task and did not split its block there (the vLLM stage received one 63-row block
+    # for a 63-row run, by Ray Data's operator metrics: every row reached data/ at the
+    # run's end). One batch per engine task also spares Ray 2.60's vLLM stage from
+    # concatenating a batch whose rows all failed (`metrics` null-typed) with an answered
+    # one, which fails the task (`_backfill_missing_fields`).
+    ds = ds.repartition(target_num_rows_per_block=cfg.engine.batch_size, strict=True)
     ds = engine(ds, cfg, special.pad_id)
     ds = ds.map_batches(Postprocessor.from_config(cfg, special), batch_format="pyarrow")
     # Queued blocks live in the driver: at most the engine's in-flight batches between two steps.
