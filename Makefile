@@ -31,9 +31,9 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q --durations=25
 
-# A few minutes: no real vLLM, no multi-node cluster tests.
+# A few minutes: no real vLLM, no multi-node cluster, no slow job runs (pyproject's markers).
 test-fast: setup
-	$(PY) -m pytest -q -m "not vllm and not cluster"
+	$(PY) -m pytest -q -m "not vllm and not cluster and not slow"
 
 clean-demo:
 	rm -rf out/demo

@@ -31,8 +31,13 @@ def test_every_benchmark_has_a_smoke_size():
     assert scripts == set(SMOKE)
 
 
-@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.vllm) if s == "vllm_vs_job.py" else s
-                                    for s in sorted(SMOKE)], ids=lambda s: s.removesuffix(".py"))
+# Each smoke run of a whole job (its own Ray instance, tens of seconds) is `slow`; vLLM's is `vllm`.
+MARKS = {"vllm_vs_job.py": pytest.mark.vllm, "driver_memory.py": pytest.mark.slow,
+         "prompts_memory.py": pytest.mark.slow, "engine_feeding.py": pytest.mark.slow}
+
+
+@pytest.mark.parametrize("script", [pytest.param(s, marks=MARKS.get(s, ())) for s in sorted(SMOKE)],
+                         ids=lambda s: s.removesuffix(".py"))
 def test_benchmark_runs_at_smoke_size(script):
     args, expected = SMOKE[script]
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args], cwd=REPO,

@@ -258,6 +258,7 @@ def test_zero_prompts_is_an_error_unless_allowed(ray_local, tmp_path, qwen3_toke
             phase="generate")
 
 
+@pytest.mark.slow
 def test_the_entry_point_exits_3_on_zero_prompts(tmp_path, qwen3_tokenizer_dir):
     write_jsonl(tmp_path / "junk.jsonl", ["{oops"])
     config = tmp_path / "job.yaml"

@@ -40,6 +40,7 @@ def assert_verified(out):
     return counts
 
 
+@pytest.mark.slow
 def test_driver_sigkill_at_several_points_then_resume(ray_local, tmp_path, tiny_qwen3):
     """SIGKILL the job's driver from outside while it generates, rerun the same command
     each time; in the end every sample is in data/ exactly once and the counts add up."""
@@ -103,6 +104,7 @@ def _engine_actor_pids():
     return pids
 
 
+@pytest.mark.slow
 def test_engine_actor_killed_mid_run_loses_nothing(ray_local, tmp_path, tiny_qwen3):
     cfg = as_config(job_settings(tmp_path / "out", tiny_qwen3, preset=FAULTS))
     out = tmp_path / "out"
@@ -138,6 +140,7 @@ def _plant_bad_prompts(out, n):
     return {r["sample_id"] for r in rows[:n]}
 
 
+@pytest.mark.slow
 def test_rows_the_engine_fails_on_are_retried_then_given_up(ray_local, tmp_path, tiny_qwen3):
     cfg = as_config(job_settings(tmp_path / "out", tiny_qwen3, preset=FAULTS))  # max_attempts: 2
     out = tmp_path / "out"
@@ -162,6 +165,7 @@ def test_rows_the_engine_fails_on_are_retried_then_given_up(ray_local, tmp_path,
     assert counts["failed_final"] == 2
 
 
+@pytest.mark.slow
 def test_truncated_shard_is_quarantined_and_regenerated(ray_local, tmp_path, tiny_qwen3):
     cfg = as_config(job_settings(tmp_path / "out", tiny_qwen3, preset=FAULTS, source__sample=20, output__rows_per_shard=5))
     out = tmp_path / "out"

@@ -134,6 +134,7 @@ def check_turns(out, rows: list[dict], tokenizer) -> dict:
     return {"conversations": len(by_conversation), "stopped": stopped}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["babbling_qwen3", "babbling_deepseek"])
 def test_each_turn_is_asked_with_the_targets_own_answers(ray_local, tmp_path, model, request):
     model_dir = request.getfixturevalue(model)
@@ -176,6 +177,7 @@ def test_each_turn_is_asked_with_the_targets_own_answers(ray_local, tmp_path, mo
     assert problems[0].rsplit("e.g. ", 1)[1] in lost_ids
 
 
+@pytest.mark.slow
 def test_kill_between_turns_resumes_without_redoing_finished_turns(ray_local, tmp_path, babbling_qwen3):
     """SIGKILL the driver once the second turn's answers start to arrive; the rerun asks
     only the turns that had not been published."""

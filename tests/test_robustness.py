@@ -139,6 +139,7 @@ def _flip_bytes_in_a_data_page(shard: Path, column: str) -> None:
     shard.write_bytes(bytes(data))
 
 
+@pytest.mark.slow
 def test_flipped_bytes_are_caught_and_the_shard_regenerated(ray_local, tmp_path, tiny_qwen3):
     cfg = job_config(tmp_path / "out", tiny_qwen3, source__sample=8, output__rows_per_shard=4)
     out = tmp_path / "out"
@@ -201,6 +202,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", str(disk)])
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_a_message_and_the_rerun_resumes(tmp_path, small_disk, qwen3_tokenizer_dir):
     out = small_disk / "out"
     config = tmp_path / "job.yaml"
