@@ -50,12 +50,6 @@ def babble_qwen3(tmp_path_factory, qwen3_tokenizer_dir):
 
 
 @pytest.fixture(scope="module")
-def tiny_h64(tmp_path_factory, qwen3_tokenizer_dir):
-    # Random weights: it almost never samples a stop token, so every answer runs to max_tokens.
-    return build_tiny_model(qwen3_tokenizer_dir, tmp_path_factory.mktemp("model") / "tiny-h64", head_dim=64)
-
-
-@pytest.fixture(scope="module")
 def babble_r1(tmp_path_factory, deepseek_r1_tokenizer_dir):
     # DeepSeek-R1: the template opens <think> in the prompt; the model closes it.
     probs = {**{w: 0.08 for w in WORDS}, "</think>": 0.1, "<｜end▁of▁sentence｜>": 0.15}
@@ -319,7 +313,7 @@ def _kill_group(pgid: int) -> None:
 
 # --- backend parity at temperature 0 ----------------------------------------------------
 
-def test_greedy_parity_with_transformers_backend(tmp_path, tiny_h64):
+def test_greedy_parity_with_transformers_backend(tmp_path, qwen3_tokenizer_dir):
     """Same random-weight fp32 model, same prompts, temperature 0: vLLM and transformers pick
     the same argmax, except where two logits are closer than the two implementations'
     floating-point differences (different kernels and summation orders); after such a tie
@@ -328,7 +322,7 @@ def test_greedy_parity_with_transformers_backend(tmp_path, tiny_h64):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = tiny_h64
+    model = build_tiny_model(qwen3_tokenizer_dir, tmp_path / "tiny-h64", head_dim=64)
     rows = {}
     for backend, extra in (("vllm", VLLM), ("transformers", dict(engine__backend="transformers", engine__batch_size=1))):
         out = tmp_path / backend
