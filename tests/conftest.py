@@ -190,6 +190,12 @@ def job_settings(out, model_dir, dataset=SAMPLE, preset: dict = {}, **overrides)
     }, {**preset, **overrides})
 
 
+def attached(ray_local) -> dict:
+    """The environment for a job process that runs on the session's Ray instance instead of
+    starting its own (a Ray start saved per run)."""
+    return {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
+
+
 def job_cli(config: Path, *args: str, cwd=REPO, env: dict | None = None):
     """`python -m ray_jobs.generate --config CONFIG ARGS` as a user runs it (this checkout's code)."""
     import subprocess
@@ -256,6 +262,13 @@ def make_out(out: Path, model_dir, rows_per_shard: int) -> Path:
     run(job_config(out, model_dir, engine__batch_size=4, sampling__max_tokens=12, source__sample=20,
                    output__rows_per_shard=rows_per_shard))
     return out
+
+
+@pytest.fixture(scope="session")
+def small_out(ray_local, tiny_qwen3, tmp_path_factory) -> Path:
+    """A real OUT made once for the modules that only read one (reader, export, vocab):
+    20 samples, 4 rows per shard. A test that changes an OUT makes its own."""
+    return make_out(tmp_path_factory.mktemp("small-out") / "out", tiny_qwen3, rows_per_shard=4)
 
 
 # The same rows in differently laid out files (order-independence tests).

@@ -77,8 +77,9 @@ class RayNode:
         [raylet] = [p for p in self.processes() if p.name() == "raylet"]
         return raylet
 
-    def stop(self, grace_s: float = 10) -> None:
-        """`ray stop` has no address: it would stop every Ray on the machine."""
+    def stop(self, grace_s: float = 2) -> None:
+        """`ray stop` has no address: it would stop every Ray on the machine. A test node's
+        state is thrown away, so what SIGTERM has not ended in `grace_s` is SIGKILLed."""
         procs = self.processes()
         for p in procs:
             with _quiet():
@@ -287,7 +288,6 @@ def test_ray_job_stop_then_the_same_submit_resumes(head, tiny_qwen3):
     assert len(read(out, "data")) == counts["ok"]
 
 
-@pytest.mark.cluster
 @pytest.mark.cluster
 def test_one_replica_per_node_and_a_node_lost_mid_run(tiny_qwen3):
     """Head (no replica resource) + two workers declaring one replica each, standing in for

@@ -6,15 +6,13 @@ from __future__ import annotations
 import gzip
 import json
 import random
-import subprocess
-import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from conftest import REPO, job_config, job_settings, read, sharegpt, write_jsonl
+from conftest import attached, job_cli, job_config, job_settings, read, sharegpt, write_jsonl
 from eagle_data.errors import EmptyResult, MissingInput
 from eagle_data.job.run import run
 from eagle_data.job.source import UnsupportedDataset
@@ -259,14 +257,13 @@ def test_zero_prompts_is_an_error_unless_allowed(ray_local, tmp_path, qwen3_toke
 
 
 @pytest.mark.slow
-def test_the_entry_point_exits_3_on_zero_prompts(tmp_path, qwen3_tokenizer_dir):
+def test_the_entry_point_exits_3_on_zero_prompts(ray_local, tmp_path, qwen3_tokenizer_dir):
     write_jsonl(tmp_path / "junk.jsonl", ["{oops"])
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(job_settings(tmp_path / "out", qwen3_tokenizer_dir, tmp_path / "junk.jsonl")))
-    command = [sys.executable, "-m", "ray_jobs.generate", "--config", str(config), "--phase", "prompts"]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    result = job_cli(config, "--phase", "prompts", env=attached(ray_local))
     assert result.returncode == 3, result.stderr[-2000:]
     assert result.stderr.strip().splitlines()[-1].startswith("error: 0 prompts: all 1 selected rows")
-    allowed = subprocess.run(command + ["--allow-empty"], cwd=REPO, capture_output=True, text=True)
+    allowed = job_cli(config, "--phase", "prompts", "--allow-empty", env=attached(ray_local))
     assert allowed.returncode == 0, allowed.stderr[-2000:]
     assert "0 prompts" in allowed.stdout

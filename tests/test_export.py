@@ -11,14 +11,14 @@ from pathlib import Path
 import datasets
 import pytest
 
-from conftest import data_rows, make_out, synthetic_row, write_out
+from conftest import data_rows, synthetic_row, write_out
 from eagle_data.tools.export import FORMATS, add_cli, export, run_cli
 from eagle_data.out.contract import DATA_SCHEMA
 
 
 @pytest.fixture(scope="module")
-def out(ray_local, tiny_qwen3, tmp_path_factory) -> Path:
-    return make_out(tmp_path_factory.mktemp("export") / "out", tiny_qwen3, rows_per_shard=5)
+def out(small_out) -> Path:
+    return small_out
 
 
 @pytest.fixture(scope="module")

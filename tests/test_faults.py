@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from conftest import REPO, as_config, job_settings, read, shards
+from conftest import REPO, as_config, attached, job_settings, read, shards
 from eagle_data.out.manifest import OutputMismatch
 from eagle_data.out.folder import Output, OutputLocked
 from eagle_data.job.run import run
@@ -47,9 +47,9 @@ def test_driver_sigkill_at_several_points_then_resume(ray_local, tmp_path, tiny_
     config = tmp_path / "job.yaml"
     # One row per engine batch and shard, so that kills land between shards.
     config.write_text(yaml.safe_dump(job_settings(tmp_path / "out", tiny_qwen3, preset=FAULTS, engine__batch_size=1,
-                                              sampling__max_tokens=32)))
+                                              sampling__max_tokens=32, source__sample=32)))
     out = tmp_path / "out"
-    env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
+    env = attached(ray_local)
     command = [sys.executable, "-m", "ray_jobs.generate", "--config", str(config)]
 
     def start():

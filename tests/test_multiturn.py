@@ -16,7 +16,7 @@ import ray
 import pytest
 import yaml
 
-from conftest import REPO, as_config, build_babbling_model, job_settings, read, shards, write_jsonl
+from conftest import REPO, as_config, attached, build_babbling_model, job_settings, read, shards, write_jsonl
 from eagle_data.model_files import load_tokenizer
 from eagle_data.job.run import run
 from eagle_data.tools.verify import verify
@@ -189,7 +189,7 @@ def test_kill_between_turns_resumes_without_redoing_finished_turns(ray_local, tm
         tmp_path / "out", babbling_qwen3, write_jsonl(tmp_path / "chats.jsonl", rows),
         preset=CHATS, engine__batch_size=1, output__rows_per_shard=1)))
     out = tmp_path / "out"
-    env = {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
+    env = attached(ray_local)
     command = [sys.executable, "-m", "ray_jobs.generate", "--config", str(config)]
 
     job = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

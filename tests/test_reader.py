@@ -12,14 +12,14 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from conftest import data_rows, make_out, synthetic_row, write_out
+from conftest import data_rows, synthetic_row, write_out
 from eagle_data.out.contract import DATA_SCHEMA
 from eagle_data.reader import Out, OutDataset, OutIterableDataset, collate
 
 
 @pytest.fixture(scope="module")
-def out(ray_local, tiny_qwen3, tmp_path_factory) -> Path:
-    return make_out(tmp_path_factory.mktemp("reader") / "out", tiny_qwen3, rows_per_shard=4)
+def out(small_out) -> Path:
+    return small_out
 
 
 @pytest.fixture(scope="module")

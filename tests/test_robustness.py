@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from conftest import REPO, SAMPLE, job_cli, job_config, job_settings, read, shards
+from conftest import REPO, SAMPLE, attached, job_cli, job_config, job_settings, read, shards
 from eagle_data.config import ConfigError, load_config
 from eagle_data.errors import EagleDataError
 from eagle_data.job.run import run
@@ -203,17 +203,17 @@ def small_disk(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_full_disk_is_a_message_and_the_rerun_resumes(tmp_path, small_disk, qwen3_tokenizer_dir):
+def test_a_full_disk_is_a_message_and_the_rerun_resumes(ray_local, tmp_path, small_disk, qwen3_tokenizer_dir):
     out = small_disk / "out"
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(job_settings(out, qwen3_tokenizer_dir, output__rows_per_shard=5)))
     filler = small_disk / "filler"
     free = shutil.disk_usage(small_disk).free
     filler.write_bytes(b"\0" * (free - 48 * 1024))  # room for the manifest, not for the prompts
-    result = job_cli(config, "--phase", "prompts")
+    result = job_cli(config, "--phase", "prompts", env=attached(ray_local))
     assert result.returncode == 4, result.stderr
     assert "error: no space left on device" in result.stderr and "Traceback" not in result.stderr
     filler.unlink()
-    again = job_cli(config, "--phase", "prompts")
+    again = job_cli(config, "--phase", "prompts", env=attached(ray_local))
     assert again.returncode == 0, again.stderr
     assert verify(str(out))[0] == []

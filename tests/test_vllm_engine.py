@@ -142,26 +142,117 @@ def check_reasoning(rows: list[dict], tokenizer, stop_ids: set[int]) -> dict:
     return seen
 
 
-# --- exactness against vllm.LLM.generate, finish reasons, Qwen3 reasoning ----------------
+# --- one run with faults: a row vLLM rejects, a replica killed mid-run, driver SIGKILL + rerun;
+# --- its rows are then checked for exactness against vllm.LLM.generate
+
+def _plant_too_long_prompt(out, max_model_len: int) -> str:
+    """Bypass the prompts phase's prompt_too_long filter: one prompt longer than the context."""
+    shard = shards(out, "prompts")[0]
+    table = pq.read_table(shard)
+    rows = table.to_pylist()
+    rows[0]["tokenized_prompt"] = rows[0]["tokenized_prompt"] * (max_model_len // len(rows[0]["tokenized_prompt"]) + 1)
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), shard)
+    return rows[0]["sample_id"]
+
+
+def _vllm_replica_pids() -> list[int]:
+    import psutil
+
+    return [p.pid for p in psutil.process_iter(["cmdline"])
+            if "vLLMEngineStageUDF" in " ".join(p.info["cmdline"] or []) and "MapWorker" in " ".join(p.info["cmdline"] or [])]
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
 
 @pytest.fixture(scope="module")
-def qwen3_job(tmp_path_factory, babble_qwen3):
-    tmp = tmp_path_factory.mktemp("vllm-exact")
+def faulted_run(tmp_path_factory, babble_qwen3) -> dict:
+    """The job on 32 samples with every fault at once; what happened, for the tests to check.
+
+    One row per batch, one batch in flight, one sequence slot: rows are answered one at a
+    time and reach data/ as they finish, so both kills land with rows still to do. Batches
+    of one row also give the row vLLM rejects a batch of its own (all rows failed, its
+    `metrics` null-typed): Ray 2.60 cannot concatenate such a batch with an answered one,
+    which it never has to, since each engine task gets one batch (generate_phase)."""
+    import yaml
+
+    tmp = tmp_path_factory.mktemp("vllm-faults")
     out = tmp / "out"
-    started = time.monotonic()
-    log = check_ok(run_job(job_settings(out, babble_qwen3, preset=sampled(source__sample=24)), tmp))
-    return out, log, time.monotonic() - started
+    settings = job_settings(out, babble_qwen3, preset=sampled(
+        source__sample=32, output__rows_per_shard=2, output__flush_seconds=1, output__max_attempts=1,
+        engine__batch_size=1, engine__max_concurrent_batches=1,
+        engine__engine_kwargs={**VLLM["engine__engine_kwargs"], "max_num_seqs": 1}))
+    check_ok(run_job(settings, tmp, "--phase", "prompts"))
+    bad = _plant_too_long_prompt(out, 1024)
+
+    # 1. Once data flows the vLLM replica is SIGKILLed (Ray restarts it and retries its
+    # batch); once more rows have arrived, the driver is SIGKILLed.
+    cfg_path = tmp / "faults.yaml"
+    cfg_path.write_text(yaml.safe_dump(settings))
+    with open(tmp / "killed-run.log", "w") as job_log:
+        job = subprocess.Popen([sys.executable, "-m", "ray_jobs.generate", "--config", str(cfg_path)], cwd=REPO,
+                               env=job_env(), stdout=job_log, stderr=subprocess.STDOUT, start_new_session=True)
+        replica_killed, rows_at_replica_kill = False, None
+        deadline = time.monotonic() + 2400
+        while job.poll() is None and time.monotonic() < deadline:
+            done = len(read(out, "data")) if shards(out, "data") else 0
+            if not replica_killed and done and (pids := _vllm_replica_pids()):
+                os.kill(pids[0], signal.SIGKILL)
+                replica_killed, rows_at_replica_kill = True, done
+            elif replica_killed and done > rows_at_replica_kill:
+                break
+            time.sleep(0.2)
+        finished_early = job.poll() is not None
+        os.kill(job.pid, signal.SIGKILL)
+        job.wait()
+    _kill_group(job.pid)  # the killed driver's local Ray instance and engine, started in its session
+
+    after_kill = {r["sample_id"] for r in read(out, "data")}
+    # 2. The same job again finishes the rest.
+    rerun = run_job(settings, tmp)
+    return {"out": out, "bad": bad, "replica_killed": replica_killed, "rows_at_replica_kill": rows_at_replica_kill,
+            "finished_early": finished_early, "killed_log": (tmp / "killed-run.log").read_text(),
+            "after_kill": after_kill, "rerun": rerun}
 
 
-def test_data_rows_are_exactly_what_vllm_generates(qwen3_job, babble_qwen3, tmp_path):
+def test_faults_on_vllm(faulted_run):
+    run = faulted_run
+    out, prompts = run["out"], read(run["out"], "prompts")
+    assert not run["finished_early"], "the job finished before it could be killed:\n" + run["killed_log"][-4000:]
+    assert run["replica_killed"], "the vLLM replica was never killed"
+    assert run["rows_at_replica_kill"] < len(run["after_kill"]) < len(prompts) - 1, \
+        f"rows done: {run['rows_at_replica_kill']} at the replica kill, {len(run['after_kill'])} of {len(prompts)} " \
+        "at the driver kill"
+    check_ok(run["rerun"])
+
+    # 3. Nothing lost, nothing duplicated; vLLM's own error text for the row it rejected.
+    verify_ok(out)
+    ids = [r["sample_id"] for r in read(out, "data")]
+    assert len(ids) == len(set(ids)) and run["after_kill"] <= set(ids)
+    failed = read(out, "failed")
+    assert [f["sample_id"] for f in failed] == [run["bad"]]
+    assert "maximum context length" in failed[0]["error"] and "VLLMValidationError" in failed[0]["error"], failed[0]
+    assert len(ids) + 1 == len(prompts)
+    print(f"\nvLLM faults: replica killed at {run['rows_at_replica_kill']} rows, driver at "
+          f"{len(run['after_kill'])} of {len(prompts)}")
+
+
+def test_data_rows_are_exactly_what_vllm_generates(faulted_run, babble_qwen3, tmp_path):
+    """Every data/ row of the faulted run (answered one at a time, across a replica restart
+    and a driver kill) against vllm.LLM.generate on all the same requests at once."""
     from eagle_data.job.generate_phase import row_seed
     from eagle_data.model_files import load_tokenizer
 
-    out, log, seconds = qwen3_job
+    out = faulted_run["out"]
+    log = check_ok(faulted_run["rerun"])
     assert "engine: vLLM 0.29.0" in log and "on cpu" in log  # the job log says which engine ran
     rows = sorted(read(out, "data"), key=lambda r: r["sample_id"])
     prompts = {p["sample_id"]: p for p in read(out, "prompts")}
-    assert len(rows) == len(prompts) and not read(out, "failed")
+    assert len(rows) == len(prompts) - 1 and len(rows) >= 20
     tokenizer = load_tokenizer(str(babble_qwen3))
     manifest = json.loads((out / "manifest.json").read_text())
     stop_ids = list(manifest["phases"]["generate"]["tokenizer"]["eos_ids"])  # what the job asked for
@@ -177,7 +268,7 @@ def test_data_rows_are_exactly_what_vllm_generates(qwen3_job, babble_qwen3, tmp_
     assert finishes == {"stop", "length"}, finishes
     seen = check_reasoning(rows, tokenizer, set(stop_ids))
     assert seen["closed"] and seen["none"], seen  # the model opened and closed <think> itself
-    print(f"\nvLLM exactness: {len(rows)} rows, finishes {sorted(finishes)}, reasoning {seen}, job {seconds:.0f}s")
+    print(f"\nvLLM exactness: {len(rows)} rows, finishes {sorted(finishes)}, reasoning {seen}")
 
 
 # --- DeepSeek-R1 template + turns: all --------------------------------------------------
@@ -223,92 +314,6 @@ def test_multi_turn_on_deepseek_r1_template(tmp_path, babble_r1):
         assert r["messages"][-2]["content"] == firsts[r["conversation_id"]]["response"]
     verify_ok(out)
     print(f"\nvLLM turns=all on R1: {len(rows)} rows over turns {sorted(by_turn)}, reasoning {seen}, {seconds:.0f}s")
-
-
-# --- faults: a row vLLM rejects, a replica killed mid-run, driver SIGKILL + rerun -------
-
-def _plant_too_long_prompt(out, max_model_len: int) -> str:
-    """Bypass the prompts phase's prompt_too_long filter: one prompt longer than the context."""
-    shard = shards(out, "prompts")[0]
-    table = pq.read_table(shard)
-    rows = table.to_pylist()
-    rows[0]["tokenized_prompt"] = rows[0]["tokenized_prompt"] * (max_model_len // len(rows[0]["tokenized_prompt"]) + 1)
-    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), shard)
-    return rows[0]["sample_id"]
-
-
-def _vllm_replica_pids() -> list[int]:
-    import psutil
-
-    return [p.pid for p in psutil.process_iter(["cmdline"])
-            if "vLLMEngineStageUDF" in " ".join(p.info["cmdline"] or []) and "MapWorker" in " ".join(p.info["cmdline"] or [])]
-
-
-def test_faults_on_vllm(tmp_path, babble_qwen3):
-    out = tmp_path / "out"
-    # One row per batch, one batch in flight, one sequence slot: rows are answered one at a
-    # time and reach data/ as they finish, so both kills land with rows still to do.
-    # Batches of one row also give the row vLLM rejects a batch of its own (all rows failed,
-    # its `metrics` null-typed): Ray 2.60 cannot concatenate such a batch with an answered
-    # one, which it never has to, since each engine task gets one batch (generate_phase).
-    settings = job_settings(out, babble_qwen3, preset=sampled(
-        source__sample=None, output__rows_per_shard=2, output__flush_seconds=1, output__max_attempts=1,
-        engine__batch_size=1, engine__max_concurrent_batches=1,
-        engine__engine_kwargs={**VLLM["engine__engine_kwargs"], "max_num_seqs": 1}))
-    check_ok(run_job(settings, tmp_path, "--phase", "prompts"))
-    bad = _plant_too_long_prompt(out, 1024)
-    prompts = read(out, "prompts")
-
-    # 1. Once data flows the vLLM replica is SIGKILLed (Ray restarts it and retries its
-    # batch); once more rows have arrived, the driver is SIGKILLed.
-    import yaml
-
-    cfg_path = tmp_path / "faults.yaml"
-    cfg_path.write_text(yaml.safe_dump(settings))
-    job_log = open(tmp_path / "killed-run.log", "w")
-    job = subprocess.Popen([sys.executable, "-m", "ray_jobs.generate", "--config", str(cfg_path)], cwd=REPO,
-                           env=job_env(), stdout=job_log, stderr=subprocess.STDOUT, start_new_session=True)
-    killed, rows_at_replica_kill = [], None
-    deadline = time.monotonic() + 2400
-    while job.poll() is None and time.monotonic() < deadline:
-        done = len(read(out, "data")) if shards(out, "data") else 0
-        if not killed and done and (pids := _vllm_replica_pids()):
-            os.kill(pids[0], signal.SIGKILL)
-            killed.append(pids[0])
-            rows_at_replica_kill = done
-        elif killed and done > rows_at_replica_kill:
-            break
-        time.sleep(0.2)
-    assert job.poll() is None, "the job finished before it could be killed:\n" + \
-        (tmp_path / "killed-run.log").read_text()[-4000:]
-    os.kill(job.pid, signal.SIGKILL)
-    job.wait()
-    job_log.close()
-    _kill_group(job.pid)  # the killed driver's local Ray instance and engine, started in its session
-    assert killed, "the vLLM replica was never killed"
-    after_kill = {r["sample_id"] for r in read(out, "data")}
-    assert rows_at_replica_kill < len(after_kill) < len(prompts) - 1, \
-        f"rows done: {rows_at_replica_kill} at the replica kill, {len(after_kill)} of {len(prompts)} at the driver kill"
-
-    # 2. The same job again finishes the rest.
-    check_ok(run_job(settings, tmp_path))
-
-    # 3. Nothing lost, nothing duplicated; vLLM's own error text for the row it rejected.
-    verify_ok(out)
-    ids = [r["sample_id"] for r in read(out, "data")]
-    assert len(ids) == len(set(ids)) and after_kill <= set(ids)
-    failed = read(out, "failed")
-    assert [f["sample_id"] for f in failed] == [bad]
-    assert "maximum context length" in failed[0]["error"] and "VLLMValidationError" in failed[0]["error"], failed[0]
-    assert len(ids) + 1 == len(prompts)
-    print(f"\nvLLM faults: replica killed at {rows_at_replica_kill} rows, driver at {len(after_kill)} of {len(prompts)}")
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 # --- backend parity at temperature 0 ----------------------------------------------------

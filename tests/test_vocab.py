@@ -19,9 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import job_config
 from eagle_data.errors import NotAnOut
-from eagle_data.job.run import run
 from eagle_data.tools.token_counts import VocabError, count_tokens
 from eagle_data.tools.vocab import FORMATS, add_cli, build_vocab, coverage, coverage_curve, mappings, run_cli, select_ids
 
@@ -103,12 +101,9 @@ def multi_turn_rows(conversations: int, vocab: int) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def real_out(ray_local, tiny_qwen3, tmp_path_factory) -> tuple[Path, int]:
-    """An OUT made by the job (tiny Qwen3, real tokenizer) and the model's config vocab_size."""
-    out = tmp_path_factory.mktemp("vocab") / "out"
-    run(job_config(out, tiny_qwen3, source__sample=6, engine__batch_size=6, sampling__max_tokens=8,
-                   sampling__temperature=0.7, output__rows_per_shard=2))
-    return out, json.loads((tiny_qwen3 / "config.json").read_text())["vocab_size"], tiny_qwen3
+def real_out(small_out, tiny_qwen3) -> tuple[Path, int, Path]:
+    """An OUT made by the job (tiny Qwen3, real tokenizer), the model's config vocab_size, the model."""
+    return small_out, json.loads((tiny_qwen3 / "config.json").read_text())["vocab_size"], tiny_qwen3
 
 
 def read_rows(out: Path) -> list[dict]:
