@@ -2,9 +2,10 @@
 project's `processor_config`, engine.device=cpu) with vLLM's CPU build, on tiny Qwen3 models
 with real tokenizers.
 
-Every job run loads the model in a fresh engine actor (30-130 s on 2 busy cores), so the
-runs are few and each one carries several checks: module-scoped fixtures run a job once and
-the tests read its OUT.
+Every job run loads the model in a fresh engine actor (about 30 s on 2 cores), so the runs
+are few and each one carries several checks: the faults run's OUT is also the one checked
+for exactness. Runs that need no driver of their own run in the test process, on the
+session's Ray instance.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import REPO, build_babbling_model, build_tiny_model, job_settings, read, shards, write_jsonl
+from conftest import REPO, as_config, build_babbling_model, build_tiny_model, job_settings, read, shards, write_jsonl
 
 pytestmark = pytest.mark.vllm
 
@@ -58,8 +59,8 @@ def babble_r1(tmp_path_factory, deepseek_r1_tokenizer_dir):
 
 
 def run_job(cfg_dict: dict, tmp_path, *extra_args) -> subprocess.CompletedProcess:
-    """The job as a user runs it (its own driver and Ray instance), so the module's tests do
-    not depend on the session's Ray instance having CPUs free."""
+    """The job as a user runs it: its own driver (which a test can kill, or read the log of)
+    and its own Ray instance."""
     import yaml
 
     path = tmp_path / f"job-{time.monotonic_ns()}.yaml"
@@ -170,15 +171,19 @@ def _kill_group(pgid: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def faulted_run(tmp_path_factory, babble_qwen3) -> dict:
+def faulted_run(ray_local, tmp_path_factory, babble_qwen3) -> dict:
     """The job on 32 samples with every fault at once; what happened, for the tests to check.
 
     One row per batch, one batch in flight, one sequence slot: rows are answered one at a
     time and reach data/ as they finish, so both kills land with rows still to do. Batches
     of one row also give the row vLLM rejects a batch of its own (all rows failed, its
     `metrics` null-typed): Ray 2.60 cannot concatenate such a batch with an answered one,
-    which it never has to, since each engine task gets one batch (generate_phase)."""
+    which it never has to, since each engine task gets one batch (generate_phase). The
+    rerun feeds the engine as the project does by default (batches of 4, 8 sequence slots):
+    feeding settings are not part of what an OUT holds, so a resume may change them."""
     import yaml
+
+    from eagle_data.job.run import run
 
     tmp = tmp_path_factory.mktemp("vllm-faults")
     out = tmp / "out"
@@ -186,7 +191,7 @@ def faulted_run(tmp_path_factory, babble_qwen3) -> dict:
         source__sample=32, output__rows_per_shard=2, output__flush_seconds=1, output__max_attempts=1,
         engine__batch_size=1, engine__max_concurrent_batches=1,
         engine__engine_kwargs={**VLLM["engine__engine_kwargs"], "max_num_seqs": 1}))
-    check_ok(run_job(settings, tmp, "--phase", "prompts"))
+    run(as_config(settings), phase="prompts")
     bad = _plant_too_long_prompt(out, 1024)
 
     # 1. Once data flows the vLLM replica is SIGKILLed (Ray restarts it and retries its
@@ -212,8 +217,9 @@ def faulted_run(tmp_path_factory, babble_qwen3) -> dict:
     _kill_group(job.pid)  # the killed driver's local Ray instance and engine, started in its session
 
     after_kill = {r["sample_id"] for r in read(out, "data")}
-    # 2. The same job again finishes the rest.
-    rerun = run_job(settings, tmp)
+    # 2. The same job again finishes the rest, fed in batches.
+    rerun = run_job({**settings, "engine": {**settings["engine"], "batch_size": 4, "max_concurrent_batches": 4,
+                                            "engine_kwargs": VLLM["engine__engine_kwargs"]}}, tmp)
     return {"out": out, "bad": bad, "replica_killed": replica_killed, "rows_at_replica_kill": rows_at_replica_kill,
             "finished_early": finished_early, "killed_log": (tmp / "killed-run.log").read_text(),
             "after_kill": after_kill, "rerun": rerun}
@@ -242,8 +248,9 @@ def test_faults_on_vllm(faulted_run):
 
 
 def test_data_rows_are_exactly_what_vllm_generates(faulted_run, babble_qwen3, tmp_path):
-    """Every data/ row of the faulted run (answered one at a time, across a replica restart
-    and a driver kill) against vllm.LLM.generate on all the same requests at once."""
+    """Every data/ row of the faulted run (answered one at a time across a replica restart
+    and a driver kill, then in batches by the rerun) against vllm.LLM.generate on all the
+    same requests at once."""
     from eagle_data.job.generate_phase import row_seed
     from eagle_data.model_files import load_tokenizer
 
@@ -284,7 +291,8 @@ def conversations() -> list[dict]:
     return rows
 
 
-def test_multi_turn_on_deepseek_r1_template(tmp_path, babble_r1):
+def test_multi_turn_on_deepseek_r1_template(ray_local, tmp_path, babble_r1):
+    from eagle_data.job.run import run
     from eagle_data.model_files import load_tokenizer
 
     out = tmp_path / "out"
@@ -292,7 +300,7 @@ def test_multi_turn_on_deepseek_r1_template(tmp_path, babble_r1):
     settings = job_settings(out, babble_r1, chats, preset=sampled(prompt__turns="all", prompt__max_turns=2,
                                                                   engine__max_model_len=512))
     started = time.monotonic()
-    check_ok(run_job(settings, tmp_path))
+    run(as_config(settings))
     seconds = time.monotonic() - started
     rows = read(out, "data")
     tokenizer = load_tokenizer(str(babble_r1))
@@ -318,7 +326,7 @@ def test_multi_turn_on_deepseek_r1_template(tmp_path, babble_r1):
 
 # --- backend parity at temperature 0 ----------------------------------------------------
 
-def test_greedy_parity_with_transformers_backend(tmp_path, qwen3_tokenizer_dir):
+def test_greedy_parity_with_transformers_backend(ray_local, tmp_path, qwen3_tokenizer_dir):
     """Same random-weight fp32 model, same prompts, temperature 0: vLLM and transformers pick
     the same argmax, except where two logits are closer than the two implementations'
     floating-point differences (different kernels and summation orders); after such a tie
@@ -327,12 +335,14 @@ def test_greedy_parity_with_transformers_backend(tmp_path, qwen3_tokenizer_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from eagle_data.job.run import run
+
     model = build_tiny_model(qwen3_tokenizer_dir, tmp_path / "tiny-h64", head_dim=64)
     rows = {}
     for backend, extra in (("vllm", VLLM), ("transformers", dict(engine__backend="transformers", engine__batch_size=1))):
         out = tmp_path / backend
         greedy = {**extra, "source__sample": 12, "sampling__temperature": 0.0, "sampling__max_tokens": 12}
-        check_ok(run_job(job_settings(out, model, preset=greedy), tmp_path))
+        run(as_config(job_settings(out, model, preset=greedy)))
         rows[backend] = {r["sample_id"]: list(r["input_ids"]) for r in read(out, "data")}
     assert rows["vllm"].keys() == rows["transformers"].keys()
     same = [sid for sid in rows["vllm"] if rows["vllm"][sid] == rows["transformers"][sid]]
