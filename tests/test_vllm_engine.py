@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import REPO, as_config, build_babbling_model, build_tiny_model, job_settings, read, shards, write_jsonl
+from conftest import REPO, as_config, attached, build_babbling_model, build_tiny_model, job_settings, read, shards, write_jsonl
 
 pytestmark = pytest.mark.vllm
 
@@ -58,19 +58,19 @@ def babble_r1(tmp_path_factory, deepseek_r1_tokenizer_dir):
                                 ["<｜end▁of▁sentence｜>"], probs, head_dim=64)
 
 
-def run_job(cfg_dict: dict, tmp_path, *extra_args) -> subprocess.CompletedProcess:
-    """The job as a user runs it: its own driver (which a test can kill, or read the log of)
-    and its own Ray instance."""
+def run_job(cfg_dict: dict, tmp_path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The job as a user runs it: its own driver (which a test can kill, or read the log of),
+    and its own Ray instance unless `env` says which to attach to."""
     import yaml
 
     path = tmp_path / f"job-{time.monotonic_ns()}.yaml"
     path.write_text(yaml.safe_dump(cfg_dict))
-    return subprocess.run([sys.executable, "-m", "ray_jobs.generate", "--config", str(path), *extra_args],
-                          cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=2400)
+    return subprocess.run([sys.executable, "-m", "ray_jobs.generate", "--config", str(path)],
+                          cwd=REPO, env=env or job_env(), capture_output=True, text=True, timeout=2400)
 
 
-def job_env() -> dict:
-    return {**os.environ, "PYTHONPATH": str(REPO), "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
+def job_env(base: dict = os.environ) -> dict:
+    return {**base, "PYTHONPATH": str(REPO), "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
 
 
 def check_ok(proc: subprocess.CompletedProcess) -> str:
@@ -217,9 +217,11 @@ def faulted_run(ray_local, tmp_path_factory, babble_qwen3) -> dict:
     _kill_group(job.pid)  # the killed driver's local Ray instance and engine, started in its session
 
     after_kill = {r["sample_id"] for r in read(out, "data")}
-    # 2. The same job again finishes the rest, fed in batches.
+    # 2. The same job again finishes the rest, fed in batches (on the session's Ray instance:
+    # the killed run's is gone with it).
     rerun = run_job({**settings, "engine": {**settings["engine"], "batch_size": 4, "max_concurrent_batches": 4,
-                                            "engine_kwargs": VLLM["engine__engine_kwargs"]}}, tmp)
+                                            "engine_kwargs": VLLM["engine__engine_kwargs"]}}, tmp,
+                    env=job_env(attached(ray_local)))
     return {"out": out, "bad": bad, "replica_killed": replica_killed, "rows_at_replica_kill": rows_at_replica_kill,
             "finished_early": finished_early, "killed_log": (tmp / "killed-run.log").read_text(),
             "after_kill": after_kill, "rerun": rerun}
