@@ -255,20 +255,17 @@ def data_rows(out: Path) -> dict[str, dict]:
     return {r["sample_id"]: r for r in read(out, "data")}
 
 
-def make_out(out: Path, model_dir, rows_per_shard: int) -> Path:
-    """A real OUT: the job on 20 samples of the bundled sample, on the tiny model."""
-    from eagle_data.job.run import run
-
-    run(job_config(out, model_dir, engine__batch_size=4, sampling__max_tokens=12, source__sample=20,
-                   output__rows_per_shard=rows_per_shard))
-    return out
-
-
 @pytest.fixture(scope="session")
 def small_out(ray_local, tiny_qwen3, tmp_path_factory) -> Path:
-    """A real OUT made once for the modules that only read one (reader, export, vocab):
-    20 samples, 4 rows per shard. A test that changes an OUT makes its own."""
-    return make_out(tmp_path_factory.mktemp("small-out") / "out", tiny_qwen3, rows_per_shard=4)
+    """A real OUT made once for the modules that only read one (reader, export, vocab): the
+    job on 20 samples of the bundled sample, on the tiny model, 4 rows per shard. A test
+    that changes an OUT makes its own."""
+    from eagle_data.job.run import run
+
+    out = tmp_path_factory.mktemp("small-out") / "out"
+    run(job_config(out, tiny_qwen3, engine__batch_size=4, sampling__max_tokens=12, source__sample=20,
+                   output__rows_per_shard=4))
+    return out
 
 
 # The same rows in differently laid out files (order-independence tests).

@@ -58,15 +58,14 @@ def babble_r1(tmp_path_factory, deepseek_r1_tokenizer_dir):
                                 ["<｜end▁of▁sentence｜>"], probs, head_dim=64)
 
 
-def run_job(cfg_dict: dict, tmp_path, env: dict | None = None) -> subprocess.CompletedProcess:
-    """The job as a user runs it: its own driver (which a test can kill, or read the log of),
-    and its own Ray instance unless `env` says which to attach to."""
+def job_command(cfg_dict: dict, tmp_path) -> list[str]:
+    """The job as a user runs it, in a driver of its own (which a test can kill, or read the
+    log of): `python -m ray_jobs.generate --config <the dict as YAML>`."""
     import yaml
 
     path = tmp_path / f"job-{time.monotonic_ns()}.yaml"
     path.write_text(yaml.safe_dump(cfg_dict))
-    return subprocess.run([sys.executable, "-m", "ray_jobs.generate", "--config", str(path)],
-                          cwd=REPO, env=env or job_env(), capture_output=True, text=True, timeout=2400)
+    return [sys.executable, "-m", "ray_jobs.generate", "--config", str(path)]
 
 
 def job_env(base: dict = os.environ) -> dict:
@@ -181,8 +180,6 @@ def faulted_run(ray_local, tmp_path_factory, babble_qwen3) -> dict:
     which it never has to, since each engine task gets one batch (generate_phase). The
     rerun feeds the engine as the project does by default (batches of 4, 8 sequence slots):
     feeding settings are not part of what an OUT holds, so a resume may change them."""
-    import yaml
-
     from eagle_data.job.run import run
 
     tmp = tmp_path_factory.mktemp("vllm-faults")
@@ -196,11 +193,9 @@ def faulted_run(ray_local, tmp_path_factory, babble_qwen3) -> dict:
 
     # 1. Once data flows the vLLM replica is SIGKILLed (Ray restarts it and retries its
     # batch); once more rows have arrived, the driver is SIGKILLed.
-    cfg_path = tmp / "faults.yaml"
-    cfg_path.write_text(yaml.safe_dump(settings))
     with open(tmp / "killed-run.log", "w") as job_log:
-        job = subprocess.Popen([sys.executable, "-m", "ray_jobs.generate", "--config", str(cfg_path)], cwd=REPO,
-                               env=job_env(), stdout=job_log, stderr=subprocess.STDOUT, start_new_session=True)
+        job = subprocess.Popen(job_command(settings, tmp), cwd=REPO, env=job_env(), stdout=job_log,
+                               stderr=subprocess.STDOUT, start_new_session=True)
         replica_killed, rows_at_replica_kill = False, None
         deadline = time.monotonic() + 2400
         while job.poll() is None and time.monotonic() < deadline:
@@ -219,9 +214,10 @@ def faulted_run(ray_local, tmp_path_factory, babble_qwen3) -> dict:
     after_kill = {r["sample_id"] for r in read(out, "data")}
     # 2. The same job again finishes the rest, fed in batches (on the session's Ray instance:
     # the killed run's is gone with it).
-    rerun = run_job({**settings, "engine": {**settings["engine"], "batch_size": 4, "max_concurrent_batches": 4,
-                                            "engine_kwargs": VLLM["engine__engine_kwargs"]}}, tmp,
-                    env=job_env(attached(ray_local)))
+    batched = {**settings, "engine": {**settings["engine"], "batch_size": 4, "max_concurrent_batches": 4,
+                                      "engine_kwargs": VLLM["engine__engine_kwargs"]}}
+    rerun = subprocess.run(job_command(batched, tmp), cwd=REPO, env=job_env(attached(ray_local)),
+                           capture_output=True, text=True, timeout=2400)
     return {"out": out, "bad": bad, "replica_killed": replica_killed, "rows_at_replica_kill": rows_at_replica_kill,
             "finished_early": finished_early, "killed_log": (tmp / "killed-run.log").read_text(),
             "after_kill": after_kill, "rerun": rerun}
