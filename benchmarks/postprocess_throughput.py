@@ -87,7 +87,7 @@ def build_rows(tokenizer, special, n: int, seed: int = 0) -> pa.Table:
             r = int(round(rng.uniform(0.5, 0.9) * body))
             gen = np.concatenate([[think], piece(r), [end], piece(body - r), [eos]])
         sid = f"{rng.integers(0, 2**63):016x}"
-        # first_user rows: the conversation is the sample, its turn 0 (out/contract.py IDS).
+        # first_user rows: the conversation is the sample, its turn 0 (storage/contract.py IDS).
         rows.append({"sample_id": sid, "conversation_id": sid, "turn": 0, "source": SOURCES[i % 5],
                      "messages": messages, "prompt_token_ids": list(prompt),
                      "generated_tokens": gen.astype(np.int64).tolist(), "__inference_error__": ""})

@@ -29,8 +29,8 @@ def write_out(root: Path, rows: int, tokens: int, rows_per_shard: int) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from eagle_data.out.contract import DATA_SCHEMA
-    from eagle_data.out.files import filesystem, write_json
+    from eagle_data.storage.contract import DATA_SCHEMA
+    from eagle_data.storage.files import filesystem, write_json
 
     rng = np.random.default_rng(0)
     (root / "data").mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ random ids) and loss_mask, a one-turn message and a response of a few words; a r
 (prompt ~300 + completion ~1,300 tokens, and their text) is about 10x larger, so the
 ratio below understates the saving. Sample ids are 20 hex characters, as the job makes.
 
-Times `eagle_data.out.status.SampleStatus.read(fs, out, max_attempts).finished()` (reads only the
+Times `eagle_data.storage.status.SampleStatus.read(fs, out, max_attempts).finished()` (reads only the
 sample_id column of data/ and failed/) against reading all of data/ with pyarrow
 (`pyarrow.dataset(...).to_table()`), each --repeats times, alternating; the figure is the
 median. "cold": every shard evicted from the page cache first (posix_fadvise DONTNEED on
@@ -38,8 +38,8 @@ def write_out(root: Path, rows: int, tokens: int, rows_per_shard: int, failed: i
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from eagle_data.out.contract import FAILED_SCHEMA
-    from eagle_data.out.contract import DATA_SCHEMA
+    from eagle_data.storage.contract import FAILED_SCHEMA
+    from eagle_data.storage.contract import DATA_SCHEMA
 
     rng = np.random.default_rng(0)
     (root / "data").mkdir(parents=True, exist_ok=True)
@@ -107,9 +107,9 @@ def main() -> None:
     import pyarrow.dataset as pads
     import pyarrow.parquet as pq
 
-    from eagle_data.out.status import SampleStatus
-    from eagle_data.out.files import filesystem
-    from eagle_data.out.shards import shard_files
+    from eagle_data.storage.status import SampleStatus
+    from eagle_data.storage.files import filesystem
+    from eagle_data.storage.shards import shard_files
 
     parent = Path(tempfile.mkdtemp(prefix="resume-cost-", dir=args.dir))
     out = parent / "out"

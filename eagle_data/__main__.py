@@ -44,7 +44,7 @@ def run_command(args: argparse.Namespace) -> int:
             print(f"OK: {args.out} holds every invariant")
         return 1 if problems else 0
     if args.command == "report":
-        from eagle_data.out.folder import Output
+        from eagle_data.storage.folder import Output
         from eagle_data.tools.report import write_report
 
         report = write_report(Output.existing(args.out))

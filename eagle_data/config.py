@@ -120,6 +120,9 @@ class OutputConfig(_Section):
     max_attempts: int = Field(default=3, ge=1)
     # The generate phase's progress line in the job log.
     log_every_s: float = Field(default=30, gt=0)
+    # Ray Data's own progress output (per operator, every 10 s in a job log): off, since the
+    # progress line says what a user needs; on to see Ray Data's operators.
+    ray_data_progress: bool = False
 
 
 class Config(_Section):

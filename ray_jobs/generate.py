@@ -9,15 +9,17 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import os
 import sys
 
 import pyarrow.parquet as pq
 
+import eagle_data
 from eagle_data.config import load_config
 from eagle_data.errors import EagleDataError, EmptyResult
-from eagle_data.job.run import run
-from eagle_data.out.files import filesystem
-from eagle_data.out.shards import shard_files
+from eagle_data.job.run import close_ray, run
+from eagle_data.storage.files import filesystem
+from eagle_data.storage.shards import shard_files
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
                              f"skipped); otherwise that is an error, exit {EmptyResult.EXIT_CODE}")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # Which copy of the project runs: under `ray job submit`, the working dir Ray unpacked.
+    logging.getLogger("eagle_data").info("code: eagle-data %s from %s", eagle_data.__version__,
+                                         os.path.dirname(os.path.abspath(eagle_data.__file__)))
     try:
         cfg = load_config(args.config, args.overrides)
         result = run(cfg, phase=args.phase, fresh=args.fresh, allow_empty=args.allow_empty)
@@ -48,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no space left on device writing {cfg.output.path} ({e}). What was published "
               "is kept: free some space and rerun the same command, it resumes.", file=sys.stderr)
         return 4
+    close_ray()
     print(summary(cfg.output.path, result))
     return 0
 
@@ -72,6 +78,11 @@ def summary(out: str, result: dict) -> str:
         if example:
             lines.append(f"  example:  Q: {example['messages'][-1]['content'][:200]!r}")
             lines.append(f"            A: {example['response'][:300]!r}")
+    times = [f"{name} {seconds:.0f}s" for name, seconds in result.get("seconds", {}).items()]
+    loads = result.get("generate", {}).get("engine_load_s")
+    if loads:
+        times.append(f"of which loading the model {loads[0]:.0f}s")
+    lines.append(f"  time:     {', '.join(times)}")
     lines.append(f"  manifest: {out}/manifest.json")
     return "\n".join(lines)
 

@@ -12,6 +12,9 @@ import os
 import shutil
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, not installed
 
 
 def convert(src: str, dest: str) -> None:

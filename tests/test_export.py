@@ -13,7 +13,7 @@ import pytest
 
 from conftest import data_rows, synthetic_row, write_out
 from eagle_data.tools.export import FORMATS, add_cli, export, run_cli
-from eagle_data.out.contract import DATA_SCHEMA
+from eagle_data.storage.contract import DATA_SCHEMA
 
 
 @pytest.fixture(scope="module")

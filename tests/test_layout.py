@@ -1,5 +1,5 @@
 """The package's shape: imports run one way between its layers, and README's "Output"
-section lists the columns out/contract.py defines."""
+section lists the columns storage/contract.py defines."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import ast
 import re
 
 from conftest import REPO
-from eagle_data.out.contract import SCHEMAS
+from eagle_data.storage.contract import SCHEMAS
 
 # Lower number = lower layer; a module may import from its own layer or lower ones.
 LAYERS = [
     ("eagle_data.errors", 0), ("eagle_data.config", 0), ("eagle_data.model_files", 0),
-    ("eagle_data.out", 1), ("eagle_data.reader", 2), ("eagle_data.tools", 3),
+    ("eagle_data.storage", 1), ("eagle_data.reader", 2), ("eagle_data.tools", 3),
     ("eagle_data.job.prompts_phase", 5), ("eagle_data.job.generate_phase", 5), ("eagle_data.job.run", 6),
     ("eagle_data.job", 4),  # the stages
     ("eagle_data.__main__", 7), ("ray_jobs", 7),
@@ -31,7 +31,7 @@ def imports(path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
-            names.update(f"{node.module}.{a.name}" for a in node.names)  # `from eagle_data.out import manifest`
+            names.update(f"{node.module}.{a.name}" for a in node.names)  # `from eagle_data.storage import manifest`
         elif isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
     return {n for n in names if n.startswith(("eagle_data", "ray_jobs"))}

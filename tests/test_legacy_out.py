@@ -10,7 +10,7 @@ import pytest
 
 from conftest import REPO
 from eagle_data.tools.export import export
-from eagle_data.out.folder import Output
+from eagle_data.storage.folder import Output
 from eagle_data.reader import Out, OutDataset
 from eagle_data.tools.report import write_report
 from eagle_data.tools.verify import verify

@@ -22,15 +22,15 @@ from eagle_data.config import Config, SamplingConfig
 from eagle_data.errors import MissingInput
 from eagle_data.job.engines import ENGINE_CLASSES, apply_engine
 from eagle_data.job.postprocess import Postprocessor
-from eagle_data.job.progress import Progress
+from eagle_data.job.progress import EngineWatch, Progress
 from eagle_data.job.ray_internals import actor_nodes, bound_queues, read_parquet_in_small_tasks
 from eagle_data.job.turns import PREVIOUS_COLUMNS, TurnBuilder, next_user_texts
 from eagle_data.model_files import SpecialTokens, generation_eos_ids, load_tokenizer, model_vocab_size, special_tokens
-from eagle_data.out import manifest as mf
-from eagle_data.out.contract import DATA_SCHEMA, ERROR, FAILED_SCHEMA, STOPPED_SCHEMA, turn_sample_ids
-from eagle_data.out.folder import Output
-from eagle_data.out.shards import ShardWriter, shard_files
-from eagle_data.out.status import SampleStatus
+from eagle_data.storage import manifest as mf
+from eagle_data.storage.contract import DATA_SCHEMA, ERROR, FAILED_SCHEMA, STOPPED_SCHEMA, turn_sample_ids
+from eagle_data.storage.folder import Output
+from eagle_data.storage.shards import ShardWriter, shard_files
+from eagle_data.storage.status import SampleStatus
 
 log = logging.getLogger("eagle_data")
 
@@ -61,7 +61,8 @@ def run_generate(cfg: Config, out: Output, engine=None) -> dict:
     replicas = ReplicaNodes()
     progress = Progress(total=total, done_before=len(finished), todo=todo,
                         max_tokens=cfg.sampling.max_tokens, every_s=cfg.output.log_every_s,
-                        data_writer=data, failed_writer=failed, on_line=replicas.look)
+                        data_writer=data, failed_writer=failed, on_line=replicas.look,
+                        engine=EngineWatch(ENGINE_CLASSES))
     finished_ref = ray.put(pa.array(sorted(finished), pa.string()))  # shared by every task
     with progress:
         for turn in itertools.count() if cfg.prompt.turns == "all" else [0]:
@@ -89,7 +90,7 @@ def run_generate(cfg: Config, out: Output, engine=None) -> dict:
                             **({"replica_nodes": nodes} if nodes is not None else {}))
     log.info("generate: run %s wrote %d ok, %d failed; OUT totals %s", run_id, data.written,
              failed.written, counts)
-    return counts
+    return {**counts, "engine_load_s": [round(s, 1) for s in progress.engine.load_s]}
 
 
 class ReplicaNodes:

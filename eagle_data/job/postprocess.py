@@ -23,7 +23,7 @@ from eagle_data.config import Config
 from eagle_data.job.columns import require
 from eagle_data.model_files import SpecialTokens, load_tokenizer
 from eagle_data.job.engines import ENGINE_ERROR
-from eagle_data.out.contract import DATA_SCHEMA, ERROR, IDS
+from eagle_data.storage.contract import DATA_SCHEMA, ERROR, IDS
 
 # What the stage makes: data/'s columns and the error ("" on ok rows; a failed row keeps
 # only IDS and the error).

@@ -16,6 +16,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from eagle_data.job.ray_internals import engine_pool, engine_stats
+
 log = logging.getLogger("eagle_data")
 
 RECENT_WINDOW_S = 300
@@ -23,10 +25,12 @@ RECENT_WINDOW_S = 300
 
 class Progress:
     def __init__(self, total: int, done_before: int, todo: int, max_tokens: int, every_s: float,
-                 data_writer, failed_writer, on_line=None):
-        """`on_line()` is called before each line, from the logging thread."""
+                 data_writer, failed_writer, on_line=None, engine=None):
+        """`on_line()` is called before each line, from the logging thread; `engine` (an
+        EngineWatch) is polled every second and says what the engine is doing."""
         self.total, self.done_before, self.todo, self.every_s = total, done_before, todo, every_s
         self.on_line = on_line or (lambda: None)
+        self.engine = engine
         self.data_writer, self.failed_writer = data_writer, failed_writer
         self.received = self.generated_tokens = self.length_finishes = 0
         # Completion lengths as a histogram: exact mean/p95 in memory independent of row count.
@@ -49,6 +53,7 @@ class Progress:
                 self.length_finishes += pc.sum(pc.equal(ok.column("finish_reason"), "length")).as_py() or 0
 
     def line(self) -> str:
+        engine = f"{self.engine.describe()} | " if self.engine else ""
         with self._lock:
             now = time.monotonic()
             ok, failed = self.data_writer.written, self.failed_writer.written
@@ -66,7 +71,7 @@ class Progress:
             eta_rate = recent_rate or rate
             eta = (self.todo - rows) / eta_rate if eta_rate > 0 else float("inf")
             return (
-                f"progress: {done}/{self.total} done ({100 * done / max(self.total, 1):.1f}%) | "
+                f"progress: {done}/{self.total} done ({100 * done / max(self.total, 1):.1f}%) | {engine}"
                 f"this run ok {ok} failed {failed} | "
                 f"rows/s {recent_rate:.2f} recent, {rate:.2f} run | "
                 f"gen tok/s {(self.generated_tokens - tokens0) / window:.0f} recent, "
@@ -77,9 +82,14 @@ class Progress:
             )
 
     def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            self.on_line()
-            log.info(self.line())
+        due = time.monotonic() + self.every_s
+        while not self._stop.wait(min(1.0, self.every_s)):
+            if self.engine:
+                self.engine.look()
+            if time.monotonic() >= due:
+                due += self.every_s
+                self.on_line()
+                log.info(self.line())
 
     def __enter__(self) -> "Progress":
         self._thread.start()
@@ -90,6 +100,52 @@ class Progress:
         self._thread.join()
         self.on_line()
         log.info(self.line())
+
+
+class EngineWatch:
+    """What the engine is doing, for the progress line, from Ray Data's operator state and
+    the replicas' own counters (vLLM's): replicas loading the model (a replica loads it in
+    its constructor) or restarting (its node was lost), rows in the engine, and vLLM's
+    running/waiting requests and generated tokens/s. Rows reach OUT only when a whole
+    engine batch is done, so this is what moves while the done count does not."""
+
+    def __init__(self, class_names: tuple[str, ...]):
+        self.class_names = class_names
+        self.pool: dict | None = None
+        self.starting_since: float | None = None
+        self.load_s: list[float] = []  # how long each spell of loading the model lasted
+        self.last_tokens: tuple[float, int] | None = None  # (time, generated tokens) at the last line
+
+    def look(self) -> None:
+        """Poll the engine operator (in-process, cheap): called every second."""
+        self.pool = engine_pool(self.class_names)
+        now = time.monotonic()
+        if self.pool and self.pool["starting"]:
+            self.starting_since = self.starting_since or now
+        elif self.starting_since is not None:
+            self.load_s.append(now - self.starting_since)
+            self.starting_since = None
+
+    def describe(self) -> str:
+        pool = self.pool
+        if pool is None:
+            return "engine: not started"
+        now = time.monotonic()
+        parts = []
+        if self.starting_since is not None:
+            parts.append(f"{pool['starting']} replica(s) loading the model ({_duration(now - self.starting_since)})")
+        if pool["restarting"]:
+            parts.append(f"{pool['restarting']} replica(s) restarting")
+        parts.append(f"{pool['running']} replica(s) up, {pool['rows_in_engine']} rows in the engine")
+        stats = engine_stats()
+        if stats:
+            tokens = sum(s["generated_tokens"] for s in stats)
+            then, before = self.last_tokens or (now, tokens)
+            self.last_tokens = (now, tokens)
+            rate = (tokens - before) / (now - then) if now > then else 0.0
+            parts.append(f"vLLM {sum(s['running'] for s in stats)} running {sum(s['waiting'] for s in stats)} "
+                         f"waiting, {rate:.0f} tok/s")
+        return "engine: " + ", ".join(parts)
 
 
 def _duration(seconds: float) -> str:

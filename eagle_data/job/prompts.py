@@ -20,7 +20,7 @@ import pyarrow as pa
 from eagle_data.config import Config
 from eagle_data.job.columns import require
 from eagle_data.model_files import control_token_pattern, load_tokenizer
-from eagle_data.out.contract import PROMPTS_SCHEMA, SKIPPED_SCHEMA
+from eagle_data.storage.contract import PROMPTS_SCHEMA, SKIPPED_SCHEMA
 
 ROLES = {
     "system": "system",

@@ -16,9 +16,9 @@ from eagle_data.config import Config
 from eagle_data.job.prompts import PromptBuilder
 from eagle_data.job.sample import select_rows
 from eagle_data.job.source import read_source
-from eagle_data.out import manifest as mf
-from eagle_data.out.contract import PROMPTS_SCHEMA, SKIPPED_SCHEMA
-from eagle_data.out.folder import Output
+from eagle_data.storage import manifest as mf
+from eagle_data.storage.contract import PROMPTS_SCHEMA, SKIPPED_SCHEMA
+from eagle_data.storage.folder import Output
 
 log = logging.getLogger("eagle_data")
 

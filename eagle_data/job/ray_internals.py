@@ -21,8 +21,12 @@ the queued blocks by the engine's in-flight size plus a few read tasks, not the 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
+import time
+import weakref
 
 import pyarrow.fs as pafs
 import ray
@@ -54,6 +58,7 @@ except ImportError as e:
                          f"({e}): install ray=={PINNED_RAY}") from None
 
 MAX_QUEUED_BLOCKS = "eagle_data.max_queued_blocks"
+EXECUTIONS: list = []  # weak references to the QueuedBlocksCap of each execution, newest last
 # Ray's Parquet reader packs files into read tasks of up to this many uncompressed bytes
 # (default 128 MiB: a whole small OUT/prompts in one task); read when the dataset is made.
 BIN_BYTES_ENV = "RAY_DATA_PARQUET_BIN_PACKING_BYTES"
@@ -66,6 +71,10 @@ class QueuedBlocksCap(BackpressurePolicy):
     Running tasks are not paused (a paused task keeps its CPU, which the operators after
     it may need: a deadlock on a small node), so a read task's batches count in full:
     `read_parquet_in_small_tasks` keeps read tasks small."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        EXECUTIONS.append(weakref.ref(self))  # for engine_pool: this execution's operators
 
     def can_add_input(self, op) -> bool:
         limit = self._data_context.get_config(MAX_QUEUED_BLOCKS)
@@ -100,9 +109,15 @@ def read_parquet_in_small_tasks(files: list[str], fs: pafs.FileSystem, columns: 
 
 def actor_nodes(class_names: tuple[str, ...]) -> list[str] | None:
     """The node ids of this job's Ray Data actors running one of `class_names` (alive or
-    ended; a restarted actor on its latest node), from Ray's state API; None where it
-    cannot answer (no dashboard, e.g. a local `ray.init(include_dashboard=False)`). Ray
-    Data names its actors after the operator: class `MapWorker(MapBatches(TransformersEngine))`."""
+    ended; a restarted actor on its latest node); None where Ray's state API cannot answer."""
+    actors = job_actors(class_names)
+    return None if actors is None else sorted({a.node_id for a in actors if a.node_id})
+
+
+def job_actors(class_names: tuple[str, ...]) -> list | None:
+    """This job's Ray Data actors running one of `class_names`, from Ray's state API; None
+    where it cannot answer (no dashboard, e.g. a local `ray.init(include_dashboard=False)`).
+    Ray Data names its actors after the operator: class `MapWorker(MapBatches(TransformersEngine))`."""
     context = ray.get_runtime_context()
     try:
         from ray.util.state import list_actors
@@ -115,5 +130,117 @@ def actor_nodes(class_names: tuple[str, ...]) -> list[str] | None:
     except Exception as e:  # the state API is best effort: a missing record, not a failed run
         log.debug("Ray's state API did not answer: %s", e)
         return None
-    return sorted({a.node_id for a in actors if a.node_id in ours
-                   and any(f"({name})" in (a.class_name or "") for name in class_names)})
+    return [a for a in actors if a.node_id in ours and any(f"({name})" in (a.class_name or "") for name in class_names)]
+
+
+# Lines the engine's processes print at a clean exit that are not errors: vLLM's worker
+# attaches shared memory without registering it with Python's resource tracker, and at exit
+# the tracker prints a KeyError traceback per name (and the worker a warning) although
+# nothing failed. Dropped from the driver's copy of the workers' output only.
+HARMLESS_EXIT_NOISE = re.compile(
+    r"resource_tracker: process died unexpectedly|warnings\.warn\('resource_tracker: process died")
+TRACKER_TRACEBACK = re.compile(r"multiprocessing/resource_tracker\.py|cache\[rtype\]\.remove\(name\)|"
+                               r"^KeyError: '/(psm_|mp-)")
+
+
+def drop_harmless_exit_noise(lines: list[str]) -> list[str]:
+    """Worker output lines without the resource tracker's KeyError tracebacks and warnings."""
+    kept, i = [], 0
+    while i < len(lines):
+        if HARMLESS_EXIT_NOISE.search(lines[i]):
+            i += 1
+            continue
+        if lines[i].strip() == "Traceback (most recent call last):":
+            end = i + 1
+            while end < len(lines) and TRACKER_TRACEBACK.search(lines[end].strip()):
+                end += 1
+            if end - i == 4:  # Traceback, File ..., the remove line, KeyError: '/psm_...'
+                i = end
+                continue
+        kept.append(lines[i])
+        i += 1
+    return kept
+
+
+def quiet_worker_logs() -> None:
+    """Print the workers' output in the driver (the job log) without HARMLESS_EXIT_NOISE."""
+    from ray._private import worker as ray_worker
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    printer = next((h for name, h in dispatcher.handlers if name == "ray_print_logs"), None)
+    if printer is None or getattr(printer, "eagle_quiet", False):
+        return
+
+    def print_quietly(data):
+        lines = drop_harmless_exit_noise(data.get("lines", []))
+        if lines:
+            printer({**data, "lines": lines})
+
+    print_quietly.eagle_quiet = True
+    dispatcher.remove_handler("ray_print_logs")
+    dispatcher.add_handler("ray_print_logs", print_quietly)
+    del ray_worker  # imported for the dispatcher's module to be initialised
+
+
+def wait_for_actors_to_exit(class_names: tuple[str, ...], timeout_s: float = 60) -> None:
+    """Until no actor of this job running one of `class_names` is alive (engine replicas shut
+    down and their output printed before the job's summary); at most `timeout_s`."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        actors = job_actors(class_names)
+        if actors is None or all(a.state == "DEAD" for a in actors):
+            return
+        time.sleep(0.5)
+
+
+def ray_data_progress(on: bool) -> None:
+    """Ray Data's own progress output on or off, without its warning that it is off."""
+    from ray.util.debug import log_once
+
+    ray.data.DataContext.get_current().enable_progress_bars = on
+    if not on:
+        log_once("ray_data_progress_manager_disabled")  # marks Ray's one-time warning as said
+
+
+def engine_pool(class_names: tuple[str, ...]) -> dict | None:
+    """The engine operator of the newest running execution, from Ray Data's own operator
+    state: replicas running / starting (loading the model) / restarting, and the rows handed
+    to replicas and not yet back. None before the engine operator exists."""
+    for ref in reversed(EXECUTIONS):
+        policy = ref()
+        if policy is None:
+            continue
+        for op in policy._topology:
+            if any(f"({name})" in op.name for name in class_names) and hasattr(op, "get_actor_info"):
+                info, metrics = op.get_actor_info(), op.metrics
+                return {"running": info.running, "starting": info.pending, "restarting": info.restarting,
+                        "rows_in_engine": metrics.rows_inputs_of_submitted_tasks - metrics.rows_task_outputs_generated}
+    return None
+
+
+ENGINE_STATS_NAMESPACE = "eagle_data_engine_stats"
+
+
+def publish_engine_stats(stats: dict) -> None:
+    """From an engine replica: its latest counters, for the driver's progress line."""
+    from ray.experimental import internal_kv
+
+    context = ray.get_runtime_context()
+    key = f"{context.get_job_id()}/{context.get_actor_id()}"
+    internal_kv._internal_kv_put(key, json.dumps(stats), overwrite=True, namespace=ENGINE_STATS_NAMESPACE)
+
+
+def engine_stats() -> list[dict]:
+    """The counters every engine replica of this job published (publish_engine_stats)."""
+    from ray.experimental import internal_kv
+
+    prefix = f"{ray.get_runtime_context().get_job_id()}/"
+    try:
+        keys = internal_kv._internal_kv_list(prefix, namespace=ENGINE_STATS_NAMESPACE)
+        values = [internal_kv._internal_kv_get(k, namespace=ENGINE_STATS_NAMESPACE) for k in keys]
+    except Exception as e:  # best effort: a progress line without engine counters
+        log.debug("engine stats unavailable: %s", e)
+        return []
+    return [json.loads(v) for v in values if v]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -15,11 +16,13 @@ import ray
 
 from eagle_data.config import Config
 from eagle_data.errors import EagleDataError, EmptyResult, MissingInput, NotWritable
+from eagle_data.job.engines import ENGINE_CLASSES
 from eagle_data.job.generate_phase import run_generate
 from eagle_data.job.prompts_phase import run_prompts
+from eagle_data.job.ray_internals import quiet_worker_logs, ray_data_progress, wait_for_actors_to_exit
 from eagle_data.job.source import locate
 from eagle_data.model_files import check_tokenizer_path, hub_reachable, is_hub_id, load_tokenizer, use_hub_cache_only
-from eagle_data.out.folder import Output
+from eagle_data.storage.folder import Output
 from eagle_data.tools.report import write_report
 
 log = logging.getLogger("eagle_data")
@@ -47,20 +50,35 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow
         out.clear_staging()
         out.quarantine_corrupt()
         out.check_prompts_record()
+        started = time.monotonic()
         if not ray.is_initialized():
             ray.init()  # joins the cluster when there is one, else starts a local instance
-        result = {}
+        quiet_worker_logs()
+        ray_data_progress(cfg.output.ray_data_progress)
+        result = {"seconds": {"ray start": time.monotonic() - started}}
         if phase in ("prompts", "all"):
+            started = time.monotonic()
             result["prompts"] = run_prompts(cfg, out)
             report(out)
+            result["seconds"]["prompts"] = time.monotonic() - started
         # 0 prompts is a wrong result, not a success: refused after the prompts phase (its
         # skipped/ and report written) and before a generate phase, unless allowed.
         if not allow_empty and out.manifest.prompts_complete() and (out.manifest.prompts_counts or {}).get("prompts") == 0:
             raise EmptyResult(empty_message(cfg, out, out.manifest.prompts_counts))
         if phase in ("generate", "all"):
+            started = time.monotonic()
             result["generate"] = run_generate(cfg, out, engine)
             report(out)
+            result["seconds"]["generate"] = time.monotonic() - started
     return result
+
+
+def close_ray() -> None:
+    """Let the engine replicas shut down and their last output reach the log, then leave
+    Ray: what the job prints after this (its summary) is the last thing in its log."""
+    if ray.is_initialized():
+        wait_for_actors_to_exit(ENGINE_CLASSES)
+        ray.shutdown()
 
 
 def report(out: Output) -> None:

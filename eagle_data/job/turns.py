@@ -28,8 +28,8 @@ import ray
 from eagle_data.config import Config
 from eagle_data.job.columns import require
 from eagle_data.job.prompts import PromptRenderer
-from eagle_data.out.contract import DATA_SCHEMA, IDS, MESSAGE_TYPE, PROMPTS_SCHEMA, STOPPED_SCHEMA, turn_sample_ids
-from eagle_data.out.shards import shard_files
+from eagle_data.storage.contract import DATA_SCHEMA, IDS, MESSAGE_TYPE, PROMPTS_SCHEMA, STOPPED_SCHEMA, turn_sample_ids
+from eagle_data.storage.shards import shard_files
 
 # What the stage makes: a turn's prompt, or why it cannot be asked (`reason` != "").
 TURN_SCHEMA = pa.schema([*(DATA_SCHEMA.field(n) for n in (*IDS, "messages")),

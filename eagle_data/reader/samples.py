@@ -27,10 +27,10 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from eagle_data.errors import EagleDataError, NotAnOut
-from eagle_data.out.contract import MANIFEST
-from eagle_data.out.files import filesystem as local_or_uri_filesystem
-from eagle_data.out.manifest import Manifest
-from eagle_data.out.shards import shard_files
+from eagle_data.storage.contract import MANIFEST
+from eagle_data.storage.files import filesystem as local_or_uri_filesystem
+from eagle_data.storage.manifest import Manifest
+from eagle_data.storage.shards import shard_files
 
 TOKEN_COLUMNS = ("input_ids", "loss_mask")
 LENGTH_COLUMNS = ("num_prompt_tokens", "num_reasoning_tokens", "num_response_tokens")

@@ -37,7 +37,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
 from eagle_data.errors import EagleDataError, MissingInput
-from eagle_data.out.contract import DATA_SCHEMA
+from eagle_data.storage.contract import DATA_SCHEMA
 from eagle_data.reader.samples import Out, resolve_filesystem, row_filter
 
 

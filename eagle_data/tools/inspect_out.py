@@ -14,9 +14,9 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 
 from eagle_data.model_files import load_tokenizer
-from eagle_data.out.folder import Output
+from eagle_data.storage.folder import Output
 from eagle_data.tools.report import build_report
-from eagle_data.out.shards import shard_files
+from eagle_data.storage.shards import shard_files
 
 GREY, GREEN, BOLD, RESET = "\033[90m", "\033[32m", "\033[1m", "\033[0m"
 

@@ -19,12 +19,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
 
-from eagle_data.out import manifest as mf
-from eagle_data.out.folder import Output
-from eagle_data.out.status import SampleStatus
-from eagle_data.out.contract import VOCAB_SUMMARY
-from eagle_data.out.files import STAGING, read_json, write_json
-from eagle_data.out.shards import shard_files
+from eagle_data.storage import manifest as mf
+from eagle_data.storage.folder import Output
+from eagle_data.storage.status import SampleStatus
+from eagle_data.storage.contract import VOCAB_SUMMARY
+from eagle_data.storage.files import STAGING, read_json, write_json
+from eagle_data.storage.shards import shard_files
 
 COLUMNS = {
     "prompts": ["source", "num_prompt_tokens"],

@@ -18,10 +18,10 @@ from collections import Counter
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from eagle_data.out.contract import FOLDERS, turn_sample_id
-from eagle_data.out.folder import Output
-from eagle_data.out.status import SampleStatus
-from eagle_data.out.shards import shard_files
+from eagle_data.storage.contract import FOLDERS, turn_sample_id
+from eagle_data.storage.folder import Output
+from eagle_data.storage.status import SampleStatus
+from eagle_data.storage.shards import shard_files
 
 DATA_CHECK_COLUMNS = ["sample_id", "input_ids", "loss_mask", "num_prompt_tokens",
                       "num_reasoning_tokens", "num_response_tokens"]

@@ -64,8 +64,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from eagle_data.errors import EagleDataError
-from eagle_data.out.files import filesystem
-from eagle_data.out.folder import Output
+from eagle_data.storage.files import filesystem
+from eagle_data.storage.folder import Output
 from eagle_data.reader.samples import Out
 from eagle_data.tools.report import write_report
 from eagle_data.tools.token_counts import VocabError, count_tokens

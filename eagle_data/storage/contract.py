@@ -13,7 +13,7 @@ The job's stages and the tools import it; it imports nothing of the job. README.
     OUT/vocab/          the draft vocabulary, when the vocab tool wrote it there (tools/vocab.py)
 
 Shards are `part-<run id>-<n>.parquet` files in those folders, published atomically with
-Parquet page checksums (out/shards.py). Nothing else is ours: a job refuses an output.path
+Parquet page checksums (storage/shards.py). Nothing else is ours: a job refuses an output.path
 holding a file it did not write (`is_ours`), so --fresh and every delete touch only ours.
 
 manifest.json (`schema_version` MANIFEST_VERSION):
@@ -24,7 +24,7 @@ manifest.json (`schema_version` MANIFEST_VERSION):
            resolved config of that run), versions (libraries), counts of that run;
            a generate run also: replica_nodes (the Ray node ids its engine replicas ran on,
            when Ray's state API could tell)
-Read it through out/manifest.py's accessors, not by key chains.
+Read it through storage/manifest.py's accessors, not by key chains.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import uuid
 
 import pyarrow.fs as pafs
 
-from eagle_data.out.contract import STAGING
+from eagle_data.storage.contract import STAGING
 
 
 def filesystem(path: str) -> tuple[pafs.FileSystem, str]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pyarrow.dataset as pads
 
-from eagle_data.out.shards import shard_files
+from eagle_data.storage.shards import shard_files
 
 
 def sample_ids(fs, folder: str) -> list[str]:

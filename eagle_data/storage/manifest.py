@@ -1,6 +1,6 @@
 """OUT/manifest.json: what made this OUT, and what each phase and run produced.
 
-Its shape is described in out/contract.py. A phase records each run the same way
+Its shape is described in storage/contract.py. A phase records each run the same way
 (`start_run` ... `finish_run`): the run's whole config and the library versions go into
 the run's record, so a reader always sees the settings of the latest run (a rerun with
 `--set output.max_attempts=5` is read back as 5). Readers use the typed accessors below.
@@ -15,10 +15,11 @@ import platform
 import time
 import uuid
 
+import eagle_data
 from eagle_data.config import Config
 from eagle_data.errors import EagleDataError
-from eagle_data.out.contract import MANIFEST, MANIFEST_VERSION
-from eagle_data.out.files import read_json, write_json
+from eagle_data.storage.contract import MANIFEST, MANIFEST_VERSION
+from eagle_data.storage.files import read_json, write_json
 
 
 class OutputMismatch(EagleDataError):
@@ -34,8 +35,8 @@ def new_run_id() -> str:
 
 
 def library_versions() -> dict:
-    versions = {"python": platform.python_version()}
-    for name in ("eagle-data", "ray", "transformers", "pyarrow", "torch", "vllm"):
+    versions = {"python": platform.python_version(), "eagle-data": eagle_data.__version__}
+    for name in ("ray", "transformers", "pyarrow", "torch", "vllm"):
         try:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:

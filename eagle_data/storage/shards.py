@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from eagle_data.out.files import STAGING
+from eagle_data.storage.files import STAGING
 
 
 def shard_files(fs: pafs.FileSystem, folder: str) -> list[str]:

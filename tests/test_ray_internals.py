@@ -1,0 +1,34 @@
+"""eagle_data.job.ray_internals without a Ray instance: the filter on the workers' output."""
+
+from __future__ import annotations
+
+from eagle_data.job.ray_internals import drop_harmless_exit_noise
+
+# As the driver received them from a vLLM CPU engine actor at a clean exit (Python 3.11).
+TRACKER_NOISE = [
+    "(Worker pid=3689) /usr/lib/python3.11/multiprocessing/resource_tracker.py:123: UserWarning: "
+    "resource_tracker: process died unexpectedly, relaunching.  Some resources might leak.",
+    "(Worker pid=3689)   warnings.warn('resource_tracker: process died unexpectedly, '",
+    "Traceback (most recent call last):",
+    '  File "/usr/lib/python3.11/multiprocessing/resource_tracker.py", line 239, in main',
+    "    cache[rtype].remove(name)",
+    "KeyError: '/psm_8456cd61'",
+    "Traceback (most recent call last):",
+    '  File "/usr/lib/python3.11/multiprocessing/resource_tracker.py", line 239, in main',
+    "    cache[rtype].remove(name)",
+    "KeyError: '/mp-brk25jra'",
+]
+
+
+def test_the_resource_trackers_exit_noise_is_dropped_and_nothing_else():
+    kept = ["INFO [core_client.py:696] [shutdown] MPClient: complete", "engine replica on node abc"]
+    assert drop_harmless_exit_noise(kept[:1] + TRACKER_NOISE + kept[1:]) == kept
+
+
+def test_other_tracebacks_are_kept_whole():
+    real = ["Traceback (most recent call last):", '  File "/app/x.py", line 3, in f',
+            "    cache[rtype].remove(name)", "KeyError: 'sample_id'"]
+    also = ["Traceback (most recent call last):", '  File "/usr/lib/python3.11/multiprocessing/resource_tracker.py", '
+            "line 239, in main", "    cache[rtype].remove(name)", "ValueError: boom"]
+    assert drop_harmless_exit_noise(real) == real
+    assert drop_harmless_exit_noise(also) == also

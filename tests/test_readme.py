@@ -1,0 +1,128 @@
+"""README.md's commands, run as written: only addresses, paths and sizes are substituted
+(an OUT made by the tests for `out/demo`, a tiny model for the demo's converted SmolLM2,
+fewer samples and tokens). When one of them stops working, a test here fails.
+The `ray job submit` line runs in tests/test_cluster.py, on a real head."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import readme
+from conftest import REPO, build_babbling_model, job_config
+
+WORDS = [" the", " cat", " sat", " on", " mat", "."]
+
+TOOLS = {"verify", "report", "inspect", "export", "vocab"}
+
+
+def user_env() -> dict:
+    """A user's shell in the checkout: no PYTHONPATH, no cluster address."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS")}
+
+
+def run_as_written(argv: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    """In the checkout, as a user types it; stdout and stderr in one stream, in order."""
+    assert argv[0] == "python"
+    return subprocess.run([sys.executable, *argv[1:]], cwd=REPO, env=user_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
+
+
+def with_out(argv: list[str], out: Path) -> list[str]:
+    """`out/demo...` paths (alone or as `output.path=out/demo...`) moved to `out`'s folder."""
+    return [re.sub(r"(^|=)out/demo", lambda m: m.group(1) + str(out), a) for a in argv]
+
+
+@pytest.fixture(scope="module")
+def demo_like_out(ray_local, tmp_path_factory, qwen3_tokenizer_dir) -> Path:
+    """An OUT like the demo's: answers that end (finish_reason stop) as well as cut-off ones,
+    which the README's export and reader snippet filter on."""
+    from eagle_data.job.run import run
+
+    tmp = tmp_path_factory.mktemp("readme")
+    probs = {**{w: 0.13 for w in WORDS}, "<|im_end|>": 0.2}
+    model = build_babbling_model(qwen3_tokenizer_dir, tmp / "babble", ["<|im_end|>", "<|endoftext|>"], probs)
+    out = tmp / "demo"
+    run(job_config(out, model, source__sample=12, sampling__temperature=1.0, sampling__max_tokens=16,
+                   engine__batch_size=4, output__rows_per_shard=4))
+    return out
+
+
+def test_the_readme_shows_every_kind_of_command():
+    submit = readme.submit_line()
+    assert submit[submit.index("--") + 1:][:3] == ["python", "-m", "ray_jobs.generate"]
+    assert readme.starting("python", "-m", "ray_jobs.generate"), "no job command in README.md"
+    shown = {argv[3] for argv in readme.starting("python", "-m", "eagle_data")}
+    assert shown == TOOLS
+    assert any("from eagle_data.reader import" in b for b in readme.blocks("python"))
+    assert readme.set_examples()
+
+
+def test_every_set_example_is_accepted_by_the_config():
+    from eagle_data.config import load_config
+
+    for example in readme.set_examples():
+        load_config(str(REPO / "configs/demo.yaml"), [example])  # raises, naming the key, when not
+
+
+def test_the_tool_commands_run_as_written(demo_like_out, tmp_path):
+    out = tmp_path / "demo"
+    shutil.copytree(demo_like_out, out)  # report and vocab write into OUT
+    for argv in readme.starting("python", "-m", "eagle_data"):
+        argv = with_out(argv, out)
+        done = run_as_written(argv)
+        assert done.returncode == 0, f"{' '.join(argv)}:\n{done.stdout[-3000:]}"
+        assert "Traceback" not in done.stdout, done.stdout[-3000:]
+    assert (tmp_path / "demo-specforge.jsonl").stat().st_size > 0
+    assert (out / "vocab" / "vocab_mapping.pt").is_file() and (out / "vocab" / "d2t.npy").is_file()
+    assert (out / "report.html").is_file()
+
+
+def test_the_reader_snippet_runs_as_written(demo_like_out):
+    [snippet] = [b for b in readme.blocks("python") if "from eagle_data.reader import" in b]
+    assert '"out/demo"' in snippet
+    namespace = {"rank": 0, "world": 1}  # what a trainer's launcher gives it
+    exec(compile(snippet.replace('"out/demo"', repr(str(demo_like_out))), "README.md", "exec"), namespace)
+    batch = next(iter(namespace["loader"]))
+    assert {"input_ids", "loss_mask", "attention_mask"} <= set(batch)
+    assert batch["input_ids"].shape == batch["loss_mask"].shape == batch["attention_mask"].shape
+    assert int(batch["loss_mask"].sum()) > 0
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_job_commands_run_as_written_and_read_clean(tmp_path, qwen3_tokenizer_dir):
+    """Each job command of the README on the demo config, on vLLM, in the order shown,
+    with the demo's model swapped for a tiny one and fewer samples and tokens: it exits 0,
+    prints no traceback, says what the engine does while it starts, and its summary is the
+    last thing it prints."""
+    from conftest import build_tiny_model
+
+    model = build_tiny_model(qwen3_tokenizer_dir, tmp_path / "tiny-qwen3-h64", head_dim=64)
+    out = tmp_path / "demo"
+    sizes = ["--set", "source.sample=6", "--set", "sampling.max_tokens=16", "--set", "output.log_every_s=2"]
+    commands = readme.starting("python", "-m", "ray_jobs.generate")
+    assert any("--phase" not in c for c in commands), "no command that runs the engine"
+    for argv in commands:
+        argv = with_out(argv, out)
+        if not any(a.startswith("output.path=") for a in argv):
+            argv += ["--set", f"output.path={out}"]
+        argv += ["--set", f"model.path={model}", *sizes]
+        done = run_as_written(argv)
+        log = done.stdout
+        assert done.returncode == 0, f"{' '.join(argv)}:\n{log[-4000:]}"
+        assert "Traceback" not in log, log[-6000:]
+        lines = log.rstrip().splitlines()
+        summary = max(i for i, line in enumerate(lines) if line.startswith("OUT = "))
+        assert all(line.startswith("  ") for line in lines[summary + 1:]), lines[summary:]
+        assert lines[-1].startswith("  manifest: "), log[-2000:]
+        if "--phase" not in argv:
+            assert "data/     6 ok samples" in log
+            assert "replica(s) loading the model" in log and "rows in the engine" in log, log[-3000:]
+            assert "logging_progress" not in log, "Ray Data's per-operator progress dump is on"
