@@ -26,7 +26,8 @@ def layer(module: str) -> int | None:
     return None
 
 
-def imports(path) -> set[str]:
+def imports(path, every: bool = False) -> set[str]:
+    """The project's modules (and names) a file imports; with `every`, all top-level imports."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -34,7 +35,7 @@ def imports(path) -> set[str]:
             names.update(f"{node.module}.{a.name}" for a in node.names)  # `from eagle_data.storage import manifest`
         elif isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
-    return {n for n in names if n.startswith(("eagle_data", "ray_jobs"))}
+    return names if every else {n for n in names if n.startswith(("eagle_data", "ray_jobs"))}
 
 
 def module_name(path) -> str:
@@ -72,3 +73,23 @@ def test_readme_output_section_matches_the_contract():
     for folder, schema in SCHEMAS.items():
         columns = re.sub(r"\([^)]*\)", "", listed[folder])  # (int32), (stop | length), (turns: all)
         assert [c.strip() for c in columns.split(",")] == schema.names, folder
+
+
+def test_storage_knows_no_config():
+    """The OUT contract takes plain values: the job decides what its settings mean."""
+    for path in (REPO / "eagle_data" / "storage").rglob("*.py"):
+        banned = {n for n in imports(path, every=True)
+                  if n.startswith(("eagle_data.config", "eagle_data.job", "eagle_data.tools", "pydantic", "yaml"))}
+        assert banned == set(), path
+
+
+def test_the_reader_imports_no_config_pydantic_yaml_or_ray():
+    """What a training script loads with `import eagle_data.reader`: the OUT contract and pyarrow."""
+    import subprocess
+    import sys
+
+    code = ("import sys, eagle_data.reader; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pydantic', 'yaml', 'ray') "
+            "or m.startswith(('eagle_data.config', 'eagle_data.job', 'eagle_data.tools'))))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"

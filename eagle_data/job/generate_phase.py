@@ -21,12 +21,12 @@ from ray.data.expressions import col, lit
 from eagle_data.config import Config, SamplingConfig
 from eagle_data.errors import MissingInput
 from eagle_data.job.engines import ENGINE_CLASSES, apply_engine
+from eagle_data.job.fingerprints import generate_config
 from eagle_data.job.postprocess import Postprocessor
 from eagle_data.job.progress import EngineWatch, Progress
 from eagle_data.job.ray_internals import actor_nodes, bound_queues, read_parquet_in_small_tasks
 from eagle_data.job.turns import PREVIOUS_COLUMNS, TurnBuilder, next_user_texts
 from eagle_data.model_files import SpecialTokens, generation_eos_ids, load_tokenizer, model_vocab_size, special_tokens
-from eagle_data.storage import manifest as mf
 from eagle_data.storage.contract import DATA_SCHEMA, ERROR, FAILED_SCHEMA, STOPPED_SCHEMA, turn_sample_ids
 from eagle_data.storage.folder import Output
 from eagle_data.storage.shards import ShardWriter, shard_files
@@ -47,17 +47,18 @@ def run_generate(cfg: Config, out: Output, engine=None) -> dict:
     total = out.manifest.prompts_counts["user_turns"]  # turns to answer (= prompts under first_user)
     finished = SampleStatus.read(out.fs, out.root, cfg.output.max_attempts).finished()
     todo = total - len(finished)
-    run = out.manifest.start_run("generate", cfg, {
-        "generate_config": mf.normalised(mf.generate_config(cfg)),
+    run = out.manifest.start_run("generate", cfg.model_dump(mode="json"), {
+        "generate_config": generate_config(cfg),
         "tokenizer": {"path": cfg.model.tokenizer_path, "vocab_size": len(tokenizer), **special.to_dict(),
                       **target_vocab(cfg)},
     }, todo=todo)
     log.info("generate: %d turns to answer, %d already done, %d to do", total, len(finished), todo)
 
     run_id = run["run_id"]
-    data = out.writer("data", DATA_SCHEMA, run_id, cfg, flush=True)
-    failed = out.writer("failed", FAILED_SCHEMA, run_id, cfg, flush=True)
-    stopped = out.writer("stopped", STOPPED_SCHEMA, run_id, cfg, flush=True)
+    shard = (cfg.output.rows_per_shard, cfg.output.flush_seconds)
+    data = out.writer("data", DATA_SCHEMA, run_id, *shard)
+    failed = out.writer("failed", FAILED_SCHEMA, run_id, *shard)
+    stopped = out.writer("stopped", STOPPED_SCHEMA, run_id, *shard)
     replicas = ReplicaNodes()
     progress = Progress(total=total, done_before=len(finished), todo=todo,
                         max_tokens=cfg.sampling.max_tokens, every_s=cfg.output.log_every_s,

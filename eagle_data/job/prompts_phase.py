@@ -16,7 +16,7 @@ from eagle_data.config import Config
 from eagle_data.job.prompts import PromptBuilder
 from eagle_data.job.sample import select_rows
 from eagle_data.job.source import read_source
-from eagle_data.storage import manifest as mf
+from eagle_data.job.fingerprints import prompt_config
 from eagle_data.storage.contract import PROMPTS_SCHEMA, SKIPPED_SCHEMA
 from eagle_data.storage.folder import Output
 
@@ -30,8 +30,8 @@ def run_prompts(cfg: Config, out: Output) -> dict:
         return counts
     rows = read_source(cfg.source)  # a dataset that cannot be read fails before the phase is recorded
     out.remove("prompts", "skipped")
-    run = out.manifest.start_run("prompts", cfg, {"status": "running",
-                                                  "prompt_config": mf.normalised(mf.prompt_config(cfg))})
+    run = out.manifest.start_run("prompts", cfg.model_dump(mode="json"),
+                                 {"status": "running", "prompt_config": prompt_config(cfg)})
     ds, per_source = select_rows(rows, cfg.source)
     ds = ds.map_batches(PromptBuilder.from_config(cfg), batch_format="pyarrow", batch_size=256)
     counts = write_prompts(ds, out, cfg, run["run_id"])
@@ -45,8 +45,8 @@ def run_prompts(cfg: Config, out: Output) -> dict:
 
 def write_prompts(ds, out: Output, cfg: Config, run_id: str) -> dict:
     """Drain the prompts stage into prompts/ and skipped/; the phase's counts."""
-    prompts = out.writer("prompts", PROMPTS_SCHEMA, run_id, cfg, flush=False)
-    skipped = out.writer("skipped", SKIPPED_SCHEMA, run_id, cfg, flush=False)
+    prompts = out.writer("prompts", PROMPTS_SCHEMA, run_id, cfg.output.rows_per_shard)
+    skipped = out.writer("skipped", SKIPPED_SCHEMA, run_id, cfg.output.rows_per_shard)
     seen: set[str] = set()  # sample_ids already in prompts/, for the duplicate check
     reasons: Counter = Counter()
     tokens = turns = 0

@@ -17,6 +17,7 @@ import ray
 from eagle_data.config import Config
 from eagle_data.errors import EagleDataError, EmptyResult, MissingInput, NotWritable
 from eagle_data.job.engines import ENGINE_CLASSES
+from eagle_data.job.fingerprints import generate_config, prompt_config
 from eagle_data.job.generate_phase import run_generate
 from eagle_data.job.prompts_phase import run_prompts
 from eagle_data.job.ray_internals import quiet_worker_logs, ray_data_progress, wait_for_actors_to_exit
@@ -36,9 +37,9 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow
     out.check_ours()  # before anything is written, moved or deleted there
     out.check_writable()
     if not fresh:
-        out.manifest.check_prompts_config(cfg)
+        out.manifest.check_prompts_config(prompt_config(cfg))
         if phase != "prompts":
-            out.manifest.check_generate_config(cfg)
+            out.manifest.check_generate_config(generate_config(cfg))
     layout = locate(cfg.source) if phase != "generate" else None  # exists, supported files only
     check_hub(cfg, uses_hub_dataset=layout is not None and layout.kind == "hub")
     check_model_files(cfg, need_weights=phase != "prompts")

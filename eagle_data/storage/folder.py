@@ -14,7 +14,6 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from eagle_data.storage import manifest as mf
-from eagle_data.config import Config
 from eagle_data.errors import EagleDataError, NotAnOut, NotWritable
 from eagle_data.storage.contract import FOLDERS, LOCK, MANIFEST, QUARANTINE, is_ours
 from eagle_data.storage.files import STAGING, filesystem
@@ -57,9 +56,10 @@ class Output:
         """Files a killed run left half-written; nothing reads them."""
         self.remove(STAGING)
 
-    def writer(self, folder: str, schema: pa.Schema, run_id: str, cfg: Config, flush: bool) -> ShardWriter:
-        return ShardWriter(self.fs, self.root, folder, schema, run_id, cfg.output.rows_per_shard,
-                           cfg.output.flush_seconds if flush else float("inf"))
+    def writer(self, folder: str, schema: pa.Schema, run_id: str, rows_per_shard: int,
+               flush_seconds: float = float("inf")) -> ShardWriter:
+        """Shards of `rows_per_shard` rows, or fewer once `flush_seconds` passed since the last."""
+        return ShardWriter(self.fs, self.root, folder, schema, run_id, rows_per_shard, flush_seconds)
 
     def wipe(self) -> None:
         """--fresh: delete what earlier runs made (not the lock this run holds)."""

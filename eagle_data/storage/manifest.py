@@ -16,7 +16,6 @@ import time
 import uuid
 
 import eagle_data
-from eagle_data.config import Config
 from eagle_data.errors import EagleDataError
 from eagle_data.storage.contract import MANIFEST, MANIFEST_VERSION
 from eagle_data.storage.files import read_json, write_json
@@ -74,11 +73,11 @@ class Manifest:
     def _phase(self, name: str) -> dict:
         return self.data["phases"].setdefault(name, {})
 
-    def start_run(self, phase: str, cfg: Config, phase_fields: dict | None = None, **run_fields) -> dict:
+    def start_run(self, phase: str, config: dict, phase_fields: dict | None = None, **run_fields) -> dict:
         """Append a running run to `phase` and save; `phase_fields` go into the phase's
         record, `run_fields` into the run's."""
         run = {"run_id": new_run_id(), "started_at": now(), "status": "running",
-               "config": cfg.model_dump(mode="json"), "versions": library_versions(), **run_fields}
+               "config": config, "versions": library_versions(), **run_fields}
         record = self._phase(phase)
         record.update(phase_fields or {}, run_id=run["run_id"], started_at=run["started_at"])  # the latest run
         record.setdefault("runs", []).append(run)
@@ -151,14 +150,14 @@ class Manifest:
 
     # -- checks before a run --------------------------------------------------------------
 
-    def check_prompts_config(self, cfg: Config) -> None:
+    def check_prompts_config(self, prompt_config: dict) -> None:
         """Refuse to mix prompts made under another prompt-affecting config."""
-        self._check(self.data["phases"].get("prompts", {}).get("prompt_config"), prompt_config(cfg),
+        self._check(self.data["phases"].get("prompts", {}).get("prompt_config"), prompt_config,
                     f"{self.out} holds prompts made with a different prompt config")
 
-    def check_generate_config(self, cfg: Config) -> None:
+    def check_generate_config(self, generate_config: dict) -> None:
         """Refuse to mix data generated with other model/sampling/mask settings."""
-        self._check(self.data["phases"].get("generate", {}).get("generate_config"), generate_config(cfg),
+        self._check(self.data["phases"].get("generate", {}).get("generate_config"), generate_config,
                     f"{self.out}/data was generated with different settings")
 
     def _check(self, made: dict | None, config: dict, what: str) -> None:
@@ -171,30 +170,6 @@ class Manifest:
             "data set. Use another output.path, or rerun with --fresh to delete this OUT and "
             "start over."
         )
-
-
-def prompt_config(cfg: Config) -> dict:
-    """The keys that decide prompts/ and skipped/, flattened for a readable diff."""
-    return {
-        # per_source only when set, so OUTs made before it existed still match.
-        **{f"source.{k}": v for k, v in cfg.source.model_dump().items()
-           if k != "per_source" or v is not None},
-        **{f"prompt.{k}": v for k, v in cfg.prompt.model_dump().items()},
-        "model.tokenizer": cfg.model.tokenizer_path,
-        "model.reasoning_start": cfg.model.reasoning_start,
-        "model.reasoning_end": cfg.model.reasoning_end,
-        "engine.max_model_len": cfg.engine.max_model_len,
-        "sampling.max_tokens": cfg.sampling.max_tokens,
-    }
-
-
-def generate_config(cfg: Config) -> dict:
-    """The keys that decide the content of data/ (not how fast it is made)."""
-    return {
-        "model.path": cfg.model.path,
-        **{f"sampling.{k}": v for k, v in cfg.sampling.model_dump().items()},
-        "mask.train_on": cfg.mask.train_on,
-    }
 
 
 def normalised(config: dict) -> dict:
