@@ -52,7 +52,7 @@ def bare_vllm(spec_path: str, result_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from eagle_data.job.generate_phase import row_seed
+    from eagle_data.job.requests import row_seed
 
     spec = json.loads(Path(spec_path).read_text())
     prompts = pads.dataset(sorted(Path(spec["out"], "prompts").glob("*.parquet"))).to_table(

@@ -258,7 +258,7 @@ def test_turn_builder_stops_a_conversation_with_a_reason(ray_local, qwen3_tokeni
 def test_each_turn_of_a_conversation_gets_its_own_seed():
     """Turn ids share their conversation's prefix; the per-sample seed must still differ, or
     every turn of a conversation would draw the same random stream on vLLM."""
-    from eagle_data.job.generate_phase import row_seed
+    from eagle_data.job.requests import row_seed
 
     seeds = {row_seed(0, f"0123456789abcdef0123-{t}") for t in range(20)}
     assert len(seeds) == 20

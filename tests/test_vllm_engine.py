@@ -249,7 +249,7 @@ def test_data_rows_are_exactly_what_vllm_generates(faulted_run, babble_qwen3, tm
     """Every data/ row of the faulted run (answered one at a time across a replica restart
     and a driver kill, then in batches by the rerun) against vllm.LLM.generate on all the
     same requests at once."""
-    from eagle_data.job.generate_phase import row_seed
+    from eagle_data.job.requests import row_seed
     from eagle_data.model_files import load_tokenizer
 
     out = faulted_run["out"]

@@ -10,7 +10,7 @@ import pytest
 
 from eagle_data.config import load_config
 from eagle_data.job.engines.vllm_backend import build_vllm_processor, feed_factor, processor_config
-from eagle_data.job.generate_phase import engine_sampling, requests
+from eagle_data.job.requests import Requests, engine_sampling
 
 KIMI = Path(__file__).resolve().parent.parent / "configs" / "kimi-k2.5.yaml"
 
@@ -54,7 +54,7 @@ def test_processor_from_kimi_config(ray_local, kimi):
     batch = pa.Table.from_pylist([{"sample_id": "abcdef0123", "source": "s",
                                    "messages": [{"role": "user", "content": "hi"}],
                                    "tokenized_prompt": [1, 2, 3]}])
-    rows = requests(batch, engine_sampling(kimi.sampling), [163586]).to_pylist()
+    rows = Requests(engine_sampling(kimi.sampling), [163586])(batch).to_pylist()
     required = set(stage.get_required_input_keys())
     assert required == {"sampling_params"} and required <= set(rows[0])
     assert "tokenized_prompt" in stage.get_optional_input_keys() and "tokenized_prompt" in rows[0]
@@ -121,3 +121,14 @@ def test_no_gpu_in_the_cluster_fails_after_the_wait_instead_of_hanging(ray_local
     assert "engine.resource_wait_s" in str(e.value) and time.monotonic() - started < 10
     cpu = load_config(KIMI, ["engine.device=cpu", "engine.tensor_parallel_size=1", "engine.resource_wait_s=0"])
     wait_for_replica_resources(cpu)  # the local instance has the CPU one replica needs
+
+
+@pytest.mark.vllm
+def test_the_transformers_backend_emits_rays_vllm_output_columns():
+    from ray.llm._internal.batch.stages.vllm_engine_stage import vLLMOutputData
+
+    from eagle_data.job.engines.transformers_backend import engine_output
+    from eagle_data.job.ray_internals import ENGINE_ERROR, VLLM_OUTPUT_DEFAULTS
+
+    assert list(VLLM_OUTPUT_DEFAULTS) == list(vLLMOutputData.model_fields)
+    assert set(engine_output([1], [2], "")) == {*vLLMOutputData.model_fields, ENGINE_ERROR}

@@ -18,3 +18,70 @@ def require(stage: str, batch: pa.Table, columns: Iterable[str]) -> None:
     missing = [c for c in columns if c not in batch.column_names]
     if missing:
         raise MissingColumns(f"{stage} requires columns {missing}; the batch has {batch.column_names}")
+
+
+# Every column a stage reads or makes, with its meaning: a stage declares its columns by
+# name from here, so each has one meaning wherever it flows.
+MEANING = {
+    "row_id": "hash of the dataset row",
+    "source": "the row's `source` (dataset subset), or where it came from",
+    "raw": "the dataset row as JSON text",
+    "origin": "FILE:LINE of a jsonl row (for skip details)",
+    "encoding_error": "why a jsonl line could not be decoded ('' when it could)",
+    "path": "a dataset file's path",
+    "bytes": "a dataset file's bytes",
+    "score": "a row's seeded sample score",
+    "rows": "rows of one source in a block",
+    "scores": "a source's smallest sample scores in a block",
+    "sample_id": "the sample's id (the conversation id, or <conversation_id>-<turn>)",
+    "conversation_id": "the conversation a turn belongs to",
+    "turn": "which user turn of the conversation is answered (0 = the first)",
+    "messages": "the chat turns the target is asked",
+    "user_turns": "the user texts the target answers, in order",
+    "tokenized_prompt": "the chat template's tokens of `messages`, the engine's input",
+    "num_prompt_tokens": "len(tokenized_prompt)",
+    "reason": "why a row is skipped or a conversation stops ('' when it is not)",
+    "detail": "where and what, for `reason`",
+    "sampling_params": "the engine's sampling parameters for this row (per-row seed)",
+    "prompt_token_ids": "the tokens the engine was given",
+    "generated_tokens": "the tokens the engine generated",
+    "__inference_error__": "the engine's error for this row ('' on success)",
+    "reasoning": "the decoded reasoning",
+    "response": "the decoded response",
+    "input_ids": "prompt tokens + generated tokens, exactly",
+    "loss_mask": "1 where input_ids[t] is a training target",
+    "num_reasoning_tokens": "generated tokens up to the end of reasoning",
+    "num_response_tokens": "generated tokens after it",
+    "finish_reason": "stop | length",
+    "error": "the engine's error text (failed/ rows)",
+}
+
+
+def columns(*names: str) -> dict[str, str]:
+    """name -> meaning, for a stage's `reads` / `makes`."""
+    return {name: MEANING[name] for name in names}
+
+
+class Stage:
+    """One `map_batches` step that declares its columns, as ray.data.llm's stages do: `reads`
+    (what it needs) and `makes` (what its output has), each name -> meaning. Built from
+    plain arguments; `__call__` checks both sides, so a wiring mistake names the stage and
+    the column instead of surfacing as a wrong row later. Other columns pass through where
+    the stage says so."""
+
+    reads: dict[str, str] = {}
+    makes: dict[str, str] = {}
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        name = type(self).__name__
+        require(f"stage {name}", batch, self.reads)
+        out = self.apply(batch)
+        if out.num_rows == 0 and out.num_columns == 0:  # nothing in, nothing out: no schema to check
+            return out
+        missing = [c for c in self.makes if c not in out.column_names]
+        if missing:
+            raise MissingColumns(f"stage {name} did not make columns {missing}; its output has {out.column_names}")
+        return out
+
+    def apply(self, batch: pa.Table) -> pa.Table:
+        raise NotImplementedError

@@ -7,7 +7,6 @@ published (job/turns.py). first_user has only turn 0.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import time
@@ -18,16 +17,17 @@ import pyarrow.dataset as pads
 import ray
 from ray.data.expressions import col, lit
 
-from eagle_data.config import Config, SamplingConfig
+from eagle_data.config import Config
 from eagle_data.errors import MissingInput
 from eagle_data.job.engines import ENGINE_CLASSES, apply_engine
 from eagle_data.job.fingerprints import generate_config
 from eagle_data.job.postprocess import Postprocessor
+from eagle_data.job.requests import Askable, FirstTurn, Requests, engine_sampling
 from eagle_data.job.progress import EngineWatch, Progress
-from eagle_data.job.ray_internals import actor_nodes, bound_queues, read_parquet_in_small_tasks
+from eagle_data.job.ray_internals import actor_nodes, bound_queues, one_batch_per_block, read_parquet_in_small_tasks
 from eagle_data.job.turns import PREVIOUS_COLUMNS, TurnBuilder, next_user_texts
 from eagle_data.model_files import SpecialTokens, generation_eos_ids, load_tokenizer, model_vocab_size, special_tokens
-from eagle_data.storage.contract import DATA_SCHEMA, ERROR, FAILED_SCHEMA, STOPPED_SCHEMA, turn_sample_ids
+from eagle_data.storage.contract import DATA_SCHEMA, ERROR, FAILED_SCHEMA, STOPPED_SCHEMA
 from eagle_data.storage.folder import Output
 from eagle_data.storage.shards import ShardWriter, shard_files
 from eagle_data.storage.status import SampleStatus
@@ -73,7 +73,7 @@ def run_generate(cfg: Config, out: Output, engine=None) -> dict:
                 ds = later_turn_prompts(cfg, out, turn, finished_ref)
                 if ds is not None:
                     to_ask = record_stops(ds, stopped, run_id)
-                    ds = ds.map_batches(askable, batch_format="pyarrow")
+                    ds = ds.map_batches(Askable(), batch_format="pyarrow")
             if ds is None:
                 break
             log.info("generate: turn %d: %d to ask", turn, to_ask)
@@ -135,21 +135,10 @@ def first_turn_prompts(cfg: Config, out: Output, finished: ray.ObjectRef) -> tup
     files = shard_files(out.fs, out.folder("prompts"))
     if not files:
         return None, 0
-    kwargs = {"policy": cfg.prompt.turns, "finished": finished}
+    first_turn = FirstTurn(cfg.prompt.turns, finished)
     ids = pads.dataset(files, filesystem=out.fs, format="parquet").to_table(columns=["sample_id"])
     ds = read_parquet_in_small_tasks(files, out.fs, PROMPT_COLUMNS)
-    return ds.map_batches(first_turn, batch_format="pyarrow", fn_kwargs=kwargs), first_turn(ids, **kwargs).num_rows
-
-
-def first_turn(batch: pa.Table, policy: str, finished: ray.ObjectRef) -> pa.Table:
-    """prompts/ rows (one per conversation) -> turn 0's rows not finished yet."""
-    conversation_ids = batch.column("sample_id")
-    if policy == "all":
-        batch = batch.set_column(batch.schema.get_field_index("sample_id"), "sample_id",
-                                 turn_sample_ids(conversation_ids, 0))
-    batch = (batch.append_column("conversation_id", conversation_ids)
-             .append_column("turn", pa.array([0] * batch.num_rows, pa.int32())))
-    return batch.filter(pc.invert(pc.is_in(batch.column("sample_id"), value_set=ray.get(finished))))
+    return ds.map_batches(first_turn, batch_format="pyarrow"), first_turn.unfinished(ids).num_rows
 
 
 def later_turn_prompts(cfg: Config, out: Output, turn: int, finished: ray.ObjectRef) -> ray.data.Dataset | None:
@@ -175,45 +164,10 @@ def record_stops(ds: ray.data.Dataset, stopped: ShardWriter, run_id: str) -> int
     return to_ask
 
 
-def askable(batch: pa.Table) -> pa.Table:
-    return batch.filter(pc.equal(batch.column("reason"), ""))
-
-
-def row_seed(seed: int, sample_id: str) -> int:
-    """Per-sample seed: reruns reproduce a sample whatever batch it lands in (on vLLM). The
-    whole id is hashed: the turns of a conversation share its prefix."""
-    digest = int.from_bytes(hashlib.blake2b(sample_id.encode(), digest_size=4).digest(), "big")
-    return (seed * 1_000_003 + digest) % (2**31 - 1)
-
-
-def requests(batch: pa.Table, sampling: dict, stop_ids: list[int]) -> pa.Table:
-    """Attach the engine's per-row sampling_params."""
-    params = [
-        {**sampling, "seed": row_seed(sampling["seed"], sid), "stop_token_ids": stop_ids,
-         # We decode in postprocess; the engine need not.
-         "detokenize": False}
-        for sid in batch.column("sample_id").to_pylist()
-    ]
-    return batch.append_column("sampling_params", pa.array(params))
-
-
-def engine_sampling(s: SamplingConfig) -> dict:
-    return {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed}
-
-
 def answers(ds: ray.data.Dataset, cfg: Config, special: SpecialTokens, engine) -> ray.data.Dataset:
     """Prompts -> requests -> engine -> postprocess: rows for data/ and failed/."""
-    ds = ds.map_batches(requests, batch_format="pyarrow", fn_kwargs=dict(
-        sampling=engine_sampling(cfg.sampling), stop_ids=list(special.eos_ids)))
-    # One engine batch per block, so one batch per engine task: a task's output reaches
-    # the driver (and a shard) when the task ends, so a block of 1,000 prompts would hold
-    # back 1,000 finished rows. Strict: the non-strict repartition is fused into the read
-    # task and did not split its block there (the vLLM stage received one 63-row block
-    # for a 63-row run, by Ray Data's operator metrics: every row reached data/ at the
-    # run's end). One batch per engine task also spares Ray 2.60's vLLM stage from
-    # concatenating a batch whose rows all failed (`metrics` null-typed) with an answered
-    # one, which fails the task (`_backfill_missing_fields`).
-    ds = ds.repartition(target_num_rows_per_block=cfg.engine.batch_size, strict=True)
+    ds = ds.map_batches(Requests(engine_sampling(cfg.sampling), list(special.eos_ids)), batch_format="pyarrow")
+    ds = one_batch_per_block(ds, cfg.engine.batch_size)  # finished rows leave the engine batch by batch
     ds = engine(ds, cfg, special.pad_id)
     ds = ds.map_batches(Postprocessor.from_config(cfg, special), batch_format="pyarrow")
     # Queued blocks live in the driver: at most the engine's in-flight batches between two steps.

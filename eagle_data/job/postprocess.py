@@ -20,9 +20,9 @@ import numpy as np
 import pyarrow as pa
 
 from eagle_data.config import Config
-from eagle_data.job.columns import require
+from eagle_data.job.columns import Stage, columns
 from eagle_data.model_files import SpecialTokens, load_tokenizer
-from eagle_data.job.engines import ENGINE_ERROR
+from eagle_data.job.ray_internals import ENGINE_ERROR
 from eagle_data.storage.contract import DATA_SCHEMA, ERROR, IDS
 
 # What the stage makes: data/'s columns and the error ("" on ok rows; a failed row keeps
@@ -68,9 +68,11 @@ def _list_parts(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndar
 
 
 @dataclass(frozen=True)
-class Postprocessor:
-    requires: ClassVar = ("prompt_token_ids", "generated_tokens", ENGINE_ERROR, *IDS, "messages")
-    produces: ClassVar = OUT_SCHEMA
+class Postprocessor(Stage):
+    """Engine output -> data/ rows (ok) and failed/ rows (error)."""
+
+    reads: ClassVar = columns("prompt_token_ids", "generated_tokens", ENGINE_ERROR, *IDS, "messages")
+    makes: ClassVar = columns(*OUT_SCHEMA.names)
 
     tokenizer_path: str
     trust_remote_code: bool
@@ -85,8 +87,7 @@ class Postprocessor:
                    eos_ids=special.eos_ids, reasoning_start_id=special.reasoning_start_id,
                    reasoning_end_id=special.reasoning_end_id, train_on=cfg.mask.train_on)
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        require("postprocess stage", batch, self.requires)
+    def apply(self, batch: pa.Table) -> pa.Table:
         errors = batch.column(ENGINE_ERROR).to_pylist()
         ok_idx = [i for i, e in enumerate(errors) if not e]
         failed_idx = [i for i, e in enumerate(errors) if e]

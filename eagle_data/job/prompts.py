@@ -18,7 +18,7 @@ from typing import ClassVar
 import pyarrow as pa
 
 from eagle_data.config import Config
-from eagle_data.job.columns import require
+from eagle_data.job.columns import Stage, columns
 from eagle_data.model_files import control_token_pattern, load_tokenizer
 from eagle_data.storage.contract import PROMPTS_SCHEMA, SKIPPED_SCHEMA
 
@@ -167,11 +167,11 @@ class PromptRenderer:
 
 
 @dataclass(frozen=True)
-class PromptBuilder(PromptRenderer):
+class PromptBuilder(PromptRenderer, Stage):
     """The prompts stage."""
 
-    requires: ClassVar = ("row_id", "source", "raw", "origin", "encoding_error")
-    produces: ClassVar = PROMPT_SCHEMA
+    reads: ClassVar = columns("row_id", "source", "raw", "origin", "encoding_error")
+    makes: ClassVar = columns(*PROMPT_SCHEMA.names)
 
     reasoning_markers: tuple[str, ...] = ()
     turns: str = "first_user"  # prompt.turns
@@ -182,14 +182,13 @@ class PromptBuilder(PromptRenderer):
         return cls(**cls.fields(cfg), reasoning_markers=(cfg.model.reasoning_start, cfg.model.reasoning_end),
                    turns=cfg.prompt.turns, max_turns=cfg.prompt.max_turns)
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        require("prompts stage", batch, self.requires)
+    def apply(self, batch: pa.Table) -> pa.Table:
         control = control_token_pattern(
             self.tokenizer_path, self.trust_remote_code, self.reasoning_markers
         )
         rows, conversations = [], []
         origins = []
-        for row_id, source, raw, origin, encoding_error in zip(*(batch.column(c).to_pylist() for c in self.requires)):
+        for row_id, source, raw, origin, encoding_error in zip(*(batch.column(c).to_pylist() for c in self.reads)):
             out = {"row_id": row_id, "source": source, "raw": raw, "sample_id": "",
                    "messages": None, "user_turns": None, "reason": "", "detail": "",
                    "tokenized_prompt": None}

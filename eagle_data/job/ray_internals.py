@@ -57,6 +57,13 @@ except ImportError as e:
     raise EagleDataError(f"Ray {ray.__version__} lacks the backpressure-policy API of Ray {PINNED_RAY} "
                          f"({e}): install ray=={PINNED_RAY}") from None
 
+ENGINE_ERROR = "__inference_error__"  # Ray's vLLM stage: a row's error text, "" on success
+# The columns of Ray's vLLM stage output (vLLMOutputData's fields in Ray 2.60) with the
+# values a failed row gets; the transformers backend emits the same (a test compares them).
+VLLM_OUTPUT_DEFAULTS = {"prompt": "", "prompt_token_ids": None, "num_input_tokens": 0, "generated_tokens": [],
+                        "generated_text": "", "num_generated_tokens": 0, "embeddings": None, "metrics": None,
+                        "logprobs": None, "prompt_logprobs": None}
+
 MAX_QUEUED_BLOCKS = "eagle_data.max_queued_blocks"
 EXECUTIONS: list = []  # weak references to the QueuedBlocksCap of each execution, newest last
 # Ray's Parquet reader packs files into read tasks of up to this many uncompressed bytes
@@ -185,8 +192,6 @@ def quiet_worker_logs() -> None:
 def wait_for_actors_to_exit(class_names: tuple[str, ...], timeout_s: float = 60) -> None:
     """Until no actor of this job running one of `class_names` is alive (engine replicas shut
     down and their output printed before the job's summary); at most `timeout_s`."""
-    import time
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         actors = job_actors(class_names)
@@ -244,3 +249,145 @@ def engine_stats() -> list[dict]:
         log.debug("engine stats unavailable: %s", e)
         return []
     return [json.loads(v) for v in values if v]
+
+
+# Ray's vLLM stage (ray.data.llm, Ray 2.60) and the vLLM it pins (0.29).
+
+def vllm_stage_udf():
+    """Ray's vLLM stage UDF with a shutdown that prints nothing when all went well.
+
+    vLLM 0.29's `AsyncLLM.shutdown` stops the engine process before it cancels the task that
+    reads the engine's outputs, and that task logs an `EngineDeadError` traceback; here it is
+    cancelled first. And the actor waits for vLLM's processes to exit before it does: Ray
+    kills an exiting actor's children, the multiprocessing resource tracker among them,
+    and a vLLM worker still cleaning up then relaunches the tracker, which prints
+    `KeyError` tracebacks for shared memory it never saw."""
+    import multiprocessing.resource_tracker
+
+    from ray.llm._internal.batch.stages.vllm_engine_stage import vLLMEngineStageUDF
+
+    class VLLMEngine(vLLMEngineStageUDF):
+        def __init__(self, *args, **kwargs):
+            multiprocessing.resource_tracker.ensure_running()
+            super().__init__(*args, **kwargs)
+            self.stats = EngineStats.attach(self.llm.engine)
+
+        def __del__(self):
+            if not hasattr(self, "llm"):
+                return
+            engine_processes = descendants(os.getpid()) - {multiprocessing.resource_tracker._resource_tracker._pid}
+            stop_output_handler(self.llm.engine)
+            super().__del__()
+            wait_for_exit(engine_processes)
+
+    return VLLMEngine
+
+
+class EngineStats:
+    """A vLLM stat logger that keeps the engine's own counters (generated tokens, requests
+    running and waiting) and publishes them every few seconds for the driver's progress line."""
+
+    PUBLISH_EVERY_S = 2
+
+    def __init__(self):
+        self.generated_tokens = self.running = self.waiting = 0
+
+    @classmethod
+    def attach(cls, engine) -> "EngineStats | None":
+        import threading
+
+        manager = getattr(engine, "logger_manager", None)  # None with disable_log_stats
+        if manager is None:
+            return None
+        stats = cls()
+        manager.stat_loggers.append(stats)
+        threading.Thread(target=stats._publish, daemon=True, name="eagle-engine-stats").start()
+        return stats
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+        if iteration_stats is not None:
+            self.generated_tokens += iteration_stats.num_generation_tokens
+        if scheduler_stats is not None:
+            self.running, self.waiting = scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs
+
+    def log(self) -> None:
+        pass
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+    def record_sleep_state(self, *args) -> None:
+        pass
+
+    def _publish(self) -> None:
+        while True:
+            try:
+                publish_engine_stats({"generated_tokens": self.generated_tokens, "running": self.running,
+                                      "waiting": self.waiting, "time": time.time()})
+            except Exception as e:  # best effort: the progress line goes without it
+                log.debug("engine stats not published: %s", e)
+            time.sleep(self.PUBLISH_EVERY_S)
+
+
+def descendants(pid: int) -> set[int]:
+    """The processes below `pid` (Linux /proc; empty elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def wait_for_exit(pids: set[int], timeout_s: float = 15) -> None:
+    def alive(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + timeout_s
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def stop_output_handler(engine, timeout_s: float = 5) -> None:
+    """Cancel AsyncLLM's output-reading task and wait until it has stopped."""
+    import asyncio
+
+    handler = getattr(engine, "output_handler", None)
+    if handler is None or handler.done():
+        return
+    loop = handler.get_loop()
+    try:
+        on_loop = asyncio.get_running_loop() is loop
+    except RuntimeError:
+        on_loop = False
+    if on_loop or not loop.is_running():
+        handler.cancel()  # takes effect before the task runs again
+        return
+    loop.call_soon_threadsafe(handler.cancel)
+    deadline = time.monotonic() + timeout_s
+    while not handler.done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def one_batch_per_block(ds: ray.data.Dataset, rows: int) -> ray.data.Dataset:
+    """Blocks of `rows` rows: one engine batch per block, so one per engine task, whose
+    output reaches the driver (and a shard) when the task ends. Strict: the non-strict
+    repartition is fused into the read task and leaves its block whole (every row then
+    reaches data/ at the end). It also spares Ray 2.60's vLLM stage a task mixing an
+    all-failed batch with an answered one, which fails (`_backfill_missing_fields`)."""
+    return ds.repartition(target_num_rows_per_block=rows, strict=True)

@@ -16,6 +16,7 @@ import pyarrow as pa
 import ray
 
 from eagle_data.config import PerSourceConfig, SourceConfig
+from eagle_data.job.columns import Stage, columns
 
 log = logging.getLogger("eagle_data")
 
@@ -41,13 +42,8 @@ def select_sample(ds: ray.data.Dataset, n: int | None, seed: int) -> ray.data.Da
     if n is None:
         return ds
 
-    def smallest_scores(batch: pa.Table) -> pa.Table:
-        scores = sample_scores(batch.column("row_id").to_pylist(), seed)
-        keep = np.sort(scores)[:n]
-        return pa.table({"score": pa.array(keep, pa.uint64())})
-
     heap: list[int] = []  # max-heap of the n smallest scores, as negatives
-    for batch in ds.map_batches(smallest_scores, batch_format="pyarrow").iter_batches(
+    for batch in ds.map_batches(SmallestScores(seed, n), batch_format="pyarrow").iter_batches(
         batch_format="numpy", batch_size=None
     ):
         for s in batch["score"].tolist():
@@ -57,13 +53,7 @@ def select_sample(ds: ray.data.Dataset, n: int | None, seed: int) -> ray.data.Da
                 heapq.heapreplace(heap, -s)
     if len(heap) < n:
         return ds  # fewer rows than asked for: take them all
-    threshold = -heap[0]
-
-    def below_threshold(batch: pa.Table) -> pa.Table:
-        scores = sample_scores(batch.column("row_id").to_pylist(), seed)
-        return batch.filter(pa.array(scores <= threshold))
-
-    return ds.map_batches(below_threshold, batch_format="pyarrow")
+    return ds.map_batches(BelowThresholds(seed, {}, default=-heap[0]), batch_format="pyarrow")
 
 
 def select_rows(ds: ray.data.Dataset, cfg: SourceConfig) -> tuple[ray.data.Dataset, dict | None]:
@@ -130,22 +120,9 @@ def select_per_source(ds: ray.data.Dataset, sample: int | None, seed: int,
     """
     bound = min(b for b in (sample, per_source.max_rows) if b is not None)
 
-    def block_scores(batch: pa.Table) -> pa.Table:
-        by_source: dict[str, list[int]] = {}
-        scores = sample_scores(batch.column("row_id").to_pylist(), seed).tolist()
-        for source, score in zip(batch.column("source").to_pylist(), scores):
-            by_source.setdefault(source, []).append(score)
-        sources = sorted(by_source)
-        return pa.table({
-            "source": pa.array(sources, pa.string()),
-            "rows": pa.array([len(by_source[s]) for s in sources], pa.int64()),
-            "scores": pa.array([np.sort(np.array(by_source[s], np.uint64))[:bound] for s in sources],
-                               pa.list_(pa.uint64())),
-        })
-
     available: dict[str, int] = {}
     smallest: dict[str, np.ndarray] = {}
-    for batch in ds.map_batches(block_scores, batch_format="pyarrow").iter_batches(
+    for batch in ds.map_batches(BlockScores(seed, bound), batch_format="pyarrow").iter_batches(
         batch_format="pyarrow", batch_size=None
     ):
         for source, rows, scores in zip(batch.column("source").to_pylist(), batch.column("rows").to_pylist(),
@@ -176,10 +153,56 @@ def select_per_source(ds: ray.data.Dataset, sample: int | None, seed: int,
     if all(t == 2**64 for t in thresholds.values()):
         return ds, figures
 
-    def below_threshold(batch: pa.Table) -> pa.Table:
-        scores = sample_scores(batch.column("row_id").to_pylist(), seed).tolist()
-        keep = [score <= thresholds.get(source, -1)
+    return ds.map_batches(BelowThresholds(seed, thresholds, default=-1), batch_format="pyarrow"), figures
+
+
+class SmallestScores(Stage):
+    """A block's n smallest sample scores (the driver merges them)."""
+
+    reads = columns("row_id")
+    makes = columns("score")
+
+    def __init__(self, seed: int, n: int):
+        self.seed, self.n = seed, n
+
+    def apply(self, batch: pa.Table) -> pa.Table:
+        keep = np.sort(sample_scores(batch.column("row_id").to_pylist(), self.seed))[:self.n]
+        return pa.table({"score": pa.array(keep, pa.uint64())})
+
+
+class BlockScores(Stage):
+    """Per source of a block: its rows, and its `bound` smallest sample scores."""
+
+    reads = columns("row_id", "source")
+    makes = columns("source", "rows", "scores")
+
+    def __init__(self, seed: int, bound: int):
+        self.seed, self.bound = seed, bound
+
+    def apply(self, batch: pa.Table) -> pa.Table:
+        by_source: dict[str, list[int]] = {}
+        scores = sample_scores(batch.column("row_id").to_pylist(), self.seed).tolist()
+        for source, score in zip(batch.column("source").to_pylist(), scores):
+            by_source.setdefault(source, []).append(score)
+        sources = sorted(by_source)
+        return pa.table({
+            "source": pa.array(sources, pa.string()),
+            "rows": pa.array([len(by_source[s]) for s in sources], pa.int64()),
+            "scores": pa.array([np.sort(np.array(by_source[s], np.uint64))[:self.bound] for s in sources],
+                               pa.list_(pa.uint64())),
+        })
+
+
+class BelowThresholds(Stage):
+    """The rows whose sample score <= their source's threshold (`default` for the others)."""
+
+    reads = columns("row_id", "source")
+
+    def __init__(self, seed: int, thresholds: dict[str, int], default: int):
+        self.seed, self.thresholds, self.default = seed, thresholds, default
+
+    def apply(self, batch: pa.Table) -> pa.Table:
+        scores = sample_scores(batch.column("row_id").to_pylist(), self.seed).tolist()
+        keep = [score <= self.thresholds.get(source, self.default)
                 for source, score in zip(batch.column("source").to_pylist(), scores)]
         return batch.filter(pa.array(keep, pa.bool_()))
-
-    return ds.map_batches(below_threshold, batch_format="pyarrow"), figures

@@ -28,6 +28,7 @@ import ray
 from eagle_data.config import SourceConfig
 from eagle_data.model_files import is_hub_id
 from eagle_data.errors import MissingInput
+from eagle_data.job.columns import Stage, columns
 
 log = logging.getLogger("eagle_data")
 
@@ -148,7 +149,7 @@ def read_source(cfg: SourceConfig) -> ray.data.Dataset:
         except Exception as e:  # network, cache miss, unknown id or split: all the user's to fix
             raise MissingInput(f"source.dataset {cfg.dataset!r} (split {cfg.split!r}) cannot be loaded "
                                f"from the hub or its local cache: {type(e).__name__}: {e}") from None
-        return ray.data.from_huggingface(hf).map_batches(table_to_raw, batch_format="pyarrow")
+        return ray.data.from_huggingface(hf).map_batches(TableToRaw(), batch_format="pyarrow")
     if layout.kind == "saved":
         import datasets
 
@@ -158,17 +159,17 @@ def read_source(cfg: SourceConfig) -> ray.data.Dataset:
         # What ray.data.from_huggingface does for a local Dataset, without its first step:
         # asking the hub whether the dataset's name is a public dataset (a network round
         # trip, or retries when there is no network, for a folder on disk).
-        return ray.data.from_arrow(hf.with_format("arrow")[:]).map_batches(table_to_raw, batch_format="pyarrow")
+        return ray.data.from_arrow(hf.with_format("arrow")[:]).map_batches(TableToRaw(), batch_format="pyarrow")
     parquet = [f for f in layout.paths if f.lower().endswith(PARQUET_SUFFIXES)]
     json_files = [f for f in layout.paths if f.lower().endswith(JSON_SUFFIXES)]
     parts = []
     if parquet:
-        parts.append(ray.data.read_parquet(parquet).map_batches(table_to_raw, batch_format="pyarrow"))
+        parts.append(ray.data.read_parquet(parquet).map_batches(TableToRaw(), batch_format="pyarrow"))
     if json_files:
         # Bytes, not ray.data.read_text: one line that is not UTF-8 must become a skipped
         # row naming its file and line, not a UnicodeDecodeError that fails the read.
         parts.append(ray.data.read_binary_files(json_files, include_paths=True)
-                     .map_batches(files_to_raw, batch_format="pyarrow", batch_size=1))
+                     .map_batches(FilesToRaw(), batch_format="pyarrow", batch_size=1))
     return parts[0] if len(parts) == 1 else parts[0].union(*parts[1:])
 
 
@@ -196,16 +197,33 @@ def _json_text(row) -> str:
     return text
 
 
-def table_to_raw(table: pa.Table) -> pa.Table:
-    rows = []
-    for row in table.to_pylist():
-        raw = _json_text(row)
-        rows.append((_row_id(raw), _source_of(row), raw, "", ""))
-    return _raw_table(rows)
+RAW = columns(*RAW_SCHEMA.names)
+
+
+class TableToRaw(Stage):
+    """Rows of a table (any columns) -> raw rows: each row as JSON text."""
+
+    makes = RAW
+
+    def apply(self, table: pa.Table) -> pa.Table:
+        rows = []
+        for row in table.to_pylist():
+            raw = _json_text(row)
+            rows.append((_row_id(raw), _source_of(row), raw, "", ""))
+        return _raw_table(rows)
+
+
+class FilesToRaw(Stage):
+    """jsonl / JSON array files (one per row: path, bytes) -> raw rows."""
+
+    reads = columns("path", "bytes")
+    makes = RAW
+
+    def apply(self, batch: pa.Table) -> pa.Table:
+        return files_to_raw(batch)
 
 
 def files_to_raw(batch: pa.Table) -> pa.Table:
-    """jsonl / JSON array files (one per row of `batch`: path, bytes) -> raw rows."""
     rows = []
     for path, data in zip(batch.column("path").to_pylist(), batch.column("bytes").to_pylist()):
         if data[:2] == b"\x1f\x8b":  # still gzip-compressed (Ray decompresses by suffix)

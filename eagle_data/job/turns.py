@@ -26,7 +26,7 @@ import pyarrow.dataset as pads
 import ray
 
 from eagle_data.config import Config
-from eagle_data.job.columns import require
+from eagle_data.job.columns import Stage, columns
 from eagle_data.job.prompts import PromptRenderer
 from eagle_data.storage.contract import DATA_SCHEMA, IDS, MESSAGE_TYPE, PROMPTS_SCHEMA, STOPPED_SCHEMA, turn_sample_ids
 from eagle_data.storage.shards import shard_files
@@ -62,11 +62,11 @@ def message(role: str, content: str, reasoning: str | None = None) -> dict:
 
 
 @dataclass(frozen=True)
-class TurnBuilder(PromptRenderer):
+class TurnBuilder(PromptRenderer, Stage):
     """Builds turn `turn`'s prompts from turn `turn - 1`'s data/ rows (see module docstring)."""
 
-    requires: ClassVar = tuple(PREVIOUS_COLUMNS)
-    produces: ClassVar = TURN_SCHEMA
+    reads: ClassVar = columns(*PREVIOUS_COLUMNS)
+    makes: ClassVar = columns(*TURN_SCHEMA.names)
 
     turn: int = 1
     next_users: ray.ObjectRef | None = None  # next_user_texts(..., turn), put once by the driver
@@ -76,8 +76,7 @@ class TurnBuilder(PromptRenderer):
     def from_config(cls, cfg: Config, turn: int, next_users: ray.ObjectRef, finished: ray.ObjectRef) -> "TurnBuilder":
         return cls(**cls.fields(cfg), turn=turn, next_users=next_users, finished=finished)
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        require("turn stage", batch, self.requires)
+    def apply(self, batch: pa.Table) -> pa.Table:
         users = ray.get(self.next_users)
         where = pc.index_in(batch.column("conversation_id"), value_set=users.column("conversation_id"))
         has_next = pc.is_valid(where)

@@ -15,7 +15,6 @@ import ray
 
 from eagle_data.config import Config
 
-ENGINE_ERROR = "__inference_error__"  # Ray's stage: the row's error text, "" on success
 # The classes whose Ray Data actors are engine replicas (vllm_backend's is a subclass of Ray's UDF).
 ENGINE_CLASSES = ("TransformersEngine", "VLLMEngine")
 

@@ -13,7 +13,8 @@ import pyarrow as pa
 import ray
 
 from eagle_data.config import Config
-from eagle_data.job.engines import ENGINE_ERROR
+from eagle_data.job.columns import Stage, columns
+from eagle_data.job.ray_internals import ENGINE_ERROR, VLLM_OUTPUT_DEFAULTS
 from eagle_data.model_files import pretrained_args
 
 log = logging.getLogger(__name__)
@@ -21,8 +22,11 @@ log = logging.getLogger(__name__)
 CONSUMED = ("tokenized_prompt", "sampling_params")  # popped by the engine, as Ray's stage does
 
 
-class TransformersEngine:
+class TransformersEngine(Stage):
     """Loads the model once per actor; generates a batch of rows per call."""
+
+    reads = columns("sample_id", *CONSUMED)
+    makes = columns("prompt_token_ids", "generated_tokens", ENGINE_ERROR)
 
     def __init__(self, model_path: str, trust_remote_code: bool, engine_kwargs: dict, pad_id: int,
                  cpu_threads: int | None = None):
@@ -41,7 +45,7 @@ class TransformersEngine:
         # Into the job log (actor stdout reaches the driver): where this replica runs.
         print(f"engine replica on node {ray.get_runtime_context().get_node_id()}", flush=True)
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
+    def apply(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
         results: list[dict] = [None] * len(rows)
         groups: dict[tuple, list[int]] = {}
@@ -105,14 +109,9 @@ class TransformersEngine:
 
 
 def engine_output(prompt: list[int] | None = None, generated: list[int] = (), error: str = "") -> dict:
-    """One row of Ray's vLLM stage output (the fields of its vLLMOutputData + the error
-    column); an error row gets the defaults that stage gives failed rows."""
-    return {
-        "prompt": "", "prompt_token_ids": prompt, "num_input_tokens": len(prompt or ()),
-        "generated_tokens": list(generated), "generated_text": "",
-        "num_generated_tokens": len(generated), "embeddings": None, "metrics": None,
-        "logprobs": None, "prompt_logprobs": None, ENGINE_ERROR: error,
-    }
+    """One row as Ray's vLLM stage emits it; an error row gets the values that stage gives."""
+    return {**VLLM_OUTPUT_DEFAULTS, "prompt_token_ids": prompt, "num_input_tokens": len(prompt or ()),
+            "generated_tokens": list(generated), "num_generated_tokens": len(generated), ENGINE_ERROR: error}
 
 
 def transformers_stage(ds: ray.data.Dataset, cfg: Config, pad_id: int) -> ray.data.Dataset:

@@ -16,11 +16,11 @@ from the simulated-engine curve in docs/performance.md (long-tailed completions,
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 from eagle_data.config import Config
 from eagle_data.errors import EagleDataError
+from eagle_data.job.ray_internals import vllm_stage_udf
 from eagle_data.model_files import resolve_model_path
 
 log = logging.getLogger(__name__)
@@ -134,141 +134,8 @@ def build_vllm_processor(cfg: Config):
     processor = build_processor(processor_config(cfg))
     # model_copy: an assignment would run the stage's validator again, which pops its own settings.
     stage = processor.get_stage_by_name("vLLMEngineStage")
-    processor.stages["vLLMEngineStage"] = stage.model_copy(update={"fn": engine_udf()})
+    processor.stages["vLLMEngineStage"] = stage.model_copy(update={"fn": vllm_stage_udf()})
     return processor
-
-
-def engine_udf():
-    """Ray's vLLM stage UDF with a shutdown that prints nothing when all went well.
-
-    vLLM 0.29's `AsyncLLM.shutdown` stops the engine process before it cancels the task that
-    reads the engine's outputs, and that task logs an `EngineDeadError` traceback; here it is
-    cancelled first. And the actor waits for vLLM's processes to exit before it does: Ray
-    kills an exiting actor's children, the multiprocessing resource tracker among them,
-    and a vLLM worker still cleaning up then relaunches the tracker, which prints
-    `KeyError` tracebacks for shared memory it never saw."""
-    import multiprocessing.resource_tracker
-
-    from ray.llm._internal.batch.stages.vllm_engine_stage import vLLMEngineStageUDF
-
-    class VLLMEngine(vLLMEngineStageUDF):
-        def __init__(self, *args, **kwargs):
-            multiprocessing.resource_tracker.ensure_running()
-            super().__init__(*args, **kwargs)
-            self.stats = EngineStats.attach(self.llm.engine)
-
-        def __del__(self):
-            if not hasattr(self, "llm"):
-                return
-            engine_processes = descendants(os.getpid()) - {multiprocessing.resource_tracker._resource_tracker._pid}
-            stop_output_handler(self.llm.engine)
-            super().__del__()
-            wait_for_exit(engine_processes)
-
-    return VLLMEngine
-
-
-class EngineStats:
-    """A vLLM stat logger that keeps the engine's own counters (generated tokens, requests
-    running and waiting) and publishes them every few seconds for the driver's progress line."""
-
-    PUBLISH_EVERY_S = 2
-
-    def __init__(self):
-        self.generated_tokens = self.running = self.waiting = 0
-
-    @classmethod
-    def attach(cls, engine) -> "EngineStats | None":
-        import threading
-
-        manager = getattr(engine, "logger_manager", None)  # None with disable_log_stats
-        if manager is None:
-            return None
-        stats = cls()
-        manager.stat_loggers.append(stats)
-        threading.Thread(target=stats._publish, daemon=True, name="eagle-engine-stats").start()
-        return stats
-
-    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
-        if iteration_stats is not None:
-            self.generated_tokens += iteration_stats.num_generation_tokens
-        if scheduler_stats is not None:
-            self.running, self.waiting = scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs
-
-    def log(self) -> None:
-        pass
-
-    def log_engine_initialized(self) -> None:
-        pass
-
-    def record_sleep_state(self, *args) -> None:
-        pass
-
-    def _publish(self) -> None:
-        from eagle_data.job.ray_internals import publish_engine_stats
-
-        while True:
-            try:
-                publish_engine_stats({"generated_tokens": self.generated_tokens, "running": self.running,
-                                      "waiting": self.waiting, "time": time.time()})
-            except Exception as e:  # best effort: the progress line goes without it
-                log.debug("engine stats not published: %s", e)
-            time.sleep(self.PUBLISH_EVERY_S)
-
-
-def descendants(pid: int) -> set[int]:
-    """The processes below `pid` (Linux /proc; empty elsewhere)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(parent, []).append(int(entry))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
-def wait_for_exit(pids: set[int], timeout_s: float = 15) -> None:
-    def alive(pid: int) -> bool:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            return False
-
-    deadline = time.monotonic() + timeout_s
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
-def stop_output_handler(engine, timeout_s: float = 5) -> None:
-    """Cancel AsyncLLM's output-reading task and wait until it has stopped."""
-    import asyncio
-
-    handler = getattr(engine, "output_handler", None)
-    if handler is None or handler.done():
-        return
-    loop = handler.get_loop()
-    try:
-        on_loop = asyncio.get_running_loop() is loop
-    except RuntimeError:
-        on_loop = False
-    if on_loop or not loop.is_running():
-        handler.cancel()  # takes effect before the task runs again
-        return
-    loop.call_soon_threadsafe(handler.cancel)
-    deadline = time.monotonic() + timeout_s
-    while not handler.done() and time.monotonic() < deadline:
-        time.sleep(0.01)
 
 
 def describe(cfg: Config) -> str:
