@@ -111,7 +111,7 @@ class MaskConfig(_Section):
 
 class OutputConfig(_Section):
     # A folder that is new, empty, or an OUT of this project (local, a network mount, or a
-    # pyarrow filesystem URI). Empty is refused: it would mean the current directory.
+    # filesystem URI pyarrow or fsspec knows). Empty is refused: it would mean the current directory.
     path: str = Field(min_length=1, pattern=r"\S")
     rows_per_shard: int = Field(default=1000, ge=1)
     # A shard is also published when this many seconds passed since the last one, so a

@@ -104,7 +104,9 @@ def check_hub(cfg: Config, uses_hub_dataset: bool) -> None:
 def open_output(path: str) -> Output:
     try:
         return Output(path)
-    except (OSError, pa.ArrowException) as e:  # an unreachable or unknown filesystem URI
+    # An unreachable filesystem, or a URI neither pyarrow nor fsspec knows (ValueError) or
+    # whose fsspec package is not installed (ImportError).
+    except (OSError, ValueError, ImportError, pa.ArrowException) as e:
         raise NotWritable(f"output.path {path!r} cannot be opened ({e}); check the URI and "
                           "credentials, or choose a local folder") from None
 

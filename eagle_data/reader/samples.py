@@ -23,34 +23,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from eagle_data.errors import EagleDataError, NotAnOut
 from eagle_data.storage.contract import MANIFEST
-from eagle_data.storage.files import filesystem as local_or_uri_filesystem
+# The one resolver, shared with the job and the tools (also eagle_data.reader.resolve_filesystem).
+from eagle_data.storage.files import filesystem as resolve_filesystem
 from eagle_data.storage.manifest import Manifest
 from eagle_data.storage.shards import shard_files
 
 TOKEN_COLUMNS = ("input_ids", "loss_mask")
 LENGTH_COLUMNS = ("num_prompt_tokens", "num_reasoning_tokens", "num_response_tokens")
 FILTER_COLUMNS = ("finish_reason", "source", *LENGTH_COLUMNS)  # small: read for the index
-
-
-def resolve_filesystem(path: str, fs=None) -> tuple[pafs.FileSystem, str]:
-    """(pyarrow filesystem, path in it) for a local path, a pyarrow URI (s3://, gs://,
-    hdfs://, file://) or any fsspec URI (memory://, az://, ...); `fs` may be given as a
-    pyarrow or fsspec filesystem, then `path` is a path within it."""
-    if fs is None:
-        try:
-            return local_or_uri_filesystem(path)
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError):
-            import fsspec
-
-            fs, path = fsspec.core.url_to_fs(path)
-    if not isinstance(fs, pafs.FileSystem):  # an fsspec filesystem
-        fs = pafs.PyFileSystem(pafs.FSSpecHandler(fs))
-    return fs, path.rstrip("/")
 
 
 class Out:

@@ -1,31 +1,84 @@
-"""OUT's storage: a pyarrow filesystem for a local path or URI, and small JSON files
-(the manifest, the lock) written atomically."""
+"""Storage for OUT and the tools' outputs: one filesystem resolver for every path or URI
+the project takes, and one way to write a file whole or not at all."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import posixpath
 import uuid
+from typing import Callable
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 from eagle_data.storage.contract import STAGING
 
 
-def filesystem(path: str) -> tuple[pafs.FileSystem, str]:
-    """(filesystem, path within it) for a local path or a URI such as s3://bucket/out."""
-    if "://" not in path:
-        path = os.path.abspath(os.path.expanduser(path))
-    return pafs.FileSystem.from_uri(path)
+def filesystem(path: str, fs=None) -> tuple[pafs.FileSystem, str]:
+    """(pyarrow filesystem, path within it) for a local path, a URI pyarrow knows (s3://,
+    gs://, hdfs://, file://) or any other fsspec URI (memory://, az://, ...). `fs` may be
+    given as a pyarrow or fsspec filesystem, then `path` is a path within it. The job, the
+    tools and the reader all resolve here, so the job writes to every URI the reader reads."""
+    if fs is None:
+        if "://" not in path:
+            return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(path))
+        try:
+            return pafs.FileSystem.from_uri(path)
+        except (ValueError, pa.ArrowNotImplementedError):  # a protocol pyarrow lacks
+            import fsspec  # only then: a local or s3:// OUT needs no fsspec
+
+            fs, path = fsspec.core.url_to_fs(path)
+    if not isinstance(fs, pafs.FileSystem):  # an fsspec filesystem
+        fs = pafs.PyFileSystem(pafs.FSSpecHandler(fs))
+    return fs, path.rstrip("/") or "/"
+
+
+def write_atomically(fs: pafs.FileSystem, path: str, write: Callable[[str], None],
+                     staging: str | None = None) -> str:
+    """Make `path` appear whole or not at all: `write(tmp)` writes a temporary file, which
+    is then moved over `path` (replacing it). The only place the project moves a freshly
+    written file into place.
+
+    The temporary file is `staging/<id><ext>` when `staging` is given (OUT/.staging/, which
+    nothing reads and each run clears), else a hidden `.<name>.<id>.tmp` beside `path`
+    (for DESTs outside OUT). A failed write deletes it; a killed one leaves only it, which
+    no reader or resume takes as data. On a local or network filesystem the move is a
+    rename (atomic); on an object store it is a finished upload or copy (atomic too)."""
+    parent, name = posixpath.split(path)
+    parent = parent or "."
+    if staging is not None:
+        tmp = f"{staging}/{uuid.uuid4().hex}{posixpath.splitext(name)[1]}"
+    else:
+        tmp = f"{parent}/.{name}.{uuid.uuid4().hex}.tmp"
+    for folder in {posixpath.dirname(tmp), parent}:
+        fs.create_dir(folder, recursive=True)
+    try:
+        write(tmp)
+        fs.move(tmp, path)
+    except BaseException:
+        # Cleaning up must not hide why the write failed (the storage may be what failed).
+        with contextlib.suppress(OSError):
+            if fs.get_file_info(tmp).is_file:
+                fs.delete_file(tmp)
+        raise
+    return path
+
+
+def write_bytes(fs: pafs.FileSystem, path: str, data: bytes, staging: str | None = None) -> str:
+    """`data` as the whole of `path`; see write_atomically."""
+    def write(tmp: str) -> None:
+        with fs.open_output_stream(tmp) as f:
+            f.write(data)
+    return write_atomically(fs, path, write, staging)
 
 
 def write_json(fs: pafs.FileSystem, path: str, data: dict) -> None:
-    """Atomically replace a small JSON file (the manifest)."""
-    tmp = f"{path.rsplit('/', 1)[0]}/{STAGING}/{uuid.uuid4().hex}.json"
-    fs.create_dir(tmp.rsplit("/", 1)[0], recursive=True)
-    with fs.open_output_stream(tmp) as f:
-        f.write(json.dumps(data, indent=2, sort_keys=True, default=str).encode())
-    fs.move(tmp, path)
+    """Atomically replace a small JSON file at OUT's top level (manifest, report), staged in
+    OUT/.staging/."""
+    payload = json.dumps(data, indent=2, sort_keys=True, default=str).encode()
+    write_bytes(fs, path, payload, staging=f"{posixpath.dirname(path)}/{STAGING}")
 
 
 def read_json(fs: pafs.FileSystem, path: str) -> dict | None:

@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 
 from eagle_data.storage import manifest as mf
 from eagle_data.errors import EagleDataError, NotAnOut, NotWritable
-from eagle_data.storage.contract import FOLDERS, LOCK, MANIFEST, QUARANTINE, is_ours
-from eagle_data.storage.files import STAGING, filesystem
+from eagle_data.storage.contract import FOLDERS, LOCK, MANIFEST, QUARANTINE, STAGING, is_ours
+from eagle_data.storage.files import filesystem
 from eagle_data.storage.shards import ShardWriter, shard_files
 
 log = logging.getLogger("eagle_data")

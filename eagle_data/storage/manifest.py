@@ -14,11 +14,15 @@ import json
 import platform
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 import eagle_data
 from eagle_data.errors import EagleDataError
 from eagle_data.storage.contract import MANIFEST, MANIFEST_VERSION
 from eagle_data.storage.files import read_json, write_json
+
+if TYPE_CHECKING:  # annotations only: the reader imports this module without pydantic/yaml
+    from eagle_data.config import Config
 
 
 class OutputMismatch(EagleDataError):

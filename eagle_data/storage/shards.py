@@ -1,21 +1,21 @@
 """Parquet shards published atomically, as the job streams.
 
 A shard is written under OUT/.staging/ and then moved into its folder under its final
-name, so a reader or a resume never sees a half-written file: a kill -9 leaves at most a
-file in .staging/, which nothing reads and the next run deletes. On a local or network
-filesystem the move is a rename (atomic); on an object store a finished upload is atomic.
+name (storage/files.py write_atomically), so a reader or a resume never sees a
+half-written file: a kill -9 leaves at most a file in .staging/, which nothing reads and
+the next run deletes.
 """
 
 from __future__ import annotations
 
 import time
-import uuid
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from eagle_data.storage.files import STAGING
+from eagle_data.storage.contract import STAGING
+from eagle_data.storage.files import write_atomically
 
 
 def shard_files(fs: pafs.FileSystem, folder: str) -> list[str]:
@@ -29,15 +29,12 @@ def shard_files(fs: pafs.FileSystem, folder: str) -> list[str]:
 
 
 def publish_table(fs: pafs.FileSystem, out: str, folder: str, name: str, table: pa.Table) -> str:
-    staging = f"{out}/{STAGING}/{uuid.uuid4().hex}.parquet"
-    final = f"{out}/{folder}/{name}"
-    fs.create_dir(f"{out}/{STAGING}", recursive=True)
-    fs.create_dir(f"{out}/{folder}", recursive=True)
     # Page checksums: `verify` and the start-of-run check catch bytes flipped inside a page,
     # which the footer alone does not show.
-    pq.write_table(table, staging, filesystem=fs, write_page_checksum=True)
-    fs.move(staging, final)
-    return final
+    return write_atomically(
+        fs, f"{out}/{folder}/{name}",
+        lambda tmp: pq.write_table(table, tmp, filesystem=fs, write_page_checksum=True),
+        staging=f"{out}/{STAGING}")
 
 
 

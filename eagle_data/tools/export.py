@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import uuid
 from typing import Callable, Sequence
 
 import pyarrow.compute as pc
@@ -38,7 +37,8 @@ import pyarrow.fs as pafs
 
 from eagle_data.errors import EagleDataError, MissingInput
 from eagle_data.storage.contract import DATA_SCHEMA
-from eagle_data.reader.samples import Out, resolve_filesystem, row_filter
+from eagle_data.reader.samples import Out, row_filter
+from eagle_data.storage.files import filesystem, write_atomically
 
 
 def specforge_row(r: dict) -> dict:
@@ -78,27 +78,25 @@ def export(out_path: str, dest: str, fmt: str, finish_reason: Sequence[str] | No
         raise MissingInput(f"{out_path} has no data/ shards to export")
     finish_reason = finish_reason if finish_reason is not None else default_finish
     removed = filter_counts(out, finish_reason, source)
-    fs, path = resolve_filesystem(dest)
+    fs, path = filesystem(dest)
     check_dest(fs, path, dest, overwrite)
 
-    parent = path.rsplit("/", 1)[0] if "/" in path else "."
-    tmp = f"{parent}/.{path.rsplit('/', 1)[-1]}.{uuid.uuid4().hex}.tmp"
     rows = 0
-    try:
+
+    def write(tmp: str) -> None:
+        nonlocal rows
         with fs.open_output_stream(tmp) as f:
             for batch in out.batches(columns, filter=row_filter(finish_reason, source)):
                 lines = [json.dumps(convert(r), ensure_ascii=False) for r in batch.to_pylist()]
                 if lines:
                     f.write(("\n".join(lines) + "\n").encode())
                 rows += len(lines)
+        # Raised before the move: an empty result never replaces DEST.
         if rows == 0 and not allow_empty:
             raise EagleDataError(f"export: no rows left after the filters ({describe(removed)}); "
                                  f"{dest} was not written. Change the filters, or pass --allow-empty")
-        fs.move(tmp, path)
-    except BaseException:
-        if fs.get_file_info(tmp).is_file:
-            fs.delete_file(tmp)
-        raise
+
+    write_atomically(fs, path, write)  # beside DEST, hidden: DEST may be anywhere
     return {"format": fmt, "dest": dest, "rows": rows, "removed_by_filter": removed}
 
 

@@ -11,7 +11,6 @@ import datetime
 import html
 import io
 import json
-import uuid
 from collections import Counter, defaultdict
 
 import numpy as np
@@ -22,8 +21,8 @@ import pyarrow.dataset as pads
 from eagle_data.storage import manifest as mf
 from eagle_data.storage.folder import Output
 from eagle_data.storage.status import SampleStatus
-from eagle_data.storage.contract import VOCAB_SUMMARY
-from eagle_data.storage.files import STAGING, read_json, write_json
+from eagle_data.storage.contract import STAGING, VOCAB_SUMMARY
+from eagle_data.storage.files import read_json, write_bytes, write_json
 from eagle_data.storage.shards import shard_files
 
 COLUMNS = {
@@ -246,17 +245,9 @@ def write_report(out: Output) -> dict:
     figures = plots(report)
     public = {k: v for k, v in report.items() if not k.startswith("_")}
     write_json(out.fs, f"{out.root}/report.json", public)
-    out.fs.create_dir(f"{out.root}/report", recursive=True)
+    # Each file whole or not at all: a failed write (a full disk) leaves the old one.
+    staging = out.folder(STAGING)
     for name, png in figures.items():
-        _write_bytes(out, f"{out.root}/report/{name}", png)
-    _write_bytes(out, f"{out.root}/report.html", to_html(public, figures).encode())
+        write_bytes(out.fs, f"{out.root}/report/{name}", png, staging)
+    write_bytes(out.fs, f"{out.root}/report.html", to_html(public, figures).encode(), staging)
     return public
-
-
-def _write_bytes(out: Output, path: str, payload: bytes) -> None:
-    """Written aside and moved into place: a failed write (a full disk) leaves the old file."""
-    tmp = f"{out.root}/{STAGING}/{uuid.uuid4().hex}"
-    out.fs.create_dir(f"{out.root}/{STAGING}", recursive=True)
-    with out.fs.open_output_stream(tmp) as f:
-        f.write(payload)
-    out.fs.move(tmp, path)

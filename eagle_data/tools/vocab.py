@@ -55,16 +55,14 @@ import argparse
 import io
 import json
 import sys
-import uuid
 from typing import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from eagle_data.errors import EagleDataError
-from eagle_data.storage.files import filesystem
+from eagle_data.storage.files import filesystem, write_bytes
 from eagle_data.storage.folder import Output
 from eagle_data.reader.samples import Out
 from eagle_data.tools.report import write_report
@@ -131,21 +129,6 @@ def coverage_curve(counts: np.ndarray, points: int = 40) -> dict[str, list]:
 
 # ------------------------------------------------------------------------------ writing
 
-def _publish(fs: pafs.FileSystem, folder: str, name: str, data: bytes) -> str:
-    """Write `data` aside in `folder` and move it to `name`: a reader never sees half a file
-    (a rename on a local or network filesystem; a finished upload on an object store)."""
-    tmp, path = f"{folder}/.{name}.{uuid.uuid4().hex}.tmp", f"{folder}/{name}"
-    try:
-        with fs.open_output_stream(tmp) as f:
-            f.write(data)
-        fs.move(tmp, path)
-    except BaseException:
-        if fs.get_file_info(tmp).is_file:
-            fs.delete_file(tmp)
-        raise
-    return path
-
-
 def _npy(array: np.ndarray) -> bytes:
     buf = io.BytesIO()
     np.save(buf, array, allow_pickle=False)
@@ -205,8 +188,8 @@ def write_files(dest: str, formats: Sequence[str], d2t: np.ndarray, t2d: np.ndar
         files.update({name: make() for name, make in WRITERS[fmt](d2t, t2d, counts).items()})
     names = sorted([*files, "vocab.json"])
     files["vocab.json"] = json.dumps({**summary, "files": names}, indent=1).encode()
-    fs.create_dir(folder, recursive=True)
-    return [_publish(fs, folder, name, data) for name, data in files.items()]
+    # Written aside beside their names (DEST may be outside OUT): a reader never sees half a file.
+    return [write_bytes(fs, f"{folder}/{name}", data) for name, data in files.items()]
 
 
 # ------------------------------------------------------------------------- the command

@@ -1,0 +1,160 @@
+"""storage/files.py: the one atomic write (write aside, then move into place) and the one
+filesystem resolver, on a local folder and on an fsspec memory:// filesystem."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pytest
+
+from eagle_data.storage.contract import STAGING, is_ours
+from eagle_data.storage.files import filesystem, read_json, write_atomically, write_bytes, write_json
+from eagle_data.storage.shards import publish_table, shard_files
+
+
+@pytest.fixture(params=["local", "memory"])
+def root(request, tmp_path):
+    """(filesystem, OUT root in it, the URI or path a user gives) on each kind of storage."""
+    if request.param == "local":
+        yield (*filesystem(str(tmp_path / "out")), str(tmp_path / "out"))
+        return
+    import fsspec
+
+    uri = f"memory://eagle-files-{uuid.uuid4().hex}/out"
+    fs, path = filesystem(uri)
+    yield fs, path, uri
+    fsspec.filesystem("memory").rm(path.rsplit("/", 1)[0], recursive=True)
+
+
+def files_under(fs, folder: str) -> list[str]:
+    found = fs.get_file_info(pafs.FileSelector(folder, recursive=True, allow_not_found=True))
+    return sorted(f.path[len(folder) + 1:] for f in found if f.is_file)
+
+
+def read_bytes(fs, path: str) -> bytes:
+    with fs.open_input_stream(path) as f:
+        return f.read()
+
+
+def half_write_then_fail(fs, seen: list[str]):
+    def write(tmp: str) -> None:
+        seen.append(tmp)
+        with fs.open_output_stream(tmp) as f:
+            f.write(b"half of it")
+        raise OSError("disk full")
+    return write
+
+
+@pytest.mark.parametrize("in_staging", [True, False])
+def test_a_failed_write_leaves_no_destination_and_no_temp_file(root, in_staging):
+    fs, out, _ = root
+    dest = f"{out}/vocab/d2t.npy"
+    seen: list[str] = []
+    with pytest.raises(OSError, match="disk full"):
+        write_atomically(fs, dest, half_write_then_fail(fs, seen),
+                         staging=f"{out}/{STAGING}" if in_staging else None)
+    assert seen and not fs.get_file_info(seen[0]).is_file
+    assert files_under(fs, out) == []
+
+
+def test_a_failed_overwrite_keeps_the_old_file(root):
+    fs, out, _ = root
+    dest = f"{out}/report.html"
+    write_bytes(fs, dest, b"old report", staging=f"{out}/{STAGING}")
+    with pytest.raises(OSError):
+        write_atomically(fs, dest, half_write_then_fail(fs, []), staging=f"{out}/{STAGING}")
+    assert read_bytes(fs, dest) == b"old report"
+    assert files_under(fs, out) == ["report.html"]
+
+
+@pytest.mark.parametrize("in_staging", [True, False])
+def test_overwrite_replaces_the_whole_file(root, in_staging):
+    fs, out, _ = root
+    staging = f"{out}/{STAGING}" if in_staging else None
+    dest = f"{out}/vocab/vocab.json"
+    write_bytes(fs, dest, b"a much longer first version", staging)
+    write_bytes(fs, dest, b"second", staging)
+    assert read_bytes(fs, dest) == b"second"
+    assert [f for f in files_under(fs, out) if not f.startswith(STAGING)] == ["vocab/vocab.json"]
+    assert files_under(fs, f"{out}/{STAGING}") == []
+
+
+def test_a_killed_write_leaves_only_a_file_nothing_reads(root):
+    """While the temporary file exists (all a kill -9 can leave), the destination does not,
+    the temporary file is one the project may delete, and no reader or resume lists it."""
+    fs, out, _ = root
+    table = pa.table({"x": [1, 2, 3]})
+    seen = []
+
+    def write(tmp: str) -> None:
+        import pyarrow.parquet as pq
+
+        pq.write_table(table, tmp, filesystem=fs)
+        seen.append(tmp)
+        assert not fs.get_file_info(dest).is_file
+        assert is_ours(tmp[len(out) + 1:])
+        assert shard_files(fs, dest.rsplit("/", 1)[0]) == []  # a resume or reader lists none
+
+    dest = f"{out}/data/part-20250101T000000-abcdef-00000.parquet"
+    write_atomically(fs, dest, write, staging=f"{out}/{STAGING}")
+    dest = f"{out}/vocab/token_freq.parquet"
+    write_atomically(fs, dest, write)  # beside the destination, hidden
+    assert [tmp.rsplit("/", 1)[1].startswith(".") for tmp in seen] == [False, True]
+    assert shard_files(fs, f"{out}/data") == [f"{out}/data/part-20250101T000000-abcdef-00000.parquet"]
+
+
+def test_publish_table_and_json_round_trip(root):
+    import pyarrow.parquet as pq
+
+    fs, out, uri = root
+    table = pa.table({"x": [1, 2, 3]})
+    path = publish_table(fs, out, "data", "part-20250101T000000-abcdef-00000.parquet", table)
+    write_json(fs, f"{out}/manifest.json", {"phases": {}})
+    # A second resolution of the same URI sees what the first wrote.
+    fs2, out2 = filesystem(uri)
+    assert out2 == out
+    with fs2.open_input_file(path) as f:
+        assert pq.read_table(f).equals(table)
+    assert read_json(fs2, f"{out}/manifest.json") == {"phases": {}}
+    assert files_under(fs2, out) == ["data/part-20250101T000000-abcdef-00000.parquet", "manifest.json"]
+
+
+def test_resolver_local_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    fs, path = filesystem("out")
+    assert isinstance(fs, pafs.LocalFileSystem) and path == str(tmp_path / "out")
+    assert filesystem("~/x")[1] == os.path.expanduser("~/x")
+    assert filesystem(f"file://{tmp_path}/out/")[1] == str(tmp_path / "out")
+
+
+def test_resolver_memory_uri_and_given_filesystems():
+    import fsspec
+
+    fs, path = filesystem("memory://eagle-files-given/out/")
+    assert isinstance(fs, pafs.PyFileSystem) and path == "/eagle-files-given/out"
+    mem = fsspec.filesystem("memory")
+    try:
+        write_bytes(fs, f"{path}/a.txt", b"written through pyarrow")
+        assert mem.cat("/eagle-files-given/out/a.txt") == b"written through pyarrow"
+        given, p = filesystem("/eagle-files-given/out", mem)  # an fsspec filesystem object
+        assert read_bytes(given, f"{p}/a.txt") == b"written through pyarrow"
+        local = pafs.LocalFileSystem()
+        assert filesystem("/some/where/", local) == (local, "/some/where")
+    finally:
+        mem.rm("/eagle-files-given", recursive=True)
+
+
+def test_the_job_output_opens_an_fsspec_uri_the_reader_reads(root):
+    """The job's Output and the reader's Out resolve the same URIs the same way."""
+    from eagle_data.reader import Out
+    from eagle_data.storage.folder import Output
+
+    fs, out, uri = root
+    job = Output(uri)
+    assert job.root == out and type(job.fs) is type(fs)
+    job.check_writable()
+    job.manifest.save()
+    assert Out(uri).root == out and Out(uri).files == []
