@@ -60,7 +60,7 @@ def write_out(root: Path, rows: int, tokens: int, rows_per_shard: int) -> None:
         }).cast(DATA_SCHEMA)
         pq.write_table(table, root / "data" / f"part-{start // rows_per_shard:05d}.parquet")
     fs, path = filesystem(str(root))
-    write_json(fs, f"{path}/manifest.json", {"phases": {"generate": {"tokenizer": {
+    write_json(fs, f"{path}/manifest.json", {"schema_version": 2, "phases": {"generate": {"tokenizer": {
         "path": "synthetic", "vocab_size": 150_000, "eos_ids": [2], "pad_id": 0,
         "reasoning_start_id": None, "reasoning_end_id": None}}}})
 

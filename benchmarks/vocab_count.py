@@ -63,7 +63,7 @@ def write_out(root: Path, rows: int, tokens: int, prompt: int, rows_per_shard: i
         pq.write_table(table, root / "data" / f"part-{start // rows_per_shard:05d}.parquet",
                        row_group_size=row_group_rows)
     (root / "manifest.json").write_text(json.dumps(
-        {"phases": {"generate": {"tokenizer": {"model_vocab_size": VOCAB}}}}))
+        {"schema_version": 2, "phases": {"generate": {"tokenizer": {"model_vocab_size": VOCAB}}}}))
 
 
 def count_arrow(out: str) -> np.ndarray:

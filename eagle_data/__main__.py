@@ -45,7 +45,7 @@ def run_command(args: argparse.Namespace) -> int:
         return 1 if problems else 0
     if args.command == "report":
         from eagle_data.storage.folder import Output
-        from eagle_data.tools.report import write_report
+        from eagle_data.storage.report import write_report
 
         report = write_report(Output.existing(args.out))
         print(json.dumps(report["counts"], sort_keys=True))

@@ -230,7 +230,7 @@ def write_out(root: Path, rows: list[dict], rows_per_shard: int, pad_id: int = 0
         table = pa.Table.from_pylist(rows[i:i + rows_per_shard], schema=DATA_SCHEMA)
         pq.write_table(table, root / "data" / f"part-{i // rows_per_shard:05d}.parquet")
     fs, path = filesystem(str(root))
-    write_json(fs, f"{path}/manifest.json", {"phases": {"generate": {"tokenizer": {
+    write_json(fs, f"{path}/manifest.json", {"schema_version": 2, "phases": {"generate": {"tokenizer": {
         "path": "synthetic", "vocab_size": 1000, "eos_ids": [2], "pad_id": pad_id,
         "reasoning_start_id": 5, "reasoning_end_id": 6}}}})
     return root

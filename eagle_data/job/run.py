@@ -24,7 +24,7 @@ from eagle_data.job.ray_internals import quiet_worker_logs, ray_data_progress, w
 from eagle_data.job.source import locate
 from eagle_data.model_files import check_tokenizer_path, hub_reachable, is_hub_id, load_tokenizer, use_hub_cache_only
 from eagle_data.storage.folder import Output
-from eagle_data.tools.report import write_report
+from eagle_data.storage.report import write_report
 
 log = logging.getLogger("eagle_data")
 

@@ -1,3 +1,3 @@
-"""The OUT folder: its contract (folders, schemas, ids, manifest), storage, shard publishing,
-manifest and the per-sample status that resume reads. Imports nothing else of eagle_data
-but config."""
+"""The OUT folder: its contract (folders, schemas, ids, manifest), atomic files, shard
+publishing, the manifest, the per-sample status that resume reads, and the report. Takes
+plain values: imports nothing of eagle_data but errors (tests/test_layout.py)."""

@@ -9,7 +9,7 @@ The job's stages and the tools import it; it imports nothing of the job. README.
     OUT/data/           ok rows: the target's exact tokens + mask     DATA_SCHEMA
     OUT/failed/         engine errors, one row per failed attempt     FAILED_SCHEMA
     OUT/stopped/        turns not asked: the conversation stopped     STOPPED_SCHEMA
-    OUT/report.json, report.html, report/*.png   the report (tools/report.py)
+    OUT/report.json, report.html, report/*.png   the report (storage/report.py)
     OUT/vocab/          the draft vocabulary, when the vocab tool wrote it there (tools/vocab.py)
 
 Shards are `part-<run id>-<n>.parquet` files in those folders, published atomically with

@@ -14,15 +14,11 @@ import json
 import platform
 import time
 import uuid
-from typing import TYPE_CHECKING
 
 import eagle_data
 from eagle_data.errors import EagleDataError
 from eagle_data.storage.contract import MANIFEST, MANIFEST_VERSION
 from eagle_data.storage.files import read_json, write_json
-
-if TYPE_CHECKING:  # annotations only: the reader imports this module without pydantic/yaml
-    from eagle_data.config import Config
 
 
 class OutputMismatch(EagleDataError):
@@ -62,9 +58,10 @@ class Manifest:
         self.data = found or {"schema_version": MANIFEST_VERSION}
         self.data.setdefault("phases", {})
         version = self.data.get("schema_version", 1)
-        if version > MANIFEST_VERSION:
-            raise EagleDataError(f"{self.path} has schema_version {version}; this eagle-data reads up "
-                                 f"to {MANIFEST_VERSION}: upgrade eagle-data to read this OUT")
+        if version != MANIFEST_VERSION:
+            raise EagleDataError(f"{self.path} has schema_version {version}; this eagle-data reads "
+                                 f"{MANIFEST_VERSION}: " + ("upgrade eagle-data to read this OUT" if version > MANIFEST_VERSION
+                                                            else "it was made before eagle-data 0.1.0; make it again"))
 
     def save(self) -> None:
         self.data["schema_version"] = MANIFEST_VERSION
@@ -127,12 +124,9 @@ class Manifest:
 
     @property
     def config(self) -> dict:
-        """The resolved config of the latest run of any phase ({} before any run). OUTs of
-        schema_version 1 kept one config, written by the prompts phase."""
+        """The resolved config of the latest run of any phase ({} before any run)."""
         runs = [r for p in self.data["phases"].values() for r in p.get("runs", []) if "config" in r]
-        if runs:
-            return max(runs, key=lambda r: r["started_at"])["config"]
-        return self.data.get("config", {})
+        return max(runs, key=lambda r: r["started_at"])["config"] if runs else {}
 
     @property
     def max_attempts(self) -> int:

@@ -15,7 +15,7 @@ import pyarrow.dataset as pads
 
 from eagle_data.model_files import load_tokenizer
 from eagle_data.storage.folder import Output
-from eagle_data.tools.report import build_report
+from eagle_data.storage.report import build_report
 from eagle_data.storage.shards import shard_files
 
 GREY, GREEN, BOLD, RESET = "\033[90m", "\033[32m", "\033[1m", "\033[0m"

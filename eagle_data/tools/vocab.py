@@ -65,7 +65,7 @@ from eagle_data.errors import EagleDataError
 from eagle_data.storage.files import filesystem, write_bytes
 from eagle_data.storage.folder import Output
 from eagle_data.reader.samples import Out
-from eagle_data.tools.report import write_report
+from eagle_data.storage.report import write_report
 from eagle_data.tools.token_counts import VocabError, count_tokens
 
 DEFAULT_DRAFT_VOCAB_SIZE = 32_000
