@@ -1,4 +1,6 @@
-"""`python -m eagle_data COMMAND OUT ...`: tools that work on an OUT folder."""
+"""`python -m eagle_data COMMAND OUT ...`: tools that work on an OUT folder. A user error
+prints `error: ...` and exits with its code (eagle_data.errors); `verify` exits 1 when it
+finds a problem, a result rather than an error."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import argparse
 import json
 import sys
 
-from eagle_data.errors import EagleDataError
+from eagle_data.errors import cli
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,11 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     add_export(commands)
     add_vocab(commands)
     args = parser.parse_args(argv)
-    try:
-        return run_command(args)
-    except EagleDataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    # What a command writes: export's and vocab's destination, else OUT (report, vocab).
+    return cli(lambda: run_command(args), writing=lambda: getattr(args, "dest", None) or args.out)
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -54,21 +53,15 @@ def run_command(args: argparse.Namespace) -> int:
     if args.command == "inspect":
         from eagle_data.tools.inspect_out import inspect
 
-        try:
-            print(inspect(args.out, args.sample_id, args.n))
-        except LookupError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
+        print(inspect(args.out, args.sample_id, args.n))
         return 0
     if args.command == "export":
         from eagle_data.tools.export import run_cli
 
         return run_cli(args)
-    if args.command == "vocab":
-        from eagle_data.tools.vocab import run_cli
+    from eagle_data.tools.vocab import run_cli  # vocab: argparse allows no other command
 
-        return run_cli(args)
-    return 2
+    return run_cli(args)
 
 
 if __name__ == "__main__":

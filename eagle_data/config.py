@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from eagle_data.errors import EagleDataError
+from eagle_data.errors import ConfigError
 
 
 class _Section(BaseModel):
@@ -163,10 +163,6 @@ class Config(_Section):
             raise ValueError("engine.tensor_parallel_size > 1 is not supported with engine.device=cpu: "
                              "use engine.replicas for more CPU engines")
         return self
-
-
-class ConfigError(EagleDataError, ValueError):
-    """A config problem, with the offending key named."""
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -1,16 +1,37 @@
-"""The project's errors. Each says what is wrong and what to do; the entry points
-(`ray_jobs.generate`, `python -m eagle_data`) print the message and exit non-zero instead
-of a traceback. Subclasses keep the built-in type a caller may already catch."""
+"""The project's errors, and the one way a command fails with them.
+
+Every error meant for a user is an EagleDataError, defined here: it says what is wrong and
+what to do, and carries the exit code the command returns (`exit_code`). The entry points
+(`ray_jobs.generate`, `python -m eagle_data`) run through `cli`, which prints
+`error: <message>` and returns that code instead of a traceback. Anything else is a bug and
+keeps its traceback. Subclasses keep the built-in type a caller may already catch.
+
+The lowest layer: this module imports nothing from the project.
+"""
 
 from __future__ import annotations
+
+import errno
+import sys
+from typing import Callable
 
 
 class EagleDataError(Exception):
     """Base class: a problem the user can act on, with the key, path or row named."""
 
+    exit_code = 2  # a setup or input problem: nothing was started, or what was published is kept
+
+
+class ConfigError(EagleDataError, ValueError):
+    """A config problem, with the offending key named."""
+
 
 class MissingInput(EagleDataError, FileNotFoundError):
     """A path the job or a tool needs does not exist or holds nothing usable."""
+
+
+class UnsupportedDataset(MissingInput):
+    """source.dataset names files this job cannot read (the file is named)."""
 
 
 class NotWritable(EagleDataError, PermissionError):
@@ -24,8 +45,75 @@ class NotAnOut(EagleDataError, FileNotFoundError):
         super().__init__(f"not an eagle-data OUT: {path}{f' ({why})' if why else ''}")
 
 
-class EmptyResult(EagleDataError):
-    """The job made nothing: an empty dataset, or every row skipped. Its own exit code
-    (EXIT_CODE) so that a pipeline can tell it from a setup error."""
+class OutputLocked(EagleDataError):
+    """Another run is writing this OUT: two writers would break exactly-once."""
 
-    EXIT_CODE = 3
+
+class ForeignFiles(EagleDataError):
+    """output.path holds files the project did not write."""
+
+
+class OutputMismatch(EagleDataError):
+    """OUT was made with a config that the current one would silently mix with."""
+
+
+class NoReplicaResources(EagleDataError):
+    """The cluster cannot hold one engine replica (after engine.resource_wait_s): a setup
+    problem like any other, so the same code."""
+
+
+class NoSuchSample(EagleDataError, LookupError):
+    """`inspect --sample-id` names a sample that OUT/data does not hold."""
+
+
+class VocabError(EagleDataError, ValueError):
+    """A draft vocabulary cannot be built from this OUT with these settings."""
+
+
+class EmptyResult(EagleDataError):
+    """The job made nothing: an empty dataset, or every row skipped. Its own exit code so
+    that a pipeline can tell it from a setup error."""
+
+    exit_code = 3
+
+
+class DiskFull(EagleDataError, OSError):
+    """The disk filled up while writing; `cli` makes one from any OSError with ENOSPC."""
+
+    exit_code = 4
+
+    def __init__(self, where: str, cause: OSError):
+        super().__init__(f"no space left on device writing {where} ({cause}). What was published "
+                         "is kept: free some space and rerun the same command, it resumes.")
+        self.errno = errno.ENOSPC
+
+
+def no_space(e: BaseException) -> OSError | None:
+    """The OSError with errno ENOSPC behind `e`, if any. Looked for by errno, not text, through
+    a Ray task's error (its `.cause`) and what `e` was raised from or while handling."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return e
+        e = getattr(e, "cause", None) or e.__cause__ or e.__context__
+    return None
+
+
+def cli(command: Callable[[], int], writing: Callable[[], str | None] = lambda: None) -> int:
+    """Run a command and return its exit code. A user error prints `error: <message>` on
+    stderr and returns the error's exit_code; a full disk while writing `writing()` (OUT or a
+    destination) is a DiskFull. Anything else propagates with its traceback."""
+    try:
+        try:
+            return command()
+        except EagleDataError:
+            raise
+        except Exception as e:
+            cause = no_space(e)
+            if cause is None:
+                raise
+            raise DiskFull(writing() or "the output", cause) from e
+    except EagleDataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code

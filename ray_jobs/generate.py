@@ -7,7 +7,6 @@ running local cluster) and starts a local Ray instance otherwise.
 from __future__ import annotations
 
 import argparse
-import errno
 import logging
 import os
 import sys
@@ -16,7 +15,7 @@ import pyarrow.parquet as pq
 
 import eagle_data
 from eagle_data.config import load_config
-from eagle_data.errors import EagleDataError, EmptyResult
+from eagle_data.errors import EmptyResult, cli
 from eagle_data.job.run import close_ray, run
 from eagle_data.storage.files import filesystem
 from eagle_data.storage.shards import shard_files
@@ -32,30 +31,24 @@ def main(argv: list[str] | None = None) -> int:
                         help="delete everything in output.path first and start over")
     parser.add_argument("--allow-empty", action="store_true",
                         help="exit 0 when the prompts phase leaves 0 prompts (empty dataset, every row "
-                             f"skipped); otherwise that is an error, exit {EmptyResult.EXIT_CODE}")
+                             f"skipped); otherwise that is an error, exit {EmptyResult.exit_code}")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # Which copy of the project runs: under `ray job submit`, the working dir Ray unpacked.
     logging.getLogger("eagle_data").info("code: eagle-data %s from %s", eagle_data.__version__,
                                          os.path.dirname(os.path.abspath(eagle_data.__file__)))
-    try:
+    out = None  # output.path once the config is read: what a full disk stopped writing
+
+    def job() -> int:
+        nonlocal out
         cfg = load_config(args.config, args.overrides)
+        out = cfg.output.path
         result = run(cfg, phase=args.phase, fresh=args.fresh, allow_empty=args.allow_empty)
-    except EmptyResult as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EmptyResult.EXIT_CODE
-    except EagleDataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        if "No space left on device" not in str(e) and e.errno != errno.ENOSPC:
-            raise
-        print(f"error: no space left on device writing {cfg.output.path} ({e}). What was published "
-              "is kept: free some space and rerun the same command, it resumes.", file=sys.stderr)
-        return 4
-    close_ray()
-    print(summary(cfg.output.path, result))
-    return 0
+        close_ray()
+        print(summary(out, result))
+        return 0
+
+    return cli(job, writing=lambda: out)
 
 
 def summary(out: str, result: dict) -> str:

@@ -1,6 +1,7 @@
 import pytest
 
-from eagle_data.config import ConfigError, load_config
+from eagle_data.config import load_config
+from eagle_data.errors import ConfigError
 
 BASE = ["model.path=/m", "output.path=/o"]
 

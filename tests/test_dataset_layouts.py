@@ -13,9 +13,8 @@ import pytest
 import yaml
 
 from conftest import attached, job_cli, job_config, job_settings, read, sharegpt, write_jsonl
-from eagle_data.errors import EmptyResult, MissingInput
+from eagle_data.errors import EmptyResult, MissingInput, UnsupportedDataset
 from eagle_data.job.run import run
-from eagle_data.job.source import UnsupportedDataset
 
 PROMPTS = dict(sampling__max_tokens=256, output__rows_per_shard=16)  # the model: a tokenizer folder
 

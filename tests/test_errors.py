@@ -20,7 +20,7 @@ def test_tools_refuse_a_folder_that_is_not_an_out(tmp_path):
         for path in (tmp_path, tmp_path / "typo"):
             result = subprocess.run([sys.executable, "-m", "eagle_data", command, str(path)],
                                     cwd=REPO, capture_output=True, text=True)
-            assert result.returncode == 1, (command, result.stderr)
+            assert result.returncode == 2, (command, result.stderr)
             assert result.stderr.strip().splitlines()[-1].startswith(f"error: not an eagle-data OUT: {path}")
     assert not (tmp_path / "typo").exists() and not (tmp_path / "report.json").exists()
     with pytest.raises(NotAnOut):

@@ -12,6 +12,7 @@ import datasets
 import pytest
 
 from conftest import data_rows, synthetic_row, write_out
+from eagle_data.__main__ import main
 from eagle_data.tools.export import FORMATS, add_cli, export, run_cli
 from eagle_data.storage.contract import DATA_SCHEMA
 
@@ -142,9 +143,9 @@ def test_cli_hook(out, rows, tmp_path, capsys):
         assert json.loads(capsys.readouterr().out)["rows"] == len(rows)
         assert sum(1 for _ in open(dest)) == len(rows)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp file left
-    missing = parser.parse_args(["export", str(tmp_path / "nope"), str(tmp_path / "x.jsonl"),
-                                 "--format", "jsonl"])
-    assert run_cli(missing) == 1 and "not an eagle-data OUT" in capsys.readouterr().err
+    # A user error goes through the one CLI wrapper: `error: ...`, exit 2.
+    assert main(["export", str(tmp_path / "nope"), str(tmp_path / "x.jsonl"), "--format", "jsonl"]) == 2
+    assert "error: not an eagle-data OUT" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parser.parse_args(["export", str(out), "x.jsonl", "--format", "parquet"])
 
@@ -155,15 +156,13 @@ def test_export_never_destroys_an_existing_dest(tmp_path, capsys):
     src = write_out(tmp_path / "cut", rows, rows_per_shard=7)
     dest = tmp_path / "train.jsonl"
     dest.write_text("the user's file\n")
-    parser = argparse.ArgumentParser()
-    add_cli(parser.add_subparsers(dest="command"))
 
     def cli(*argv):
-        return run_cli(parser.parse_args(["export", str(src), *map(str, argv)]))
+        return main(["export", str(src), *map(str, argv)])
 
-    assert cli(dest, "--format", "specforge") == 1
+    assert cli(dest, "--format", "specforge") == 2
     assert "exists; pass --overwrite" in capsys.readouterr().err
-    assert cli(dest, "--format", "specforge", "--overwrite") == 1
+    assert cli(dest, "--format", "specforge", "--overwrite") == 2
     err = capsys.readouterr().err
     assert "no rows left after the filters (finish_reason in ['stop'] removed 20 rows)" in err
     assert dest.read_text() == "the user's file\n"  # untouched by both refusals
@@ -172,8 +171,8 @@ def test_export_never_destroys_an_existing_dest(tmp_path, capsys):
     assert cli(dest, "--format", "speculators", "--overwrite") == 0
     assert sum(1 for _ in open(dest)) == 20
 
-    assert cli(tmp_path, "--format", "jsonl") == 1
+    assert cli(tmp_path, "--format", "jsonl") == 2
     assert "is a folder; give a file name" in capsys.readouterr().err
-    assert cli(dest / "x.jsonl", "--format", "jsonl") == 1
+    assert cli(dest / "x.jsonl", "--format", "jsonl") == 2
     assert "is a file, so" in capsys.readouterr().err
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp file left

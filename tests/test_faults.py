@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from conftest import REPO, as_config, attached, job_settings, read, shards
-from eagle_data.storage.manifest import OutputMismatch
-from eagle_data.storage.folder import Output, OutputLocked
+from eagle_data.errors import OutputLocked, OutputMismatch
+from eagle_data.storage.folder import Output
 from eagle_data.job.run import run
 from eagle_data.tools.verify import verify
 

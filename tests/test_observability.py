@@ -135,7 +135,7 @@ def test_inspect_shows_a_known_sample(finished_out):
     assert f"ok {table(out / 'data').num_rows}" in summary
     missing = subprocess.run([sys.executable, "-m", "eagle_data", "inspect", str(out), "--sample-id", "nope"],
                              cwd=REPO, capture_output=True, text=True)
-    assert missing.returncode == 1 and "no sample 'nope'" in missing.stderr
+    assert missing.returncode == 2 and "error: no sample 'nope'" in missing.stderr
 
 
 def test_render_marks_the_loss_boundary_of_reasoning(qwen3_tokenizer_dir):

@@ -10,9 +10,9 @@ from collections import Counter
 import pytest
 
 from conftest import SAMPLE, job_config, layouts, read_layout, sharegpt
-from eagle_data.config import ConfigError, load_config
+from eagle_data.config import load_config
+from eagle_data.errors import ConfigError, OutputMismatch
 from eagle_data.job.fingerprints import prompt_config
-from eagle_data.storage.manifest import OutputMismatch
 from eagle_data.job.run import run
 from eagle_data.job.sample import sample_scores, select_per_source, source_quotas
 

@@ -15,11 +15,11 @@ import pytest
 import yaml
 
 from conftest import REPO, SAMPLE, attached, job_cli, job_config, job_settings, read, shards
-from eagle_data.config import ConfigError, load_config
-from eagle_data.errors import EagleDataError
+from eagle_data.config import load_config
+from eagle_data.errors import ConfigError, EagleDataError, OutputLocked
 from eagle_data.job.run import run
 from eagle_data.storage.contract import is_ours
-from eagle_data.storage.folder import Output, OutputLocked
+from eagle_data.storage.folder import Output
 from eagle_data.tools.verify import verify
 
 

@@ -102,7 +102,7 @@ def test_cpu_device_asks_for_cpu_bundles_and_sets_the_kv_cache(kimi):
 
 
 def test_cpu_device_refuses_tensor_parallel(kimi):
-    from eagle_data.config import ConfigError
+    from eagle_data.errors import ConfigError
 
     with pytest.raises(ConfigError, match="engine.tensor_parallel_size > 1 is not supported with engine.device=cpu"):
         load_config(KIMI, ["engine.device=cpu"])  # the Kimi config has TP 8
@@ -111,12 +111,12 @@ def test_cpu_device_refuses_tensor_parallel(kimi):
 def test_no_gpu_in_the_cluster_fails_after_the_wait_instead_of_hanging(ray_local, kimi):
     import time
 
-    from eagle_data.errors import EagleDataError
+    from eagle_data.errors import NoReplicaResources
     from eagle_data.job.engines.vllm_backend import wait_for_replica_resources
 
     cfg = load_config(KIMI, ["engine.resource_wait_s=1"])
     started = time.monotonic()
-    with pytest.raises(EagleDataError, match=r"no GPU in the cluster; set engine.device=cpu") as e:
+    with pytest.raises(NoReplicaResources, match=r"no GPU in the cluster; set engine.device=cpu") as e:
         wait_for_replica_resources(cfg, poll_s=0.2)
     assert "engine.resource_wait_s" in str(e.value) and time.monotonic() - started < 10
     cpu = load_config(KIMI, ["engine.device=cpu", "engine.tensor_parallel_size=1", "engine.resource_wait_s=0"])

@@ -7,7 +7,6 @@ job are compared with a plain count over its rows."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections import Counter
 from pathlib import Path
@@ -19,9 +18,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from eagle_data.errors import NotAnOut
-from eagle_data.tools.token_counts import VocabError, count_tokens
-from eagle_data.tools.vocab import FORMATS, add_cli, build_vocab, coverage, coverage_curve, mappings, run_cli, select_ids
+from eagle_data.__main__ import main
+from eagle_data.errors import NotAnOut, VocabError
+from eagle_data.tools.token_counts import count_tokens
+from eagle_data.tools.vocab import FORMATS, build_vocab, coverage, coverage_curve, mappings, select_ids
 
 ROW_SCHEMA = pa.schema([
     ("sample_id", pa.string()), ("conversation_id", pa.string()), ("turn", pa.int32()),
@@ -287,9 +287,7 @@ def test_errors_say_what_to_do(tmp_path):
 
 
 def cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser()
-    add_cli(parser.add_subparsers(dest="command"))
-    return run_cli(parser.parse_args(["vocab", *argv]))
+    return main(["vocab", *argv])
 
 
 def test_cli_reads_the_manifest_vocab_size_and_writes_one_format(tmp_path, capsys):
@@ -312,5 +310,5 @@ def test_cli_reads_the_manifest_vocab_size_and_writes_one_format(tmp_path, capsy
     # The flag wins over the manifest.
     assert cli([str(out), "--vocab-size", "150", "--draft-vocab-size", "20"]) == 0
     assert np.load(out / "vocab" / "t2d.npy").shape == (150,)
-    assert cli([str(out), "--draft-vocab-size", "500"]) == 1
-    assert "--draft-vocab-size 500 must be in [1, 200)" in capsys.readouterr().err
+    assert cli([str(out), "--draft-vocab-size", "500"]) == 2
+    assert "error: --draft-vocab-size 500 must be in [1, 200)" in capsys.readouterr().err

@@ -7,11 +7,10 @@ from typing import Iterable
 
 import pyarrow as pa
 
-from eagle_data.errors import EagleDataError
 
-
-class MissingColumns(EagleDataError):
-    """A stage got a batch without a column it requires: a wiring bug, named."""
+class MissingColumns(LookupError):
+    """A stage got a batch without a column it requires: a wiring bug, named. Internal, not an
+    EagleDataError on purpose: the entry points let it through with its traceback."""
 
 
 def require(stage: str, batch: pa.Table, columns: Iterable[str]) -> None:

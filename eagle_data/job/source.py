@@ -27,7 +27,7 @@ import ray
 
 from eagle_data.config import SourceConfig
 from eagle_data.model_files import is_hub_id
-from eagle_data.errors import MissingInput
+from eagle_data.errors import MissingInput, UnsupportedDataset
 from eagle_data.job.columns import Stage, columns
 
 log = logging.getLogger("eagle_data")
@@ -38,10 +38,6 @@ SUPPORTED = ("jsonl (or .jsonl.gz), parquet, a .json array of records, a dataset
              "folder, or a hub dataset id")
 RAW_SCHEMA = pa.schema([("row_id", pa.string()), ("source", pa.string()), ("raw", pa.string()),
                         ("origin", pa.string()), ("encoding_error", pa.string())])
-
-
-class UnsupportedDataset(MissingInput):
-    """source.dataset names files this job cannot read (the file is named)."""
 
 
 @dataclass(frozen=True)

@@ -14,21 +14,12 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from eagle_data.storage import manifest as mf
-from eagle_data.errors import EagleDataError, NotAnOut, NotWritable
+from eagle_data.errors import ForeignFiles, NotAnOut, NotWritable, OutputLocked
 from eagle_data.storage.contract import FOLDERS, LOCK, MANIFEST, QUARANTINE, STAGING, is_ours
 from eagle_data.storage.files import filesystem
 from eagle_data.storage.shards import ShardWriter, shard_files
 
 log = logging.getLogger("eagle_data")
-
-
-
-class OutputLocked(EagleDataError):
-    """Another run is writing this OUT: two writers would break exactly-once."""
-
-
-class ForeignFiles(EagleDataError):
-    """output.path holds files the project did not write."""
 
 
 class Output:

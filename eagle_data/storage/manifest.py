@@ -16,13 +16,9 @@ import time
 import uuid
 
 import eagle_data
-from eagle_data.errors import EagleDataError
+from eagle_data.errors import EagleDataError, OutputMismatch
 from eagle_data.storage.contract import MANIFEST, MANIFEST_VERSION
 from eagle_data.storage.files import read_json, write_json
-
-
-class OutputMismatch(EagleDataError):
-    """OUT was made with a config that the current one would silently mix with."""
 
 
 def now() -> str:

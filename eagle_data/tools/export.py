@@ -144,12 +144,8 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    try:
-        counts = export(args.out, args.dest, args.format, args.finish_reason, args.source,
-                        args.overwrite, args.allow_empty)
-    except (EagleDataError, ValueError) as e:
-        print(f"export: {e}", file=sys.stderr)
-        return 1
+    counts = export(args.out, args.dest, args.format, args.finish_reason, args.source,
+                    args.overwrite, args.allow_empty)
     if counts["removed_by_filter"]:
         print(f"export: filters: {describe(counts['removed_by_filter'])}", file=sys.stderr)
     print(json.dumps(counts, sort_keys=True))

@@ -13,6 +13,7 @@ import sys
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
 
+from eagle_data.errors import NoSuchSample
 from eagle_data.model_files import load_tokenizer
 from eagle_data.storage.folder import Output
 from eagle_data.storage.report import build_report
@@ -99,7 +100,7 @@ def inspect(path: str, sample_id: str | None = None, n: int | None = None,
         return summary(out)
     rows = samples(out, sample_id, n or 1)
     if not rows:
-        raise LookupError(f"no sample {sample_id!r} in {out.root}/data" if sample_id
+        raise NoSuchSample(f"no sample {sample_id!r} in {out.root}/data" if sample_id
                           else f"{out.root}/data has no samples yet")
     colour = sys.stdout.isatty() if colour is None else colour
     try:

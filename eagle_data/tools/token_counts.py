@@ -17,12 +17,8 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from eagle_data.errors import EagleDataError
+from eagle_data.errors import VocabError
 from eagle_data.reader.samples import Out
-
-
-class VocabError(EagleDataError, ValueError):
-    """A draft vocabulary cannot be built from this OUT with these settings."""
 
 
 @dataclass

@@ -61,12 +61,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle_data.errors import EagleDataError
+from eagle_data.errors import VocabError
 from eagle_data.storage.files import filesystem, write_bytes
 from eagle_data.storage.folder import Output
 from eagle_data.reader.samples import Out
 from eagle_data.storage.report import write_report
-from eagle_data.tools.token_counts import VocabError, count_tokens
+from eagle_data.tools.token_counts import count_tokens
 
 DEFAULT_DRAFT_VOCAB_SIZE = 32_000
 COVERAGE_SIZES = (8_000, 16_000, 32_000, 64_000)
@@ -254,12 +254,8 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
 
 def run_cli(args: argparse.Namespace) -> int:
     formats = FORMATS if args.format == "all" else (args.format,)
-    try:
-        summary = build_vocab(args.out, args.draft_vocab_size, args.vocab_size, args.dest,
-                              formats, args.finish_reason, args.source)
-    except EagleDataError as e:
-        print(f"vocab: {e}", file=sys.stderr)
-        return 1
+    summary = build_vocab(args.out, args.draft_vocab_size, args.vocab_size, args.dest,
+                          formats, args.finish_reason, args.source)
     shown = {k: v for k, v in summary.items() if k != "coverage_curve"}
     print(json.dumps(shown, sort_keys=True))
     for d, share in summary["coverage"].items():

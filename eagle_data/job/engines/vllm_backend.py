@@ -19,7 +19,7 @@ import logging
 import time
 
 from eagle_data.config import Config
-from eagle_data.errors import EagleDataError
+from eagle_data.errors import NoReplicaResources
 from eagle_data.job.ray_internals import vllm_stage_udf
 from eagle_data.model_files import resolve_model_path
 
@@ -95,7 +95,7 @@ def wait_for_replica_resources(cfg: Config, poll_s: float = 2.0) -> None:
     hint = ("there is no GPU in the cluster; set engine.device=cpu to run vLLM on CPUs (vLLM's CPU "
             "build, `make setup`)") if "GPU" in need and not has_gpu else \
         "no node has that much; lower engine.tensor_parallel_size / engine.num_cpus or add nodes"
-    raise EagleDataError(
+    raise NoReplicaResources(
         f"engine.backend=vllm with engine.device={cfg.engine.device}: one replica needs {need} on one node, "
         f"and after waiting {cfg.engine.resource_wait_s:g}s (engine.resource_wait_s) {hint}")
 

@@ -1,0 +1,137 @@
+"""One way to fail: every user error lives in eagle_data.errors with its exit code, both
+entry points print it through `errors.cli` with one prefix, and a bug keeps its traceback."""
+
+from __future__ import annotations
+
+import ast
+import errno
+import importlib
+import inspect
+import pkgutil
+import subprocess
+import sys
+
+import pyarrow as pa
+import pytest
+
+import eagle_data
+from conftest import REPO
+from eagle_data import errors
+from eagle_data.errors import DiskFull, EagleDataError, EmptyResult, cli
+from eagle_data.job.columns import MissingColumns, require
+
+# The entry points, and the functions in them that make the exit code.
+CLI = {"ray_jobs/generate.py": {"main", "job"}, "eagle_data/__main__.py": {"main", "run_command"},
+       "eagle_data/tools/export.py": {"run_cli"}, "eagle_data/tools/vocab.py": {"run_cli"}}
+VERIFY_FOUND_PROBLEMS = 1  # a result of `verify`, not an error
+
+
+def user_errors() -> set[type]:
+    """Every EagleDataError subclass, once every module of the package is imported."""
+    for module in pkgutil.walk_packages(eagle_data.__path__, "eagle_data."):
+        importlib.import_module(module.name)
+    importlib.import_module("ray_jobs.generate")
+    found, todo = set(), [EagleDataError]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in found and not sub.__module__.startswith("ray."):  # Ray's RayTaskError(...) twins
+                found.add(sub)
+                todo.append(sub)
+    return found
+
+
+def test_every_user_error_lives_in_the_errors_module_with_an_exit_code():
+    classes = user_errors()
+    assert {c.__module__ for c in classes} == {"eagle_data.errors"}
+    defined = {c for _, c in inspect.getmembers(errors, inspect.isclass) if issubclass(c, EagleDataError)}
+    assert classes | {EagleDataError} == defined
+    assert all(isinstance(c.exit_code, int) and c.exit_code >= 2 for c in defined)
+    assert {c.exit_code for c in defined} == {2, 3, 4}
+    assert (EagleDataError.exit_code, EmptyResult.exit_code, DiskFull.exit_code) == (2, 3, 4)
+    assert not issubclass(MissingColumns, EagleDataError)  # a wiring bug, not a user error
+
+
+def test_the_errors_module_imports_nothing_from_the_project():
+    tree = ast.parse((REPO / "eagle_data" / "errors.py").read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not [n for n in names if n.startswith(("eagle_data", "ray_jobs"))]
+
+
+def returned_ints(path: str, functions: set[str]) -> set[int]:
+    ints = set()
+    for fn in ast.walk(ast.parse((REPO / path).read_text())):
+        if isinstance(fn, ast.FunctionDef) and fn.name in functions:
+            for ret in ast.walk(fn):
+                if isinstance(ret, ast.Return) and ret.value is not None:
+                    ints |= {c.value for c in ast.walk(ret.value)
+                             if isinstance(c, ast.Constant) and type(c.value) is int}
+    return ints
+
+
+def test_every_failing_exit_code_comes_from_an_error_type():
+    literal = set().union(*(returned_ints(path, fns) for path, fns in CLI.items()))
+    assert literal <= {0, VERIFY_FOUND_PROBLEMS}, literal  # the others are exit_code attributes
+    # One printer: nothing but errors.cli prints `error: ...`.
+    printers = [str(p.relative_to(REPO)) for p in [*(REPO / "eagle_data").rglob("*.py"), *(REPO / "ray_jobs").rglob("*.py")]
+                if 'print(f"error: ' in p.read_text()]
+    assert printers == ["eagle_data/errors.py"]
+    # README's "Exit codes" line names each code.
+    readme = (REPO / "README.md").read_text().split("Exit codes: ", 1)[1].split("\n\n", 1)[0]
+    assert readme.startswith("0 done;")
+    for code in {c.exit_code for c in user_errors()}:
+        assert f"; {code} " in readme.replace("\n", " ")
+
+
+def test_cli_prints_a_user_error_with_one_prefix_and_returns_its_code(capsys):
+    def empty():
+        raise EmptyResult("0 prompts: every row skipped")
+
+    assert cli(empty) == 3
+    assert capsys.readouterr().err == "error: 0 prompts: every row skipped\n"
+    assert cli(lambda: 0) == 0 and capsys.readouterr().err == ""
+
+
+def test_a_full_disk_is_found_by_errno_and_exits_4(capsys):
+    def full():
+        raise OSError(errno.ENOSPC, "Error writing bytes to file")  # pyarrow's words, not "No space..."
+
+    assert cli(full, writing=lambda: "/mnt/out") == DiskFull.exit_code == 4
+    err = capsys.readouterr().err
+    assert err.startswith("error: no space left on device writing /mnt/out (")
+    assert "What was published is kept: free some space and rerun the same command, it resumes." in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+    def words_only():
+        raise OSError("No space left on device")
+
+    with pytest.raises(OSError) as e:  # the words without the errno are not matched: a traceback
+        cli(words_only)
+    assert e.value.errno is None and not isinstance(e.value, EagleDataError)
+
+
+def test_a_full_disk_inside_a_ray_task_is_found_through_its_cause(capsys):
+    from ray.exceptions import RayTaskError
+
+    remote = RayTaskError("write", "Traceback (most recent call last): ...",
+                          OSError(errno.ENOSPC, "No space left on device")).as_instanceof_cause()
+
+    def job():
+        raise remote
+
+    assert cli(job, writing=lambda: "out") == 4
+    err = capsys.readouterr().err
+    assert err.startswith("error: no space left on device writing out ([Errno 28] No space left on device)")
+
+
+def test_a_wiring_bug_propagates_through_cli_with_its_traceback(capsys):
+    batch = pa.table({"prompt": ["hi"]})
+    with pytest.raises(MissingColumns, match=r"turn stage requires columns \['messages'\]"):
+        cli(lambda: require("turn stage", batch, ["messages"]))
+    assert capsys.readouterr().err == ""
+    code = ("import pyarrow as pa; from eagle_data.errors import cli; from eagle_data.job.columns import require; "
+            "cli(lambda: require('turn stage', pa.table({'prompt': ['hi']}), ['messages']))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 1 and "Traceback (most recent call last)" in result.stderr
+    assert "MissingColumns: turn stage requires columns ['messages']" in result.stderr
+    assert "error: " not in result.stderr
