@@ -11,7 +11,7 @@ from eagle_data.storage.contract import SCHEMAS
 
 # Lower number = lower layer; a module may import from its own layer or lower ones.
 LAYERS = [
-    ("eagle_data.errors", 0), ("eagle_data.config", 0), ("eagle_data.model_files", 0),
+    ("eagle_data.errors", 0), ("eagle_data.config", 0), ("eagle_data.config_doc", 0), ("eagle_data.model_files", 0),
     ("eagle_data.storage", 1), ("eagle_data.reader", 2), ("eagle_data.tools", 3),
     ("eagle_data.job.prompts_phase", 5), ("eagle_data.job.generate_phase", 5), ("eagle_data.job.run", 6),
     ("eagle_data.job", 4),  # the stages
