@@ -1,5 +1,5 @@
-"""The package's shape: imports run one way between its layers, and README's "Output"
-section lists the columns storage/contract.py defines."""
+"""The package's shape: imports run one way between its layers, and the "Output" section of
+docs/formats.md lists the columns storage/contract.py defines."""
 
 from __future__ import annotations
 
@@ -55,9 +55,9 @@ def test_no_module_imports_from_a_higher_layer():
     assert upward == []
 
 
-def test_readme_output_section_matches_the_contract():
-    readme = (REPO / "README.md").read_text()
-    block = readme.split("## Output", 1)[1].split("```")[1]
+def test_formats_output_section_matches_the_contract():
+    formats = (REPO / "docs" / "formats.md").read_text()
+    block = formats.split("## Output", 1)[1].split("```")[1]
     listed, folder = {}, None
     for line in block.splitlines():
         start = re.match(r"^(\w+)/\*\.parquet\s+(.*)$", line)
