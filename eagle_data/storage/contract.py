@@ -1,7 +1,7 @@
 """The OUT contract: everything a reader of an OUT folder relies on, in one place.
 
-The job's stages and the tools import it; it imports nothing of the job. README.md's
-"Output" section says the same (tests/test_contract.py checks that they agree).
+The job's stages and the tools import it; it imports nothing of the job. The "Output"
+section of docs/formats.md says the same (tests/test_layout.py checks that they agree).
 
     OUT/manifest.json   what made this OUT and what each phase and run produced (below)
     OUT/prompts/        one row per conversation to answer            PROMPTS_SCHEMA

@@ -1,0 +1,151 @@
+"""docs/configuration.md, generated from the config model's field descriptions.
+
+    python -m eagle_data.config_doc > docs/configuration.md
+
+tests/test_config_doc.py fails when the file and this output differ, or a field has no
+description: a new config key is documented where it is defined.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+import typing
+from typing import Annotated, Any, Literal, Union
+
+import annotated_types
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+from eagle_data.config import Config
+
+COMMAND = "python -m eagle_data.config_doc > docs/configuration.md"
+
+HEADER = f"""\
+# Configuration
+
+<!-- Generated from the field descriptions in eagle_data/config.py: do not edit.
+     Regenerate with `{COMMAND}`
+     (tests/test_config_doc.py checks that this file is up to date). -->
+
+One typed config (`eagle_data/config.py`): a YAML file (`--config FILE`, e.g.
+`configs/demo.yaml`, `configs/kimi-k2.5.yaml`) plus `--set dotted.key=value` overrides on the
+command line. Override values are read as YAML: `--set source.sample=null`,
+`--set prompt.chat_template_kwargs={{enable_thinking: false}}`,
+`--set engine.replica_resources={{eagle_replica: 1}}`.
+
+Unknown keys, wrong types and impossible combinations stop the job at start, before Ray
+starts, with the key named (exit code 2). The combinations checked:
+
+- `sampling.max_tokens` must be smaller than `engine.max_model_len` (no prompt would fit);
+- `model.reasoning_start` and `model.reasoning_end` must differ;
+- `prompt.max_turns` needs `prompt.turns: all`;
+- `engine.replica_resources` takes custom resources only (not `CPU`, `GPU`, `memory`,
+  `object_store_memory`: CPUs are `engine.num_cpus`, GPUs follow `engine.tensor_parallel_size`);
+- `engine.tensor_parallel_size > 1` needs `engine.backend: vllm` and `engine.device: gpu`
+  (with `device: cpu`, use `engine.replicas` for more CPU engines);
+- `source.per_source` needs `source.sample` or `source.per_source.max_rows`, its `weights`
+  need `source.sample`, and must give some source a positive weight.
+
+A prompt-affecting change of config on an existing OUT is refused, naming the changed keys
+(`--fresh` deletes OUT and starts over).
+
+"""
+
+
+def type_name(annotation: Any) -> str:
+    """A field's type as a reader of the YAML sees it: `int or null`, `one of: a, b`."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is Annotated:
+        return type_name(args[0])
+    if origin is Literal:
+        return "one of: " + ", ".join(f"`{a}`" for a in args)
+    if origin in (Union, types.UnionType):
+        names = [type_name(a) for a in args if a is not type(None)]
+        return " or ".join(names) + (" or null" if type(None) in args else "")
+    if origin is dict:
+        return f"mapping ({type_name(args[0])}: {type_name(args[1])})"
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return "section"
+    return {"str": "string", "int": "integer", "float": "number", "bool": "boolean"}.get(
+        getattr(annotation, "__name__", ""), "any" if annotation is Any else str(annotation))
+
+
+def constraints(field: FieldInfo) -> str:
+    """The field's bounds (`>= 1`, `> 0, <= 1`, `non-empty`), from its Field constraints."""
+    found = []
+    for meta in field.metadata:
+        for cls, sign, sign_attr in ((annotated_types.Ge, ">=", "ge"), (annotated_types.Gt, ">", "gt"),
+                                    (annotated_types.Le, "<=", "le"), (annotated_types.Lt, "<", "lt")):
+            if isinstance(meta, cls):
+                found.append(f"{sign} {getattr(meta, sign_attr)}")
+        if isinstance(meta, annotated_types.MinLen) and meta.min_length == 1:
+            found.append("non-empty")
+    return ", ".join(found)
+
+
+def default_text(field: FieldInfo) -> str:
+    if field.is_required():
+        return "required"
+    value = field.default_factory() if field.default_factory is not None else field.default
+    if value is PydanticUndefined:
+        return "required"
+    if isinstance(value, BaseModel):
+        return "(section)"
+    if value is None:
+        return "`null`"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    if isinstance(value, (dict, list)):
+        return f"`{json.dumps(value)}`"
+    return f"`{value}`"
+
+
+def cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def sections(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, type[BaseModel]]]:
+    """(dotted name, description, model) of every section under `model`, in field order,
+    a nested section right after the one that holds it."""
+    found = []
+    for name, field in model.model_fields.items():
+        for candidate in (field.annotation, *typing.get_args(field.annotation)):
+            if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+                dotted = f"{prefix}{name}"
+                # A nested section says what it is in its docstring; a top-level one in its field.
+                intro = (vars(candidate).get("__doc__") or "").strip() if prefix else ""
+                found.append((dotted, intro or field.description or "", candidate))
+                found += sections(candidate, dotted + ".")
+    return found
+
+
+def missing_descriptions() -> list[str]:
+    """Every `dotted.key` (sections included) whose field has no description."""
+    missing = [name for name, field in Config.model_fields.items() if not (field.description or "").strip()]
+    for dotted, _, model in sections():
+        missing += [f"{dotted}.{name}" for name, field in model.model_fields.items()
+                    if not (field.description or "").strip()]
+    return missing
+
+
+def render() -> str:
+    parts = [HEADER]
+    for dotted, description, model in sections():
+        intro = description[:1].upper() + description[1:]
+        parts.append(f"## `{dotted}`\n\n{intro}{'' if intro.endswith('.') else '.'}\n\n")
+        parts.append("| key | type | default | description |\n|---|---|---|---|\n")
+        for name, field in model.model_fields.items():
+            kind = type_name(field.annotation)
+            bounds = constraints(field)
+            if bounds:
+                kind += f" ({bounds})"
+            parts.append(f"| `{dotted}.{name}` | {cell(kind)} | {cell(default_text(field))} "
+                         f"| {cell(field.description or '')} |\n")
+        parts.append("\n")
+    return "".join(parts).rstrip("\n") + "\n"
+
+
+if __name__ == "__main__":
+    print(render(), end="")
