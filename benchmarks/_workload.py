@@ -24,7 +24,7 @@ MIN_TOKENS, MAX_TOKENS, MEAN_TOKENS, SIGMA = 16, 8192, 1300, 1.0
 
 
 def qwen3_dir(dest: Path) -> Path:
-    from conftest import extract_tokenizer
+    from support import extract_tokenizer
 
     return extract_tokenizer("qwen-3", Path(dest) / "qwen3")
 

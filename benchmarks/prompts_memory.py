@@ -36,7 +36,7 @@ def write_rows(path: Path, n: int) -> None:
 def child(n: int) -> None:
     import ray
 
-    from conftest import extract_tokenizer
+    from support import extract_tokenizer
     from eagle_data.config import load_config
     from eagle_data.job.run import run
 

@@ -107,7 +107,7 @@ def main() -> None:
         args.rows, args.max_tokens, args.mean, args.slots, args.settings = 8, 16, 8, 4, ["default"]
 
     sys.path.insert(0, str(REPO / "tests"))
-    from conftest import build_babbling_model
+    from support import build_babbling_model
 
     import ray
 

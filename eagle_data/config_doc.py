@@ -2,7 +2,7 @@
 
     python -m eagle_data.config_doc > docs/configuration.md
 
-tests/test_config_doc.py fails when the file and this output differ, or a field has no
+tests/base/test_config_doc.py fails when the file and this output differ, or a field has no
 description: a new config key is documented where it is defined.
 """
 
@@ -27,7 +27,7 @@ HEADER = f"""\
 
 <!-- Generated from the field descriptions in eagle_data/config.py: do not edit.
      Regenerate with `{COMMAND}`
-     (tests/test_config_doc.py checks that this file is up to date). -->
+     (tests/base/test_config_doc.py checks that this file is up to date). -->
 
 One typed config (`eagle_data/config.py`): a YAML file (`--config FILE`, e.g.
 `configs/demo.yaml`, `configs/kimi-k2.5.yaml`) plus `--set dotted.key=value` overrides on the

@@ -7,7 +7,7 @@ import json
 import re
 import shlex
 
-from conftest import REPO
+from support import REPO
 
 
 def blocks(language: str, text: str | None = None) -> list[str]:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from support import REPO
 
 # script -> (smoke arguments, text its output must contain)
 SMOKE = {

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 import re
 
-from conftest import REPO
+from support import REPO
 from eagle_data.storage.contract import SCHEMAS
 
 # Lower number = lower layer; a module may import from its own layer or lower ones.

@@ -1,7 +1,7 @@
 """README.md's commands, run as written: only addresses, paths and sizes are substituted
 (an OUT made by the tests for `out/demo`, a tiny model for the demo's converted SmolLM2,
 fewer samples and tokens). When one of them stops working, a test here fails.
-The `ray job submit` line runs in tests/test_cluster.py, on a real head."""
+The `ray job submit` line runs in tests/cluster/test_cluster.py, on a real head."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import readme
-from conftest import REPO, build_babbling_model, job_config
+from support import REPO, build_babbling_model, job_config
 
 WORDS = [" the", " cat", " sat", " on", " mat", "."]
 
@@ -102,7 +102,7 @@ def test_the_job_commands_run_as_written_and_read_clean(tmp_path, qwen3_tokenize
     with the demo's model swapped for a tiny one and fewer samples and tokens: it exits 0,
     prints no traceback, says what the engine does while it starts, and its summary is the
     last thing it prints."""
-    from conftest import build_tiny_model
+    from support import build_tiny_model
 
     model = build_tiny_model(qwen3_tokenizer_dir, tmp_path / "tiny-qwen3-h64", head_dim=64)
     out = tmp_path / "demo"

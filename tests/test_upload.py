@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import readme
-from conftest import REPO
+from support import REPO
 
 # Folder names users exclude from uploads or ignore in git; Ray's excludes are gitignore
 # patterns, so an unanchored `out/` matches a package folder of that name at any depth.

@@ -11,7 +11,7 @@ from pathlib import Path
 import datasets
 import pytest
 
-from conftest import data_rows, synthetic_row, write_out
+from support import data_rows, synthetic_row, write_out
 from eagle_data.__main__ import main
 from eagle_data.tools.export import FORMATS, add_cli, export, run_cli
 from eagle_data.storage.contract import DATA_SCHEMA

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import SAMPLE, job_config, layouts, read_layout, sharegpt
+from support import SAMPLE, job_config, layouts, read_layout, sharegpt
 from eagle_data.config import load_config
 from eagle_data.errors import ConfigError, OutputMismatch
 from eagle_data.job.fingerprints import prompt_config

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from conftest import REPO, as_config, attached, job_settings, read, shards
+from support import REPO, as_config, attached, job_settings, read, shards
 from eagle_data.errors import OutputLocked, OutputMismatch
 from eagle_data.storage.folder import Output
 from eagle_data.job.run import run

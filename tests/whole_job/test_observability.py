@@ -14,7 +14,7 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import REPO, job_config
+from support import REPO, job_config
 from eagle_data.tools.inspect_out import render_sample
 from eagle_data.model_files import load_tokenizer, special_tokens
 from eagle_data.job.run import run

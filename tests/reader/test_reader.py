@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from conftest import data_rows, synthetic_row, write_out
+from support import data_rows, synthetic_row, write_out
 from eagle_data.storage.contract import DATA_SCHEMA
 from eagle_data.reader import Out, OutDataset, OutIterableDataset, collate
 

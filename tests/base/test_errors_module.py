@@ -15,7 +15,7 @@ import pyarrow as pa
 import pytest
 
 import eagle_data
-from conftest import REPO
+from support import REPO
 from eagle_data import errors
 from eagle_data.errors import DiskFull, EagleDataError, EmptyResult, cli
 from eagle_data.job.columns import MissingColumns, require

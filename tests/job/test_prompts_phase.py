@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import SAMPLE, job_config, layouts, read_layout, sharegpt, write_jsonl
-from conftest import read as read_rows
+from support import SAMPLE, job_config, layouts, read_layout, sharegpt, write_jsonl
+from support import read as read_rows
 from eagle_data.errors import OutputMismatch
 from eagle_data.job.run import run
 from eagle_data.job.sample import select_sample

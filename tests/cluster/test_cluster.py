@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 import readme
-from conftest import REPO, SAMPLE, build_tiny_model, read
+from support import REPO, SAMPLE, build_tiny_model, read
 from eagle_data.tools.verify import verify
 
 RAY = str(Path(sys.executable).parent / "ray")
@@ -184,7 +184,7 @@ class RayCluster:
 
 def entrypoint(out: Path, model: Path, *overrides: str) -> str:
     """The demo job on the tiny model: what a user types after `ray job submit ... --`. On the
-    transformers backend: these tests are about the job path (tests/test_vllm_engine.py runs vLLM)."""
+    transformers backend: these tests are about the job path (tests/vllm/test_vllm_engine.py runs vLLM)."""
     sets = [f"model.path={model}", f"output.path={out}", "engine.backend=transformers", "engine.engine_kwargs={}",
             "engine.batch_size=4", "sampling.max_tokens=16", "output.log_every_s=2", *overrides]
     return " ".join(["python -m ray_jobs.generate --config configs/demo.yaml",

