@@ -38,58 +38,70 @@ PROMPT_COLUMNS = ["sample_id", "source", "messages", "tokenized_prompt"]
 
 
 def run_generate(cfg: Config, out: Output, engine=None) -> dict:
-    """`engine(ds, cfg, pad_id) -> ds` replaces the configured engine stage (benchmarks put
-    a simulated one there)."""
+    """Record the run, answer every turn depth, record the totals. `engine(ds, cfg, pad_id)
+    -> ds` replaces the configured engine stage (benchmarks put a simulated one there)."""
     if not out.manifest.prompts_complete():
         raise MissingInput(f"{out.root} has no finished prompts phase: run with --phase prompts (or all) first")
+    special, run, total, finished = start_run(cfg, out)
+    shard = (cfg.output.rows_per_shard, cfg.output.flush_seconds)
+    writers = {name: out.writer(name, schema, run["run_id"], *shard)
+               for name, schema in (("data", DATA_SCHEMA), ("failed", FAILED_SCHEMA), ("stopped", STOPPED_SCHEMA))}
+    replicas = ReplicaNodes()
+    progress = Progress(total=total, done_before=len(finished), todo=total - len(finished),
+                        max_tokens=cfg.sampling.max_tokens, every_s=cfg.output.log_every_s,
+                        data_writer=writers["data"], failed_writer=writers["failed"], on_line=replicas.look,
+                        engine=EngineWatch(ENGINE_CLASSES))
+    with progress:
+        answer_turns(cfg, out, special, finished, writers, progress, run["run_id"], engine or apply_engine)
+    return finish_run(cfg, out, run, total, writers, progress, replicas)
+
+
+def start_run(cfg: Config, out: Output) -> tuple[SpecialTokens, dict, int, set[str]]:
+    """The target's token ids, the run's record, the turns to answer and those already finished."""
     tokenizer = load_tokenizer(cfg.model.tokenizer_path, cfg.model.trust_remote_code)
     special = target_tokens(cfg, tokenizer)
     total = out.manifest.prompts_counts["user_turns"]  # turns to answer (= prompts under first_user)
     finished = SampleStatus.read(out.fs, out.root, cfg.output.max_attempts).finished()
-    todo = total - len(finished)
     run = out.manifest.start_run("generate", cfg.model_dump(mode="json"), {
         "generate_config": generate_config(cfg),
         "tokenizer": {"path": cfg.model.tokenizer_path, "vocab_size": len(tokenizer), **special.to_dict(),
                       **target_vocab(cfg)},
-    }, todo=todo)
-    log.info("generate: %d turns to answer, %d already done, %d to do", total, len(finished), todo)
+    }, todo=total - len(finished))
+    log.info("generate: %d turns to answer, %d already done, %d to do", total, len(finished), total - len(finished))
+    return special, run, total, finished
 
-    run_id = run["run_id"]
-    shard = (cfg.output.rows_per_shard, cfg.output.flush_seconds)
-    data = out.writer("data", DATA_SCHEMA, run_id, *shard)
-    failed = out.writer("failed", FAILED_SCHEMA, run_id, *shard)
-    stopped = out.writer("stopped", STOPPED_SCHEMA, run_id, *shard)
-    replicas = ReplicaNodes()
-    progress = Progress(total=total, done_before=len(finished), todo=todo,
-                        max_tokens=cfg.sampling.max_tokens, every_s=cfg.output.log_every_s,
-                        data_writer=data, failed_writer=failed, on_line=replicas.look,
-                        engine=EngineWatch(ENGINE_CLASSES))
+
+def answer_turns(cfg: Config, out: Output, special: SpecialTokens, finished: set[str], writers: dict,
+                 progress: Progress, run_id: str, engine) -> None:
+    """One engine pass per turn depth (turns: all), each reading the last one's answers."""
     finished_ref = ray.put(pa.array(sorted(finished), pa.string()))  # shared by every task
-    with progress:
-        for turn in itertools.count() if cfg.prompt.turns == "all" else [0]:
-            if turn == 0:
-                ds, to_ask = first_turn_prompts(cfg, out, finished_ref)
-            else:
-                ds = later_turn_prompts(cfg, out, turn, finished_ref)
-                if ds is not None:
-                    to_ask = record_stops(ds, stopped, run_id)
-                    ds = ds.map_batches(Askable(), batch_format="pyarrow")
-            if ds is None:
-                break
-            log.info("generate: turn %d: %d to ask", turn, to_ask)
-            if to_ask:  # starting the engine replicas alone is a model load
-                publish(answers(ds, cfg, special, engine or apply_engine), data, failed, progress, run_id)
-            # Publish the rest now: the next turn's pass reads this one's answers.
-            for writer in (data, failed, stopped):
-                writer.close()
+    for turn in itertools.count() if cfg.prompt.turns == "all" else [0]:
+        if turn == 0:
+            ds, to_ask = first_turn_prompts(cfg, out, finished_ref)
+        else:
+            ds = later_turn_prompts(cfg, out, turn, finished_ref)
+            if ds is not None:
+                to_ask = record_stops(ds, writers["stopped"], run_id)
+                ds = ds.map_batches(Askable(), batch_format="pyarrow")
+        if ds is None:
+            break
+        log.info("generate: turn %d: %d to ask", turn, to_ask)
+        if to_ask:  # starting the engine replicas alone is a model load
+            publish(answers(ds, cfg, special, engine), writers["data"], writers["failed"], progress, run_id)
+        for writer in writers.values():  # publish the rest now: the next pass reads these answers
+            writer.close()
 
+
+def finish_run(cfg: Config, out: Output, run: dict, total: int, writers: dict, progress: Progress,
+               replicas: "ReplicaNodes") -> dict:
     counts = totals(out, cfg, total)
     nodes = replicas.report()
+    data, failed = writers["data"], writers["failed"]
     out.manifest.finish_run("generate", run, counts, ok=data.written, failed=failed.written,
                             generated_tokens=progress.generated_tokens,
                             wall_s=round(time.monotonic() - progress.started, 1),
                             **({"replica_nodes": nodes} if nodes is not None else {}))
-    log.info("generate: run %s wrote %d ok, %d failed; OUT totals %s", run_id, data.written,
+    log.info("generate: run %s wrote %d ok, %d failed; OUT totals %s", run["run_id"], data.written,
              failed.written, counts)
     return {**counts, "engine_load_s": [round(s, 1) for s in progress.engine.load_s]}
 

@@ -126,11 +126,8 @@ class Postprocessor(Stage):
             end = gen.size - int(stopped[i])
             reasoning_spans.append(gen[lo:min(hi, end)])
             response_spans.append(gen[nr:end] if nr < gen.size else gen[:0])
-        # One decode per numpy span, not batch_decode of Python lists: transformers checks
-        # every element of a list in Python (to_py_obj, twice in batch_decode), which cost
-        # more than decoding itself; an array is converted with one tolist(). The arguments
-        # are batch_decode's defaults, passed explicitly: a remote-code tokenizer overriding
-        # decode (Kimi's) then takes the same base-class path batch_decode took.
+        # One decode per numpy span: batch_decode checks list elements in Python, which cost
+        # more than decoding (docs/performance.md, section 1); its defaults passed explicitly.
         reasoning = [_decode(tokenizer, span) for span in reasoning_spans]
         response = [_decode(tokenizer, span) for span in response_spans]
         finish = np.where(stopped, "stop", "length")

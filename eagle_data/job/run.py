@@ -23,7 +23,9 @@ from eagle_data.job.prompts_phase import run_prompts
 from eagle_data.job.ray_internals import quiet_worker_logs, ray_data_progress, wait_for_actors_to_exit
 from eagle_data.job.source import locate
 from eagle_data.model_files import check_tokenizer_path, hub_reachable, is_hub_id, load_tokenizer, use_hub_cache_only
+from eagle_data.storage.damage import check_prompts_record, quarantine_corrupt
 from eagle_data.storage.folder import Output
+from eagle_data.storage.lock import lock
 from eagle_data.storage.report import write_report
 
 log = logging.getLogger("eagle_data")
@@ -44,13 +46,13 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow
     check_hub(cfg, uses_hub_dataset=layout is not None and layout.kind == "hub")
     check_model_files(cfg, need_weights=phase != "prompts")
     check_dataset_outside(layout.paths if layout else (), out)
-    with out.lock():
+    with lock(out):
         if fresh:
             log.warning("--fresh: deleting what earlier runs wrote in %s", out.root)
             out.wipe()
         out.clear_staging()
-        out.quarantine_corrupt()
-        out.check_prompts_record()
+        quarantine_corrupt(out)
+        check_prompts_record(out)
         started = time.monotonic()
         if not ray.is_initialized():
             ray.init()  # joins the cluster when there is one, else starts a local instance

@@ -24,7 +24,8 @@ vllm-project/speculators applies the same shift (src/speculators/models/eagle3/d
 `loss_mask = loss_mask[1:]` next to `input_ids = input_ids[1:]`).
 """
 
-from eagle_data.reader.samples import Out, Samples, resolve_filesystem, row_filter
+from eagle_data.reader.samples import Out, Samples, row_filter
+from eagle_data.storage.files import filesystem as resolve_filesystem  # the one resolver, as the job's
 
 _TORCH_NAMES = ("OutDataset", "OutIterableDataset", "collate")
 __all__ = ["Out", "Samples", "resolve_filesystem", "row_filter", *_TORCH_NAMES]

@@ -25,11 +25,8 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
-from eagle_data.errors import EagleDataError, NotAnOut
-from eagle_data.storage.contract import MANIFEST
-# The one resolver, shared with the job and the tools (also eagle_data.reader.resolve_filesystem).
-from eagle_data.storage.files import filesystem as resolve_filesystem
-from eagle_data.storage.manifest import Manifest
+from eagle_data.errors import EagleDataError
+from eagle_data.storage.folder import Output
 from eagle_data.storage.shards import shard_files
 
 TOKEN_COLUMNS = ("input_ids", "loss_mask")
@@ -41,11 +38,9 @@ class Out:
     """An OUT folder opened for reading; nothing but the shard list and manifest is read here."""
 
     def __init__(self, path: str, filesystem=None):
-        self.fs, self.root = resolve_filesystem(path, filesystem)
-        self.manifest = Manifest(self.fs, self.root)
-        if not self.manifest.exists:
-            raise NotAnOut(path, f"no {MANIFEST}")
-        self.files = shard_files(self.fs, f"{self.root}/data")
+        out = Output.existing(path, filesystem)
+        self.fs, self.root, self.manifest = out.fs, out.root, out.manifest
+        self.files = shard_files(self.fs, out.folder("data"))
 
     @property
     def tokenizer(self) -> dict:

@@ -31,7 +31,7 @@ COLUMNS = {
     "data": ["sample_id", "turn", "source", "num_prompt_tokens", "num_reasoning_tokens", "num_response_tokens",
              "finish_reason"],
     "failed": ["sample_id", "source"],
-    "stopped": ["reason"],
+    "stopped": ["sample_id", "reason"],
 }
 
 
@@ -81,8 +81,8 @@ def build_report(out: Output) -> dict:
     prompts, skipped = read_columns(out, "prompts"), read_columns(out, "skipped")
     data, failed = read_columns(out, "data"), read_columns(out, "failed")
     stopped = read_columns(out, "stopped")
-    progress = SampleStatus(set(data.column("sample_id").to_pylist()),
-                            Counter(failed.column("sample_id").to_pylist()), manifest.max_attempts)
+    progress = SampleStatus.of(*(t.column("sample_id").to_pylist() for t in (data, failed, stopped)),
+                               manifest.max_attempts)
     by_source: dict = defaultdict(Counter)
     for name, table in (("prompts", prompts), ("skipped", skipped), ("ok", data)):
         for source, n in value_counts(table.column("source")).items():

@@ -27,8 +27,13 @@ class SampleStatus:
 
     @classmethod
     def read(cls, fs, out: str, max_attempts: int) -> "SampleStatus":
-        return cls(set(sample_ids(fs, f"{out}/data")), Counter(sample_ids(fs, f"{out}/failed")),
-                   max_attempts, set(sample_ids(fs, f"{out}/stopped")))
+        return cls.of(sample_ids(fs, f"{out}/data"), sample_ids(fs, f"{out}/failed"),
+                      sample_ids(fs, f"{out}/stopped"), max_attempts)
+
+    @classmethod
+    def of(cls, data: list[str], failed: list[str], stopped: list[str], max_attempts: int) -> "SampleStatus":
+        """From the sample_ids of data/, failed/ (one per attempt) and stopped/ rows."""
+        return cls(set(data), Counter(failed), max_attempts, set(stopped))
 
     @property
     def given_up(self) -> set[str]:

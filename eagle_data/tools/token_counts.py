@@ -64,8 +64,8 @@ def _masked_ids(table: pa.Table, vocab_size: int, where: str) -> np.ndarray:
     lo, hi = pc.min_max(kept).values()
     if lo.is_valid and (lo.as_py() < 0 or hi.as_py() >= vocab_size):
         bad = lo.as_py() if lo.as_py() < 0 else hi.as_py()
-        raise VocabError(f"{where}: token id {bad} is outside [0, {vocab_size}); pass "
-                         "--vocab-size = the target model's config.json vocab_size")
+        raise VocabError(f"{where}: token id {bad} is outside [0, {vocab_size}), the target's vocabulary "
+                         "recorded in the manifest: this OUT's tokens are not that model's")
     return kept.to_numpy()
 
 

@@ -72,7 +72,7 @@ def verify(path: str) -> tuple[list[str], dict]:
         problems.append("the prompts phase has not finished (manifest status "
                         f"{manifest.prompts_status!r}): rerun the job")
 
-    progress = SampleStatus(set(ids["data"]), ids["failed"], manifest.max_attempts, set(ids["stopped"]))
+    progress = SampleStatus.of(ids["data"], ids["failed"], ids["stopped"], manifest.max_attempts)
     failed_only = set(ids["failed"]) - progress.ok
     counts.update(ok=len(progress.ok), failed=len(failed_only), failed_final=len(progress.given_up),
                   failed_retryable=len(failed_only - progress.given_up), stopped=len(progress.stopped))

@@ -205,14 +205,15 @@ def build_vocab(out: str, draft_vocab_size: int = DEFAULT_DRAFT_VOCAB_SIZE,
                 formats: Sequence[str] = FORMATS, finish_reason: Sequence[str] | None = None,
                 source: Sequence[str] | None = None) -> dict:
     """Count OUT's masked tokens, choose the draft vocabulary and write it for `formats`.
-    vocab_size None = the manifest's generate.tokenizer.model_vocab_size. Returns the
+    vocab_size None = the manifest's generate.tokenizer.model_vocab_size (tests and
+    benchmarks pass their synthetic OUT's). Returns the
     summary written to vocab.json (coverage keys are draft sizes)."""
     if vocab_size is None:
         vocab_size = vocab_size_from_manifest(out)
     if vocab_size is None:
-        raise VocabError(f"{out}/manifest.json records no phases.generate.tokenizer."
-                         "model_vocab_size: pass --vocab-size (the target model's "
-                         "config.json vocab_size, not len(tokenizer))")
+        raise VocabError(f"{out}/manifest.json records no phases.generate.tokenizer.model_vocab_size "
+                         "(the target's config.json vocab_size, recorded since eagle-data 0.1.0): "
+                         "run the generate phase on this OUT, or make it again")
     check_sizes(draft_vocab_size, vocab_size)
     counted = count_tokens(out, vocab_size, finish_reason, source)
     ids = select_ids(counted.counts, draft_vocab_size)
@@ -241,8 +242,6 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("out", help="the OUT folder (local path or URI)")
     p.add_argument("--draft-vocab-size", type=int, default=DEFAULT_DRAFT_VOCAB_SIZE,
                    help=f"ids in the draft vocabulary (default {DEFAULT_DRAFT_VOCAB_SIZE})")
-    p.add_argument("--vocab-size", type=int, default=None,
-                   help="the target model's config.json vocab_size (default: from OUT's manifest)")
     p.add_argument("--dest", default=None, help="folder to write (default OUT/vocab)")
     p.add_argument("--format", choices=[*FORMATS, "all"], default="all", dest="format",
                    help="whose trainer the files are for (default all)")
@@ -254,7 +253,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
 
 def run_cli(args: argparse.Namespace) -> int:
     formats = FORMATS if args.format == "all" else (args.format,)
-    summary = build_vocab(args.out, args.draft_vocab_size, args.vocab_size, args.dest,
+    summary = build_vocab(args.out, args.draft_vocab_size, None, args.dest,
                           formats, args.finish_reason, args.source)
     shown = {k: v for k, v in summary.items() if k != "coverage_curve"}
     print(json.dumps(shown, sort_keys=True))

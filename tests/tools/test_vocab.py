@@ -262,9 +262,9 @@ def test_errors_say_what_to_do(tmp_path):
     out = write_rows(tmp_path / "out", rows)
     with pytest.raises(VocabError, match="--draft-vocab-size 100 must be in"):
         build_vocab(str(out), 100, 100)
-    with pytest.raises(VocabError, match="pass --vocab-size .*config.json vocab_size"):
+    with pytest.raises(VocabError, match="records no .*model_vocab_size .*make it again"):
         build_vocab(str(out), 10)
-    with pytest.raises(VocabError, match="outside \\[0, 50\\).*--vocab-size"):
+    with pytest.raises(VocabError, match="outside \\[0, 50\\).*not that model's"):
         count_tokens(str(out), 50)
     with pytest.raises(VocabError) as e:
         count_tokens(str(out), 100, finish_reason=["length"], source=["zzz"])
@@ -307,8 +307,6 @@ def test_cli_reads_the_manifest_vocab_size_and_writes_one_format(tmp_path, capsy
     expected = reference_ids(reference_counts(rows, ["stop"]), 20, 200)
     assert (d2t + np.arange(20)).tolist() == expected
 
-    # The flag wins over the manifest.
-    assert cli([str(out), "--vocab-size", "150", "--draft-vocab-size", "20"]) == 0
-    assert np.load(out / "vocab" / "t2d.npy").shape == (150,)
+    assert np.load(out / "vocab" / "t2d.npy").shape == (200,)  # the manifest's vocabulary size
     assert cli([str(out), "--draft-vocab-size", "500"]) == 2
     assert "error: --draft-vocab-size 500 must be in [1, 200)" in capsys.readouterr().err

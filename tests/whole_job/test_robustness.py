@@ -20,6 +20,7 @@ from eagle_data.errors import ConfigError, EagleDataError, OutputLocked
 from eagle_data.job.run import run
 from eagle_data.storage.contract import is_ours
 from eagle_data.storage.folder import Output
+from eagle_data.storage.lock import lock
 from eagle_data.tools.verify import verify
 
 
@@ -93,7 +94,7 @@ def test_unreachable_object_store_output_is_a_message(tmp_path, qwen3_tokenizer_
 def _take_lock(path: str, barrier, results) -> None:
     barrier.wait()
     try:
-        with Output(path).lock():
+        with lock(Output(path)):
             results.put("locked")
             barrier.wait()  # hold it until both have tried
             return
@@ -122,7 +123,7 @@ def test_a_dead_runs_lock_is_taken_over_with_a_message(tmp_path, caplog):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / ".lock").write_text(
         f'{{"pid": {dead.stdout.strip()}, "host": "{os.uname().nodename}", "started": "earlier"}}')
-    with caplog.at_level("WARNING", logger="eagle_data"), out.lock():
+    with caplog.at_level("WARNING", logger="eagle_data"), lock(out):
         assert str(os.getpid()) in (tmp_path / "out" / ".lock").read_text()
     assert any("taking over the lock" in r.getMessage() and dead.stdout.strip() in r.getMessage()
                for r in caplog.records)

@@ -8,9 +8,8 @@ Feeding rule: Ray's stage hands back a batch only when its slowest row is done, 
 8K-token straggler holds its whole batch, and its finished rows keep their place in flight.
 Many batches must be in flight per replica so that the engine always has enough unfinished
 rows to fill every sequence slot: batch_size x max_concurrent_batches >= (2 + batch_size/8)
-x max_num_seqs (i.e. 2.5 N for batches of 4, 4 N for 16, 6 N for 32). The factor comes
-from the simulated-engine curve in docs/performance.md (long-tailed completions, mean
-~1,300 tokens, max 8,192): 1.5 N, the first guess, measured 41% slot utilisation.
+x max_num_seqs (i.e. 2.5 N for batches of 4, 4 N for 16, 6 N for 32); the curve behind the
+factor is in docs/performance.md, section 2.
 """
 
 from __future__ import annotations

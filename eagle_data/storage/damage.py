@@ -1,0 +1,69 @@
+"""Damaged OUT shards: found before a run starts, moved aside, and their work redone."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from eagle_data.storage.contract import FOLDERS, QUARANTINE
+from eagle_data.storage.folder import Output
+from eagle_data.storage.shards import shard_files
+
+log = logging.getLogger("eagle_data")
+
+
+def quarantine_corrupt(out: Output) -> list[str]:
+    """Move shards that do not read back whole (truncated, overwritten, a byte flipped in
+    a page: every page is read and its checksum checked) out of the folders that are
+    read, into OUT/quarantine/, so that resume and readers never take them as data. Their
+    samples are then simply not done and get generated again; a damaged prompts/ or
+    skipped/ shard makes the prompts phase run again. Cost: one read of OUT per run."""
+    moved = []
+    for folder in FOLDERS:
+        for path in shard_files(out.fs, out.folder(folder)):
+            problem = read_problem(out.fs, path)
+            if problem:
+                dest = f"{out.folder(QUARANTINE)}/{folder}/{os.path.basename(path)}"
+                out.fs.create_dir(os.path.dirname(dest), recursive=True)
+                out.fs.move(path, dest)
+                log.warning("quarantined damaged shard %s -> %s (%s)", path, dest, problem)
+                moved.append(path)
+                if folder in ("prompts", "skipped"):
+                    out.manifest.mark_prompts("damaged")
+    if moved:
+        out.manifest.save()
+    return moved
+
+def check_prompts_record(out: Output) -> None:
+    """A finished prompts phase whose prompts/ or skipped/ no longer hold the rows it
+    recorded (a shard deleted) is made again: prompts are deterministic, so the ids
+    already in data/ stay valid."""
+    if not out.manifest.prompts_complete():
+        return
+    counts = out.manifest.prompts_counts
+    for folder in ("prompts", "skipped"):
+        rows = sum(_rows(out.fs, f) for f in shard_files(out.fs, out.folder(folder)))
+        if rows != counts.get(folder):
+            log.warning("%s/ holds %d rows, the prompts phase recorded %s: making the prompts again",
+                        folder, rows, counts.get(folder))
+            out.manifest.mark_prompts("damaged")
+            out.manifest.save()
+            return
+
+
+def read_problem(fs, path: str) -> str | None:
+    """Why a shard does not read back whole, or None."""
+    try:
+        with fs.open_input_file(path) as f:
+            pq.ParquetFile(f, page_checksum_verification=True).read()
+    except (OSError, pa.ArrowException) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _rows(fs, path: str) -> int:
+    with fs.open_input_file(path) as f:
+        return pq.read_metadata(f).num_rows
