@@ -289,7 +289,7 @@ def conversations() -> list[dict]:
     return rows
 
 
-def test_multi_turn_on_deepseek_r1_template(ray_local, tmp_path, babble_r1):
+def test_multi_turn_on_deepseek_r1_template(ray_local, tmp_path, babble_r1, capfd):
     from eagle_data.job.run import run
     from eagle_data.model_files import load_tokenizer
 
@@ -319,6 +319,10 @@ def test_multi_turn_on_deepseek_r1_template(ray_local, tmp_path, babble_r1):
         assert "DATASET ANSWER" not in json.dumps(r["messages"])
         assert r["messages"][-2]["content"] == firsts[r["conversation_id"]]["response"]
     verify_ok(out)
+    # One dataset per turn depth in one driver: Ray Data's stats actor must know each (no
+    # `_StatsActor.update_execution_metrics` KeyError printed while they run).
+    printed = capfd.readouterr()
+    assert "Traceback" not in printed.out + printed.err, (printed.out + printed.err)[-4000:]
     print(f"\nvLLM turns=all on R1: {len(rows)} rows over turns {sorted(by_turn)}, reasoning {seen}, {seconds:.0f}s")
 
 
