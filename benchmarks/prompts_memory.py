@@ -38,7 +38,7 @@ def child(n: int) -> None:
 
     from support import extract_tokenizer
     from eagle_data.config import load_config
-    from eagle_data.job.run import run
+    from eagle_data.job.phases.run import run
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -14,7 +14,7 @@ Engine time: bare vLLM = the `generate` call; the job = first request queued in 
 to last token, from vLLM's per-request metrics that Ray's stage returns (its engine has one
 clock). Model load (and, for the job, Ray and the pipeline starting) is reported separately.
 Settings: `default` = the project's feeding rule (batch 4, batch_size x max_concurrent_batches
-= (2 + 4/8) x slots rows in flight, see eagle_data/job/engines/vllm_backend.py); `naive` = one
+= (2 + 4/8) x slots rows in flight, see eagle_data/job/stages/engines/vllm_backend.py); `naive` = one
 batch of `slots` rows at a time (max_concurrent_batches 1): the engine idles while each
 batch's slowest row finishes.
 """
@@ -52,7 +52,7 @@ def bare_vllm(spec_path: str, result_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from eagle_data.job.requests import row_seed
+    from eagle_data.job.stages.requests import row_seed
 
     spec = json.loads(Path(spec_path).read_text())
     prompts = pads.dataset(sorted(Path(spec["out"], "prompts").glob("*.parquet"))).to_table(
@@ -74,7 +74,7 @@ def bare_vllm(spec_path: str, result_path: str) -> None:
 def timed_engine(events: str):
     """The configured engine stage (Ray's vLLM stage) + a step recording each batch's vLLM
     request metrics."""
-    from eagle_data.job.engines import apply_engine
+    from eagle_data.job.stages.engines import apply_engine
 
     def record(batch, path):
         metrics = [m for m in batch.column("metrics").to_pylist() if m]
@@ -112,8 +112,8 @@ def main() -> None:
     import ray
 
     from eagle_data.config import load_config
-    from eagle_data.job.generate_phase import target_tokens
-    from eagle_data.job.run import run
+    from eagle_data.job.phases.generate import target_tokens
+    from eagle_data.job.phases.run import run
     from eagle_data.model_files import load_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp_name:

@@ -17,7 +17,7 @@ class _Section(BaseModel):
 
 
 class PerSourceConfig(_Section):
-    """Source-balanced sampling (see eagle_data/job/sample.py `source_quotas`)."""
+    """Source-balanced sampling (see eagle_data/job/stages/sample.py `source_quotas`)."""
 
     max_rows: int | None = Field(
         default=None, ge=1,
@@ -121,7 +121,7 @@ class EngineConfig(_Section):
     batch_size: int = Field(
         default=16, ge=1,
         description="rows per engine call. vLLM returns a batch only when its slowest row is done, so batches "
-                    "are small and many are in flight (see `eagle_data/job/engines/vllm_backend.py`)")
+                    "are small and many are in flight (see `eagle_data/job/stages/engines/vllm_backend.py`)")
     max_concurrent_batches: int = Field(
         default=64, ge=1,
         description="batches in flight per replica; keep `batch_size x max_concurrent_batches >= "

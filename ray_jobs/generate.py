@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import eagle_data
 from eagle_data.config import load_config
 from eagle_data.errors import EmptyResult, cli
-from eagle_data.job.run import close_ray, run
+from eagle_data.job.phases.run import close_ray, run
 from eagle_data.storage.files import filesystem
 from eagle_data.storage.shards import shard_files
 

@@ -54,7 +54,7 @@ def small_out(ray_local, tiny_qwen3, tmp_path_factory) -> Path:
     """A real OUT made once for the modules that only read one (reader, export, vocab): the
     job on 20 samples of the bundled sample, on the tiny model, 4 rows per shard. A test
     that changes an OUT makes its own."""
-    from eagle_data.job.run import run
+    from eagle_data.job.phases.run import run
 
     out = tmp_path_factory.mktemp("small-out") / "out"
     run(job_config(out, tiny_qwen3, engine__batch_size=4, sampling__max_tokens=12, source__sample=20,

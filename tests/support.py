@@ -247,7 +247,7 @@ def layouts(tmp_path, rows) -> dict[str, list[tuple[str, int | None]]]:
 
 
 def read_layout(source_cfg, dataset, repartition):
-    from eagle_data.job.source import read_source
+    from eagle_data.job.stages.source import read_source
 
     ds = read_source(source_cfg.model_copy(update={"dataset": dataset}))
     return ds.repartition(repartition) if repartition else ds

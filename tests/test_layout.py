@@ -13,8 +13,8 @@ from eagle_data.storage.contract import SCHEMAS
 LAYERS = [
     ("eagle_data.errors", 0), ("eagle_data.config", 0), ("eagle_data.config_doc", 0), ("eagle_data.model_files", 0),
     ("eagle_data.storage", 1), ("eagle_data.reader", 2), ("eagle_data.tools", 3),
-    ("eagle_data.job.prompts_phase", 5), ("eagle_data.job.generate_phase", 5), ("eagle_data.job.run", 6),
-    ("eagle_data.job", 4),  # the stages
+    ("eagle_data.job.phases.run", 6), ("eagle_data.job.phases", 5),
+    ("eagle_data.job", 4),  # the stages and what phases and stages share
     ("eagle_data.__main__", 7), ("ray_jobs", 7),
 ]
 
@@ -93,3 +93,9 @@ def test_the_reader_imports_no_config_pydantic_yaml_or_ray():
             "or m.startswith(('eagle_data.config', 'eagle_data.job', 'eagle_data.tools'))))")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_stages_are_built_from_plain_values_and_import_no_phase():
+    """A stage is one map_batches step: it does not orchestrate, so it imports no phase."""
+    for path in (REPO / "eagle_data" / "job" / "stages").rglob("*.py"):
+        assert not {n for n in imports(path) if n.startswith("eagle_data.job.phases")}, path

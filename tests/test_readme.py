@@ -43,7 +43,7 @@ def with_out(argv: list[str], out: Path) -> list[str]:
 def demo_like_out(ray_local, tmp_path_factory, qwen3_tokenizer_dir) -> Path:
     """An OUT like the demo's: answers that end (finish_reason stop) as well as cut-off ones,
     which the README's export and reader snippet filter on."""
-    from eagle_data.job.run import run
+    from eagle_data.job.phases.run import run
 
     tmp = tmp_path_factory.mktemp("readme")
     probs = {**{w: 0.13 for w in WORDS}, "<|im_end|>": 0.2}

@@ -18,7 +18,7 @@ import eagle_data
 from support import REPO
 from eagle_data import errors
 from eagle_data.errors import DiskFull, EagleDataError, EmptyResult, cli
-from eagle_data.job.columns import MissingColumns, require
+from eagle_data.job.stages.columns import MissingColumns, require
 
 # The entry points, and the functions in them that make the exit code.
 CLI = {"ray_jobs/generate.py": {"main", "job"}, "eagle_data/__main__.py": {"main", "run_command"},
@@ -129,7 +129,7 @@ def test_a_wiring_bug_propagates_through_cli_with_its_traceback(capsys):
     with pytest.raises(MissingColumns, match=r"turn stage requires columns \['messages'\]"):
         cli(lambda: require("turn stage", batch, ["messages"]))
     assert capsys.readouterr().err == ""
-    code = ("import pyarrow as pa; from eagle_data.errors import cli; from eagle_data.job.columns import require; "
+    code = ("import pyarrow as pa; from eagle_data.errors import cli; from eagle_data.job.stages.columns import require; "
             "cli(lambda: require('turn stage', pa.table({'prompt': ['hi']}), ['messages']))")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 1 and "Traceback (most recent call last)" in result.stderr

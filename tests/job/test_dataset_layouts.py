@@ -14,7 +14,7 @@ import yaml
 
 from support import attached, job_cli, job_config, job_settings, read, sharegpt, write_jsonl
 from eagle_data.errors import EmptyResult, MissingInput, UnsupportedDataset
-from eagle_data.job.run import run
+from eagle_data.job.phases.run import run
 
 PROMPTS = dict(sampling__max_tokens=256, output__rows_per_shard=16)  # the model: a tokenizer folder
 

@@ -13,8 +13,8 @@ from support import SAMPLE, job_config, layouts, read_layout, sharegpt
 from eagle_data.config import load_config
 from eagle_data.errors import ConfigError, OutputMismatch
 from eagle_data.job.fingerprints import prompt_config
-from eagle_data.job.run import run
-from eagle_data.job.sample import sample_scores, select_per_source, source_quotas
+from eagle_data.job.phases.run import run
+from eagle_data.job.stages.sample import sample_scores, select_per_source, source_quotas
 
 # --- quotas: pure arithmetic on the per-source row counts ---------------------------------
 

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pytest
 
 from eagle_data.model_files import load_tokenizer, special_tokens
-from eagle_data.job.postprocess import OUT_SCHEMA, Postprocessor
+from eagle_data.job.stages.postprocess import OUT_SCHEMA, Postprocessor
 
 QUESTION = [{"role": "user", "content": "What is 2+2?"}]
 

@@ -13,8 +13,8 @@ from transformers import AutoTokenizer
 from support import SAMPLE, job_config, layouts, read_layout, sharegpt, write_jsonl
 from support import read as read_rows
 from eagle_data.errors import OutputMismatch
-from eagle_data.job.run import run
-from eagle_data.job.sample import select_sample
+from eagle_data.job.phases.run import run
+from eagle_data.job.stages.sample import select_sample
 
 
 PROMPTS = dict(sampling__max_tokens=256, output__rows_per_shard=16)  # the model: a tokenizer folder

@@ -180,7 +180,7 @@ def faulted_run(ray_local, tmp_path_factory, babble_qwen3) -> dict:
     which it never has to, since each engine task gets one batch (generate_phase). The
     rerun feeds the engine as the project does by default (batches of 4, 8 sequence slots):
     feeding settings are not part of what an OUT holds, so a resume may change them."""
-    from eagle_data.job.run import run
+    from eagle_data.job.phases.run import run
 
     tmp = tmp_path_factory.mktemp("vllm-faults")
     out = tmp / "out"
@@ -249,7 +249,7 @@ def test_data_rows_are_exactly_what_vllm_generates(faulted_run, babble_qwen3, tm
     """Every data/ row of the faulted run (answered one at a time across a replica restart
     and a driver kill, then in batches by the rerun) against vllm.LLM.generate on all the
     same requests at once."""
-    from eagle_data.job.requests import row_seed
+    from eagle_data.job.stages.requests import row_seed
     from eagle_data.model_files import load_tokenizer
 
     out = faulted_run["out"]
@@ -290,7 +290,7 @@ def conversations() -> list[dict]:
 
 
 def test_multi_turn_on_deepseek_r1_template(ray_local, tmp_path, babble_r1, capfd):
-    from eagle_data.job.run import run
+    from eagle_data.job.phases.run import run
     from eagle_data.model_files import load_tokenizer
 
     out = tmp_path / "out"
@@ -337,7 +337,7 @@ def test_greedy_parity_with_transformers_backend(ray_local, tmp_path, qwen3_toke
     import torch
     from transformers import AutoModelForCausalLM
 
-    from eagle_data.job.run import run
+    from eagle_data.job.phases.run import run
 
     model = build_tiny_model(qwen3_tokenizer_dir, tmp_path / "tiny-h64", head_dim=64)
     rows = {}

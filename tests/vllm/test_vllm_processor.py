@@ -8,8 +8,8 @@ import pytest
 
 from support import REPO
 from eagle_data.config import load_config
-from eagle_data.job.engines.vllm_backend import build_vllm_processor, feed_factor, processor_config
-from eagle_data.job.requests import Requests, engine_sampling
+from eagle_data.job.stages.engines.vllm_backend import build_vllm_processor, feed_factor, processor_config
+from eagle_data.job.stages.requests import Requests, engine_sampling
 
 KIMI = REPO / "configs" / "kimi-k2.5.yaml"
 
@@ -111,7 +111,7 @@ def test_no_gpu_in_the_cluster_fails_after_the_wait_instead_of_hanging(ray_local
     import time
 
     from eagle_data.errors import NoReplicaResources
-    from eagle_data.job.engines.vllm_backend import wait_for_replica_resources
+    from eagle_data.job.stages.engines.vllm_backend import wait_for_replica_resources
 
     cfg = load_config(KIMI, ["engine.resource_wait_s=1"])
     started = time.monotonic()
@@ -126,7 +126,7 @@ def test_no_gpu_in_the_cluster_fails_after_the_wait_instead_of_hanging(ray_local
 def test_the_transformers_backend_emits_rays_vllm_output_columns():
     from ray.llm._internal.batch.stages.vllm_engine_stage import vLLMOutputData
 
-    from eagle_data.job.engines.transformers_backend import engine_output
+    from eagle_data.job.stages.engines.transformers_backend import engine_output
     from eagle_data.job.ray_internals import ENGINE_ERROR, VLLM_OUTPUT_DEFAULTS
 
     assert list(VLLM_OUTPUT_DEFAULTS) == list(vLLMOutputData.model_fields)

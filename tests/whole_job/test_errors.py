@@ -40,7 +40,7 @@ def test_an_unsupported_dataset_file_stops_the_job_before_it_starts(tmp_path, qw
 
 
 def test_reader_pad_id_before_the_generate_phase_says_what_to_do(ray_local, tmp_path, qwen3_tokenizer_dir):
-    from eagle_data.job.run import run
+    from eagle_data.job.phases.run import run
     from support import as_config
 
     path = write_jsonl(tmp_path / "rows.jsonl", [{"messages": [{"role": "user", "content": "Hi?"}]}])

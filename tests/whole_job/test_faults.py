@@ -20,7 +20,7 @@ import yaml
 from support import REPO, as_config, attached, job_settings, read, shards
 from eagle_data.errors import OutputLocked, OutputMismatch
 from eagle_data.storage.folder import Output
-from eagle_data.job.run import run
+from eagle_data.job.phases.run import run
 from eagle_data.tools.verify import verify
 
 

@@ -11,9 +11,9 @@ import pytest
 from ray.llm._internal.batch.stages.vllm_engine_stage import vLLMOutputData
 
 from support import job_config, read
-from eagle_data.job.engines.transformers_backend import TransformersEngine
+from eagle_data.job.stages.engines.transformers_backend import TransformersEngine
 from eagle_data.model_files import load_tokenizer
-from eagle_data.job.run import run
+from eagle_data.job.phases.run import run
 
 
 SMALL = dict(engine__batch_size=4, sampling__max_tokens=12, output__rows_per_shard=10)

@@ -18,7 +18,7 @@ import yaml
 
 from support import REPO, as_config, attached, build_babbling_model, job_settings, read, shards, write_jsonl
 from eagle_data.model_files import load_tokenizer
-from eagle_data.job.run import run
+from eagle_data.job.phases.run import run
 from eagle_data.tools.verify import verify
 
 WORDS = [" the", " cat", " sat", " on", " mat", " and", " dog", " ran", "."]
@@ -225,7 +225,7 @@ def test_turn_builder_stops_a_conversation_with_a_reason(ray_local, qwen3_tokeni
     a next user turn drops out."""
     import pyarrow as pa
 
-    from eagle_data.job.turns import TurnBuilder
+    from eagle_data.job.stages.turns import TurnBuilder
 
     def previous(conversation, finish, response="ok"):
         return {"conversation_id": conversation, "turn": 0, "source": "s", "finish_reason": finish,
@@ -258,7 +258,7 @@ def test_turn_builder_stops_a_conversation_with_a_reason(ray_local, qwen3_tokeni
 def test_each_turn_of_a_conversation_gets_its_own_seed():
     """Turn ids share their conversation's prefix; the per-sample seed must still differ, or
     every turn of a conversation would draw the same random stream on vLLM."""
-    from eagle_data.job.requests import row_seed
+    from eagle_data.job.stages.requests import row_seed
 
     seeds = {row_seed(0, f"0123456789abcdef0123-{t}") for t in range(20)}
     assert len(seeds) == 20

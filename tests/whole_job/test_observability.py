@@ -17,8 +17,8 @@ import pytest
 from support import REPO, job_config
 from eagle_data.tools.inspect_out import render_sample
 from eagle_data.model_files import load_tokenizer, special_tokens
-from eagle_data.job.run import run
-from eagle_data.job.postprocess import Postprocessor
+from eagle_data.job.phases.run import run
+from eagle_data.job.stages.postprocess import Postprocessor
 
 PROGRESS = re.compile(
     r"progress: (\d+)/(\d+) done .* this run ok (\d+) failed (\d+) .* completion tokens mean (\d+) "

@@ -17,7 +17,7 @@ import yaml
 from support import REPO, SAMPLE, attached, job_cli, job_config, job_settings, read, shards
 from eagle_data.config import load_config
 from eagle_data.errors import ConfigError, EagleDataError, OutputLocked
-from eagle_data.job.run import run
+from eagle_data.job.phases.run import run
 from eagle_data.storage.contract import is_ours
 from eagle_data.storage.folder import Output
 from eagle_data.storage.lock import lock
@@ -181,7 +181,7 @@ def test_tools_report_what_a_half_finished_out_holds(ray_local, tmp_path, qwen3_
 
 def test_a_report_that_cannot_be_written_does_not_fail_complete_data(ray_local, tmp_path, qwen3_tokenizer_dir,
                                                                       monkeypatch, caplog):
-    import eagle_data.job.run as job_run
+    import eagle_data.job.phases.run as job_run
 
     def full_disk(out):
         raise OSError(28, "No space left on device")

@@ -1,4 +1,4 @@
-"""Reading the chat dataset (the sample is picked in job/sample.py).
+"""Reading the chat dataset (the sample is picked in job/stages/sample.py).
 
 Every row becomes `row_id` (hash of its content), `source`, `raw` (the row as JSON text),
 `origin` ("FILE:LINE" for jsonl and JSON array files, "" otherwise) and `encoding_error`
@@ -28,7 +28,7 @@ import ray
 from eagle_data.config import SourceConfig
 from eagle_data.model_files import is_hub_id
 from eagle_data.errors import MissingInput, UnsupportedDataset
-from eagle_data.job.columns import Stage, columns
+from eagle_data.job.stages.columns import Stage, columns
 
 log = logging.getLogger("eagle_data")
 

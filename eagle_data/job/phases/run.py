@@ -16,12 +16,12 @@ import ray
 
 from eagle_data.config import Config
 from eagle_data.errors import EagleDataError, EmptyResult, MissingInput, NotWritable
-from eagle_data.job.engines import ENGINE_CLASSES
+from eagle_data.job.stages.engines import ENGINE_CLASSES
 from eagle_data.job.fingerprints import generate_config, prompt_config
-from eagle_data.job.generate_phase import run_generate
-from eagle_data.job.prompts_phase import run_prompts
+from eagle_data.job.phases.generate import run_generate
+from eagle_data.job.phases.prompts import run_prompts
 from eagle_data.job.ray_internals import quiet_worker_logs, ray_data_progress, wait_for_actors_to_exit
-from eagle_data.job.source import locate
+from eagle_data.job.stages.source import locate
 from eagle_data.model_files import check_tokenizer_path, hub_reachable, is_hub_id, load_tokenizer, use_hub_cache_only
 from eagle_data.storage.damage import check_prompts_record, quarantine_corrupt
 from eagle_data.storage.folder import Output

@@ -2,7 +2,7 @@
 OUT/data + OUT/failed (+ OUT/stopped under turns: all).
 
 One engine pass per turn depth (turns: all): turn d is asked once turn d-1's answers are
-published (job/turns.py). first_user has only turn 0.
+published (job/stages/turns.py). first_user has only turn 0.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from ray.data.expressions import col, lit
 
 from eagle_data.config import Config
 from eagle_data.errors import MissingInput
-from eagle_data.job.engines import ENGINE_CLASSES, apply_engine
+from eagle_data.job.stages.engines import ENGINE_CLASSES, apply_engine
 from eagle_data.job.fingerprints import generate_config
-from eagle_data.job.postprocess import Postprocessor
-from eagle_data.job.requests import Askable, FirstTurn, Requests, engine_sampling
+from eagle_data.job.stages.postprocess import Postprocessor
+from eagle_data.job.stages.requests import Askable, FirstTurn, Requests, engine_sampling
 from eagle_data.job.progress import EngineWatch, Progress
 from eagle_data.job.ray_internals import actor_nodes, bound_queues, one_batch_per_block, read_parquet_in_small_tasks
-from eagle_data.job.turns import PREVIOUS_COLUMNS, TurnBuilder, next_user_texts
+from eagle_data.job.stages.turns import PREVIOUS_COLUMNS, TurnBuilder, next_user_texts
 from eagle_data.model_files import SpecialTokens, generation_eos_ids, load_tokenizer, model_vocab_size, special_tokens
 from eagle_data.storage.contract import DATA_SCHEMA, ERROR, FAILED_SCHEMA, STOPPED_SCHEMA
 from eagle_data.storage.folder import Output

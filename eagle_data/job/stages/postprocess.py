@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from eagle_data.config import Config
-from eagle_data.job.columns import Stage, columns
+from eagle_data.job.stages.columns import Stage, columns
 from eagle_data.model_files import SpecialTokens, load_tokenizer
 from eagle_data.job.ray_internals import ENGINE_ERROR
 from eagle_data.storage.contract import DATA_SCHEMA, ERROR, IDS

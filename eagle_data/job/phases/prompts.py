@@ -13,9 +13,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from eagle_data.config import Config
-from eagle_data.job.prompts import PromptBuilder
-from eagle_data.job.sample import select_rows
-from eagle_data.job.source import read_source
+from eagle_data.job.stages.prompts import PromptBuilder
+from eagle_data.job.stages.sample import select_rows
+from eagle_data.job.stages.source import read_source
 from eagle_data.job.fingerprints import prompt_config
 from eagle_data.storage.contract import PROMPTS_SCHEMA, SKIPPED_SCHEMA
 from eagle_data.storage.folder import Output

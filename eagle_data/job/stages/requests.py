@@ -9,7 +9,7 @@ import pyarrow.compute as pc
 import ray
 
 from eagle_data.config import SamplingConfig
-from eagle_data.job.columns import Stage, columns
+from eagle_data.job.stages.columns import Stage, columns
 from eagle_data.storage.contract import turn_sample_ids
 
 

@@ -13,7 +13,7 @@ import pyarrow as pa
 import ray
 
 from eagle_data.config import Config
-from eagle_data.job.columns import Stage, columns
+from eagle_data.job.stages.columns import Stage, columns
 from eagle_data.job.ray_internals import ENGINE_ERROR, VLLM_OUTPUT_DEFAULTS
 from eagle_data.model_files import pretrained_args
 

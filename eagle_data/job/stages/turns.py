@@ -1,6 +1,6 @@
 """Turn policy `all`: every user turn answered by the target, conditioned on its own answers.
 
-The generate phase makes one engine pass per turn depth (eagle_data/job/generate_phase.py). The
+The generate phase makes one engine pass per turn depth (eagle_data/job/phases/generate.py). The
 pass for turn d starts from the published data/ rows of turn d-1: each row's prompt
 messages, plus the target's answer to them, plus the conversation's next user text, make
 turn d's conversation, which the chat template renders as a chat client would send it back
@@ -26,8 +26,8 @@ import pyarrow.dataset as pads
 import ray
 
 from eagle_data.config import Config
-from eagle_data.job.columns import Stage, columns
-from eagle_data.job.prompts import PromptRenderer
+from eagle_data.job.stages.columns import Stage, columns
+from eagle_data.job.stages.prompts import PromptRenderer
 from eagle_data.storage.contract import DATA_SCHEMA, IDS, MESSAGE_TYPE, PROMPTS_SCHEMA, STOPPED_SCHEMA, turn_sample_ids
 from eagle_data.storage.shards import shard_files
 

@@ -16,7 +16,7 @@ import pyarrow as pa
 import ray
 
 from eagle_data.config import PerSourceConfig, SourceConfig
-from eagle_data.job.columns import Stage, columns
+from eagle_data.job.stages.columns import Stage, columns
 
 log = logging.getLogger("eagle_data")
 

@@ -18,7 +18,7 @@ from typing import ClassVar
 import pyarrow as pa
 
 from eagle_data.config import Config
-from eagle_data.job.columns import Stage, columns
+from eagle_data.job.stages.columns import Stage, columns
 from eagle_data.model_files import control_token_pattern, load_tokenizer
 from eagle_data.storage.contract import PROMPTS_SCHEMA, SKIPPED_SCHEMA
 
