@@ -71,6 +71,7 @@ def test_every_set_example_is_accepted_by_the_config():
         load_config(str(REPO / "configs/demo.yaml"), [example])  # raises, naming the key, when not
 
 
+@pytest.mark.slow
 def test_the_tool_commands_run_as_written(demo_like_out, tmp_path):
     out = tmp_path / "demo"
     shutil.copytree(demo_like_out, out)  # report and vocab write into OUT
@@ -84,6 +85,7 @@ def test_the_tool_commands_run_as_written(demo_like_out, tmp_path):
     assert (out / "report.html").is_file()
 
 
+@pytest.mark.slow
 def test_the_reader_snippet_runs_as_written(demo_like_out):
     [snippet] = [b for b in readme.blocks("python") if "from eagle_data.reader import" in b]
     assert '"out/demo"' in snippet
