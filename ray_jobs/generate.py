@@ -72,9 +72,6 @@ def summary(out: str, result: dict) -> str:
             lines.append(f"  example:  Q: {example['messages'][-1]['content'][:200]!r}")
             lines.append(f"            A: {example['response'][:300]!r}")
     times = [f"{name} {seconds:.0f}s" for name, seconds in result.get("seconds", {}).items()]
-    loads = result.get("generate", {}).get("engine_load_s")
-    if loads:
-        times.append(f"of which loading the model {loads[0]:.0f}s")
     lines.append(f"  time:     {', '.join(times)}")
     lines.append(f"  manifest: {out}/manifest.json")
     return "\n".join(lines)

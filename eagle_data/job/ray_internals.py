@@ -262,6 +262,7 @@ def vllm_stage_udf():
     kills an exiting actor's children, the multiprocessing resource tracker among them,
     and a vLLM worker still cleaning up then relaunches the tracker, which prints
     `KeyError` tracebacks for shared memory it never saw."""
+    import atexit
     import multiprocessing.resource_tracker
 
     from ray.llm._internal.batch.stages.vllm_engine_stage import vLLMEngineStageUDF
@@ -271,14 +272,23 @@ def vllm_stage_udf():
             multiprocessing.resource_tracker.ensure_running()
             super().__init__(*args, **kwargs)
             self.stats = EngineStats.attach(self.llm.engine)
+            self.shut = False
+            # At the actor's exit vLLM's own exit hook (a weakref finalizer) may stop the
+            # engine before `__del__` runs; atexit runs hooks last-registered first, so
+            # this one comes before vLLM's.
+            atexit.register(self.shut_down)
 
-        def __del__(self):
-            if not hasattr(self, "llm"):
+        def shut_down(self) -> None:
+            if getattr(self, "shut", True):
                 return
+            self.shut = True
             engine_processes = descendants(os.getpid()) - {multiprocessing.resource_tracker._resource_tracker._pid}
             stop_output_handler(self.llm.engine)
-            super().__del__()
+            self.llm.shutdown()
             wait_for_exit(engine_processes)
+
+        def __del__(self):
+            self.shut_down()
 
     return VLLMEngine
 

@@ -159,7 +159,7 @@ def _vllm_replica_pids() -> list[int]:
     import psutil
 
     return [p.pid for p in psutil.process_iter(["cmdline"])
-            if "vLLMEngineStageUDF" in " ".join(p.info["cmdline"] or []) and "MapWorker" in " ".join(p.info["cmdline"] or [])]
+            if "MapWorker(MapBatches(VLLMEngine))" in " ".join(p.info["cmdline"] or [])]
 
 
 def _kill_group(pgid: int) -> None:
@@ -207,7 +207,8 @@ def faulted_run(ray_local, tmp_path_factory, babble_qwen3) -> dict:
                 break
             time.sleep(0.2)
         finished_early = job.poll() is not None
-        os.kill(job.pid, signal.SIGKILL)
+        if not finished_early:
+            os.kill(job.pid, signal.SIGKILL)
         job.wait()
     _kill_group(job.pid)  # the killed driver's local Ray instance and engine, started in its session
 

@@ -100,10 +100,11 @@ def finish_run(cfg: Config, out: Output, run: dict, total: int, writers: dict, p
     out.manifest.finish_run("generate", run, counts, ok=data.written, failed=failed.written,
                             generated_tokens=progress.generated_tokens,
                             wall_s=round(time.monotonic() - progress.started, 1),
+                            engine_load_s=[round(s, 1) for s in progress.engine.load_s],
                             **({"replica_nodes": nodes} if nodes is not None else {}))
     log.info("generate: run %s wrote %d ok, %d failed; OUT totals %s", run["run_id"], data.written,
              failed.written, counts)
-    return {**counts, "engine_load_s": [round(s, 1) for s in progress.engine.load_s]}
+    return counts
 
 
 class ReplicaNodes:

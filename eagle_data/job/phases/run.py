@@ -73,6 +73,9 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow
             result["generate"] = run_generate(cfg, out, engine)
             report(out)
             result["seconds"]["generate"] = time.monotonic() - started
+            loads = out.manifest.generate_runs[-1].get("engine_load_s")
+            if loads:  # the first replica's model load, within generate
+                result["seconds"]["of which loading the model"] = loads[0]
     return result
 
 
