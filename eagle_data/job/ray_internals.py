@@ -150,10 +150,26 @@ TRACKER_TRACEBACK = re.compile(r"multiprocessing/resource_tracker\.py|cache\[rty
                                r"^KeyError: '/(psm_|mp-)")
 
 
+# vLLM 0.29's exit path can stop the engine process before it cancels the task reading its
+# outputs (vllm_stage_udf cancels it first where it gets the chance); that task then logs
+# this block, although every row was answered. A real engine death mid-run also fails its
+# rows (failed/, with the error) and Ray reports the actor's death.
+SHUTDOWN_HEADER = re.compile(r"\[async_llm\.py:\d+\] AsyncLLM output_handler failed\.$")
+SHUTDOWN_LINE = re.compile(r"\[async_llm\.py:\d+\] ")
+
+
 def drop_harmless_exit_noise(lines: list[str]) -> list[str]:
-    """Worker output lines without the resource tracker's KeyError tracebacks and warnings."""
+    """Worker output lines without the resource tracker's KeyError tracebacks and warnings,
+    and without vLLM's shutdown-time EngineDeadError block."""
     kept, i = [], 0
     while i < len(lines):
+        if SHUTDOWN_HEADER.search(lines[i]):
+            end = i + 1
+            while end < len(lines) and SHUTDOWN_LINE.search(lines[end]) and "EngineDeadError" not in lines[end]:
+                end += 1
+            if end < len(lines) and "vllm.v1.engine.exceptions.EngineDeadError" in lines[end]:
+                i = end + 1
+                continue
         if HARMLESS_EXIT_NOISE.search(lines[i]):
             i += 1
             continue

@@ -32,3 +32,20 @@ def test_other_tracebacks_are_kept_whole():
             "line 239, in main", "    cache[rtype].remove(name)", "ValueError: boom"]
     assert drop_harmless_exit_noise(real) == real
     assert drop_harmless_exit_noise(also) == also
+
+
+ENGINE_SHUTDOWN = [
+    "ERROR 12-01 11:45:35 [async_llm.py:819] AsyncLLM output_handler failed.",
+    "ERROR 12-01 11:45:35 [async_llm.py:819] Traceback (most recent call last):",
+    'ERROR 12-01 11:45:35 [async_llm.py:819]   File "/x/vllm/v1/engine/async_llm.py", line 765, in output_handler',
+    "ERROR 12-01 11:45:35 [async_llm.py:819]     outputs = await engine_core.get_output_async()",
+    "ERROR 12-01 11:45:35 [async_llm.py:819] vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered "
+    "an issue. See stack trace (above) for the root cause.",
+]
+
+
+def test_vllms_shutdown_time_engine_dead_block_is_dropped_and_other_engine_errors_kept():
+    kept = ["INFO [core_client.py:696] [shutdown] MPClient: complete", "Shutting down vLLM engine"]
+    assert drop_harmless_exit_noise(kept[:1] + ENGINE_SHUTDOWN + kept[1:]) == kept
+    other = ENGINE_SHUTDOWN[:-1] + ["ERROR 12-01 11:45:35 [async_llm.py:819] RuntimeError: CUDA error"]
+    assert drop_harmless_exit_noise(other) == other
