@@ -187,7 +187,6 @@ def drop_harmless_exit_noise(lines: list[str]) -> list[str]:
 
 def quiet_worker_logs() -> None:
     """Print the workers' output in the driver (the job log) without HARMLESS_EXIT_NOISE."""
-    from ray._private import worker as ray_worker
     from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
     printer = next((h for name, h in dispatcher.handlers if name == "ray_print_logs"), None)
@@ -202,7 +201,6 @@ def quiet_worker_logs() -> None:
     print_quietly.eagle_quiet = True
     dispatcher.remove_handler("ray_print_logs")
     dispatcher.add_handler("ray_print_logs", print_quietly)
-    del ray_worker  # imported for the dispatcher's module to be initialised
 
 
 def wait_for_actors_to_exit(class_names: tuple[str, ...], timeout_s: float = 60) -> None:
