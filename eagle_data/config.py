@@ -184,6 +184,35 @@ class OutputConfig(_Section):
                     "progress line says what a user needs; on to see Ray Data's operators")
 
 
+class HiddenStatesConfig(_Section):
+    """The hidden-states phase (job/phases/hidden_states.py): the target run once more over
+    data/'s exact `input_ids`, keeping its states at the EAGLE-3 layers."""
+
+    enabled: bool = Field(
+        default=False,
+        description="run the phase as part of `--phase all` (`--phase hidden_states` runs it alone)")
+    layer_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        default=None, min_length=1,
+        description="vLLM layer ids to keep: id k = the residual stream after k decoder layers (HF's "
+                    "`hidden_states[k]` for k < L); id L = the final state before the final norm. Stored "
+                    "in ascending order. null = EAGLE-3's choice for the model's depth L: {2, L//2, L-3, L}")
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        default="bfloat16", description="the engine's dtype for this pass, and the stored dtype")
+    finish_reason: list[str] | None = Field(
+        default=None, description="only data/ rows with these finish reasons (`stop`, `length`); null = all")
+    source: list[str] | None = Field(default=None, description="only data/ rows of these sources; null = all")
+    rows_per_shard: int = Field(
+        default=64, ge=1,
+        description="samples per hidden_states/ shard (Kimi-K2.5: 56 KiB a token, so 64 rows of 1.6k "
+                    "tokens are ~6 GB)")
+
+    @model_validator(mode="after")
+    def _check_layers(self) -> "HiddenStatesConfig":
+        if self.layer_ids is not None and len(set(self.layer_ids)) != len(self.layer_ids):
+            raise ValueError(f"hidden_states.layer_ids lists a layer twice: {self.layer_ids}")
+        return self
+
+
 class Config(_Section):
     source: SourceConfig = Field(
         default_factory=SourceConfig, description="the chat dataset and the seeded sample taken from it")
@@ -195,6 +224,9 @@ class Config(_Section):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="sampling parameters")
     mask: MaskConfig = Field(default_factory=MaskConfig, description="what the loss mask trains on")
     output: OutputConfig = Field(description="OUT, the output folder, and how it is written")
+    hidden_states: HiddenStatesConfig = Field(
+        default_factory=HiddenStatesConfig,
+        description="the hidden-states phase: the target's features at the EAGLE-3 layers, for offline training")
 
     @property
     def max_prompt_tokens(self) -> int:

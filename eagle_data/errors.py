@@ -88,6 +88,12 @@ class DiskFull(EagleDataError, OSError):
         self.errno = errno.ENOSPC
 
 
+class NotEnoughSpace(EagleDataError):
+    """A phase's storage estimate exceeds the free space: refused before it starts."""
+
+    exit_code = 4
+
+
 def no_space(e: BaseException) -> OSError | None:
     """The OSError with errno ENOSPC behind `e`, if any. Looked for by errno, not text, through
     a Ray task's error (its `.cause`) and what `e` was raised from or while handling."""

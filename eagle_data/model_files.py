@@ -132,25 +132,35 @@ def special_tokens(tokenizer, reasoning_start: str, reasoning_end: str,
     )
 
 
-def model_vocab_size(path: str, trust_remote_code: bool = False) -> tuple[int | None, str]:
-    """(the target's embedding rows, where that was read): `vocab_size` of the model's
-    config (of its text model for a multimodal one), which can exceed len(tokenizer) (Qwen3:
-    151936 vs 151669). A draft's t2d must have this length. (None, why) when unknown."""
+def model_config(path: str, trust_remote_code: bool = False) -> tuple[dict | None, str]:
+    """(the model's config as a dict, where it was read); (None, why) when there is none."""
     name, kwargs = pretrained_args(path)
     config_file = os.path.join(name, "config.json")
     if not kwargs and os.path.isfile(config_file):
         with open(config_file) as f:
-            config, where = json.load(f), f"{config_file} vocab_size"
-    else:
-        from transformers import AutoConfig
+            return json.load(f), config_file
+    from transformers import AutoConfig
 
-        try:
-            config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs).to_dict()
-        except (OSError, ValueError) as e:
-            return None, f"no model config found ({type(e).__name__})"
-        where = f"{path} config vocab_size"
-    value = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
-    return (int(value), where) if value else (None, f"{where}: not set")
+    try:
+        return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs).to_dict(), f"{path} config"
+    except (OSError, ValueError) as e:
+        return None, f"no model config found ({type(e).__name__})"
+
+
+def text_config_value(config: dict, key: str):
+    """`key` of the config, or of its text model's for a multimodal one (Kimi-K2.5)."""
+    return config.get(key) or (config.get("text_config") or {}).get(key)
+
+
+def model_vocab_size(path: str, trust_remote_code: bool = False) -> tuple[int | None, str]:
+    """(the target's embedding rows, where that was read): `vocab_size` of the model's
+    config (of its text model for a multimodal one), which can exceed len(tokenizer) (Qwen3:
+    151936 vs 151669). A draft's t2d must have this length. (None, why) when unknown."""
+    config, where = model_config(path, trust_remote_code)
+    if config is None:
+        return None, where
+    value = text_config_value(config, "vocab_size")
+    return (int(value), f"{where} vocab_size") if value else (None, f"{where} vocab_size: not set")
 
 
 def generation_eos_ids(path: str, trust_remote_code: bool = False) -> list[int] | int | None:

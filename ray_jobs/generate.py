@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import eagle_data
 from eagle_data.config import load_config
 from eagle_data.errors import EmptyResult, cli
-from eagle_data.job.phases.run import close_ray, run
+from eagle_data.job.phases.run import PHASES, close_ray, run
 from eagle_data.storage.files import filesystem
 from eagle_data.storage.shards import shard_files
 
@@ -26,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="YAML config (configs/*.yaml)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. --set source.sample=100 (repeatable)")
-    parser.add_argument("--phase", choices=["prompts", "generate", "all"], default="all")
+    parser.add_argument("--phase", choices=PHASES, default="all",
+                        help="all = prompts, generate, and hidden_states when hidden_states.enabled")
     parser.add_argument("--fresh", action="store_true",
                         help="delete everything in output.path first and start over")
     parser.add_argument("--allow-empty", action="store_true",
@@ -71,6 +72,10 @@ def summary(out: str, result: dict) -> str:
         if example:
             lines.append(f"  example:  Q: {example['messages'][-1]['content'][:200]!r}")
             lines.append(f"            A: {example['response'][:300]!r}")
+    if "hidden_states" in result:
+        h = result["hidden_states"]
+        lines.append(f"  hidden_states/ {h['ok']} of {h['selected']} selected samples; {h['failed_rows']} failed "
+                     f"attempts, {h['failed_final']} gave up, {h['pending_retry']} to retry")
     times = [f"{name} {seconds:.0f}s" for name, seconds in result.get("seconds", {}).items()]
     lines.append(f"  time:     {', '.join(times)}")
     lines.append(f"  manifest: {out}/manifest.json")

@@ -32,3 +32,12 @@ def generate_config(cfg: Config) -> dict:
         **{f"sampling.{k}": v for k, v in cfg.sampling.model_dump().items()},
         "mask.train_on": cfg.mask.train_on,
     })
+
+
+def hidden_states_config(cfg: Config) -> dict:
+    """The keys that decide the content of hidden_states/ (layer_ids null = the model's default)."""
+    return normalised({
+        "model.path": cfg.model.path,
+        **{f"hidden_states.{k}": v for k, v in cfg.hidden_states.model_dump().items()
+           if k in ("layer_ids", "dtype", "finish_reason", "source")},
+    })

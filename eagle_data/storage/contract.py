@@ -9,10 +9,12 @@ section of docs/formats.md says the same (tests/test_layout.py checks that they 
     OUT/data/           ok rows: the target's exact tokens + mask     DATA_SCHEMA
     OUT/failed/         engine errors, one row per failed attempt     FAILED_SCHEMA
     OUT/stopped/        turns not asked: the conversation stopped     STOPPED_SCHEMA
+    OUT/hidden_states/  the target's hidden states of data/ rows      storage/hidden_states.py
+    OUT/hidden_failed/  hidden-states attempts that failed            FAILED_SCHEMA
     OUT/report.json, report.html, report/*.png   the report (storage/report.py)
     OUT/vocab/          the draft vocabulary, when the vocab tool wrote it there (tools/vocab.py)
 
-Shards are `part-<run id>-<n>.parquet` files in those folders, published atomically with
+Shards are `part-<run id>-<n>.parquet` files in those folders (`.safetensors` in hidden_states/), published atomically with
 Parquet page checksums (storage/shards.py). Nothing else is ours: a job refuses an output.path
 holding a file it did not write (`is_ours`), so --fresh and every delete touch only ours.
 
@@ -20,6 +22,8 @@ manifest.json (`schema_version` MANIFEST_VERSION):
     phases.prompts:  status (running | complete | damaged), counts, prompt_config, runs
     phases.generate: counts, generate_config, tokenizer (path, vocab_size, eos_ids, pad_id,
                      reasoning_start_id, reasoning_end_id), runs
+    phases.hidden_states: counts, hidden_states_config, features (layer_ids, final_norm,
+                     dtype, hidden_size, num_layers), runs (each with its storage estimate)
     a run: run_id, started_at, finished_at, status (running | complete), config (the whole
            resolved config of that run), versions (libraries), counts of that run;
            a generate run also: replica_nodes (the Ray node ids its engine replicas ran on,
@@ -34,7 +38,9 @@ import re
 import pyarrow as pa
 import pyarrow.compute as pc
 
-FOLDERS = ("prompts", "skipped", "data", "failed", "stopped")
+FOLDERS = ("prompts", "skipped", "data", "failed", "stopped", "hidden_failed")  # Parquet shards
+HIDDEN_STATES = "hidden_states"  # safetensors shards (storage/hidden_states.py)
+HIDDEN_FAILED = "hidden_failed"
 MANIFEST = "manifest.json"
 VOCAB_SUMMARY = "vocab/vocab.json"  # written by the vocab tool; read by the report
 MANIFEST_VERSION = 2  # 2: config and versions per run (1: once, at the top level)
@@ -81,9 +87,10 @@ FAILED_SCHEMA = pa.schema([*(DATA_SCHEMA.field(n) for n in IDS), (ERROR, pa.stri
 STOPPED_SCHEMA = pa.schema([*(DATA_SCHEMA.field(n) for n in IDS), ("reason", pa.string()),
                             ("detail", pa.string()), ("run_id", pa.string())])
 SCHEMAS = {"prompts": PROMPTS_SCHEMA, "skipped": SKIPPED_SCHEMA, "data": DATA_SCHEMA,
-           "failed": FAILED_SCHEMA, "stopped": STOPPED_SCHEMA}
+           "failed": FAILED_SCHEMA, "stopped": STOPPED_SCHEMA, HIDDEN_FAILED: FAILED_SCHEMA}
 
 SHARD_NAME = re.compile(r"part-\d{8}T\d{6}-[0-9a-f]{6}-\d{5}\.parquet")
+HIDDEN_SHARD_NAME = re.compile(r"part-\d{8}T\d{6}-[0-9a-f]{6}-\d{5}\.safetensors")
 QUARANTINE = "quarantine"  # damaged shards moved out of the folders that are read
 STAGING = ".staging"  # files being written; nothing reads them, the next run deletes them
 LOCK = ".lock"
@@ -102,7 +109,10 @@ def is_ours(relative: str) -> bool:
     if top == "report":
         return len(parts) == 2 and name.endswith(".png")
     if top == QUARANTINE:
-        return len(parts) == 3 and parts[1] in FOLDERS and bool(SHARD_NAME.fullmatch(name))
+        return len(parts) == 3 and (parts[1] in FOLDERS and bool(SHARD_NAME.fullmatch(name))
+                                    or parts[1] == HIDDEN_STATES and bool(HIDDEN_SHARD_NAME.fullmatch(name)))
+    if top == HIDDEN_STATES:
+        return len(parts) == 2 and bool(HIDDEN_SHARD_NAME.fullmatch(name))
     return top in FOLDERS and len(parts) == 2 and bool(SHARD_NAME.fullmatch(name))
 
 

@@ -12,7 +12,7 @@ import pyarrow.fs as pafs
 
 from eagle_data.storage import manifest as mf
 from eagle_data.errors import ForeignFiles, NotAnOut, NotWritable
-from eagle_data.storage.contract import FOLDERS, MANIFEST, QUARANTINE, STAGING, is_ours
+from eagle_data.storage.contract import FOLDERS, HIDDEN_STATES, MANIFEST, QUARANTINE, STAGING, is_ours
 from eagle_data.storage.files import filesystem
 from eagle_data.storage.shards import ShardWriter
 
@@ -51,7 +51,7 @@ class Output:
 
     def wipe(self) -> None:
         """--fresh: delete what earlier runs made (not the lock this run holds)."""
-        self.remove(*FOLDERS, QUARANTINE, STAGING)
+        self.remove(*FOLDERS, HIDDEN_STATES, QUARANTINE, STAGING)
         if self.fs.get_file_info(self.manifest.path).is_file:
             self.fs.delete_file(self.manifest.path)
         self.manifest = mf.Manifest(self.fs, self.root)

@@ -154,6 +154,11 @@ class Manifest:
         self._check(self.data["phases"].get("generate", {}).get("generate_config"), generate_config,
                     f"{self.out}/data was generated with different settings")
 
+    def check_hidden_states_config(self, hidden_states_config: dict) -> None:
+        """Refuse to mix hidden states of other layers, dtype, rows or model."""
+        self._check(self.data["phases"].get("hidden_states", {}).get("hidden_states_config"), hidden_states_config,
+                    f"{self.out}/hidden_states was made with different settings")
+
     def _check(self, made: dict | None, config: dict, what: str) -> None:
         config = normalised(config)
         if made is None or made == config:

@@ -17,8 +17,9 @@ import ray
 from eagle_data.config import Config
 from eagle_data.errors import EagleDataError, EmptyResult, MissingInput, NotWritable
 from eagle_data.job.stages.engines import ENGINE_CLASSES
-from eagle_data.job.fingerprints import generate_config, prompt_config
+from eagle_data.job.fingerprints import generate_config, hidden_states_config, prompt_config
 from eagle_data.job.phases.generate import run_generate
+from eagle_data.job.phases.hidden_states import run_hidden_states
 from eagle_data.job.phases.prompts import run_prompts
 from eagle_data.job.ray_internals import quiet_worker_logs, ray_data_progress, wait_for_actors_to_exit
 from eagle_data.job.stages.source import locate
@@ -31,18 +32,29 @@ from eagle_data.storage.report import write_report
 log = logging.getLogger("eagle_data")
 
 
+PHASES = ("prompts", "generate", "hidden_states", "all")
+
+
 def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow_empty: bool = False) -> dict:
-    """`engine(ds, cfg, pad_id) -> ds` replaces the configured engine stage (benchmarks put
-    a simulated one there). A prompts phase that left 0 prompts (an empty dataset, or
-    every row skipped) raises EmptyResult after its report, unless `allow_empty`."""
+    """Run `phase` (PHASES; `all` = prompts, generate, and hidden_states when
+    hidden_states.enabled). `engine(ds, cfg, pad_id) -> ds` replaces the configured engine
+    stage of the generate phase (benchmarks put a simulated one there). A prompts phase
+    that left 0 prompts (an empty dataset, or every row skipped) raises EmptyResult after
+    its report, unless `allow_empty`."""
+    if phase not in PHASES:
+        raise ValueError(f"phase {phase!r} is not one of {PHASES}")
+    hidden = phase == "hidden_states" or (phase == "all" and cfg.hidden_states.enabled)
     out = open_output(cfg.output.path)
     out.check_ours()  # before anything is written, moved or deleted there
     out.check_writable()
     if not fresh:
-        out.manifest.check_prompts_config(prompt_config(cfg))
-        if phase != "prompts":
+        if phase != "hidden_states":
+            out.manifest.check_prompts_config(prompt_config(cfg))
+        if phase in ("generate", "all"):
             out.manifest.check_generate_config(generate_config(cfg))
-    layout = locate(cfg.source) if phase != "generate" else None  # exists, supported files only
+        if hidden:
+            out.manifest.check_hidden_states_config(hidden_states_config(cfg))
+    layout = locate(cfg.source) if phase in ("prompts", "all") else None  # exists, supported files only
     check_hub(cfg, uses_hub_dataset=layout is not None and layout.kind == "hub")
     check_model_files(cfg, need_weights=phase != "prompts")
     check_dataset_outside(layout.paths if layout else (), out)
@@ -76,6 +88,11 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow
             loads = out.manifest.generate_runs[-1].get("engine_load_s")
             if loads:  # the first replica's model load, within generate
                 result["seconds"]["of which loading the model"] = loads[0]
+        if hidden:
+            started = time.monotonic()
+            result["hidden_states"] = run_hidden_states(cfg, out)
+            report(out)
+            result["seconds"]["hidden states"] = time.monotonic() - started
     return result
 
 

@@ -52,7 +52,10 @@ MEANING = {
     "num_reasoning_tokens": "generated tokens up to the end of reasoning",
     "num_response_tokens": "generated tokens after it",
     "finish_reason": "stop | length",
-    "error": "the engine's error text (failed/ rows)",
+    "error": "the engine's error text (failed/ rows), or why a row's hidden states failed a check",
+    "hidden_states_path": "where the hidden-states engine writes this row's features (a file under OUT/.staging/)",
+    "shard": "the hidden-states shard under OUT/.staging/ that holds this row ('' when it failed)",
+    "num_tokens": "len(input_ids)",
 }
 
 

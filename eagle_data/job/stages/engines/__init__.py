@@ -16,7 +16,7 @@ import ray
 from eagle_data.config import Config
 
 # The classes whose Ray Data actors are engine replicas (vllm_backend's is a subclass of Ray's UDF).
-ENGINE_CLASSES = ("TransformersEngine", "VLLMEngine")
+ENGINE_CLASSES = ("TransformersEngine", "TransformersHiddenStates", "VLLMEngine")
 
 log = logging.getLogger("eagle_data")
 
@@ -33,3 +33,20 @@ def apply_engine(ds: ray.data.Dataset, cfg: Config, pad_id: int) -> ray.data.Dat
     log.info("engine: transformers generate in a Ray actor pool, %d replica(s), model %s",
              cfg.engine.replicas, cfg.model.path)
     return transformers_stage(ds, cfg, pad_id)
+
+
+def apply_hidden_states_engine(ds: ray.data.Dataset, cfg: Config, layer_ids: list[int], dtype: str,
+                               scratch_dir: str) -> ray.data.Dataset:
+    """The hidden-states pass: each row's features written to its `hidden_states_path`."""
+    if cfg.engine.backend == "vllm":
+        from eagle_data.job.stages.engines.vllm_backend import describe, wait_for_replica_resources
+        from eagle_data.job.stages.engines.vllm_hidden_states import vllm_hidden_states_stage
+
+        wait_for_replica_resources(cfg)
+        log.info("engine: %s, extract_hidden_states at layer ids %s", describe(cfg), layer_ids)
+        return vllm_hidden_states_stage(ds, cfg, layer_ids, dtype, scratch_dir)
+    from eagle_data.job.stages.engines.transformers_hidden_states import transformers_hidden_states_stage
+
+    log.info("engine: transformers forward in a Ray actor pool, %d replica(s), layer ids %s",
+             cfg.engine.replicas, layer_ids)
+    return transformers_hidden_states_stage(ds, cfg, layer_ids, dtype)

@@ -1,0 +1,237 @@
+"""Phase 3, hidden states: OUT/data rows -> the target again, prefill only, over their exact
+`input_ids` -> OUT/hidden_states (+ OUT/hidden_failed), for trainers that train offline.
+
+    data/ rows (selected, not done) -> requests (a scratch file path per row)
+      -> engine (vLLM's extract_hidden_states + connector, or transformers) writes the file
+      -> pack (worker): checks, one shard per batch under OUT/.staging/
+      -> driver: moves the shard into hidden_states/ (the commit point); failed rows to
+         hidden_failed/
+
+The same guarantees as data/: a sample is done once a shard holding it is published, so a
+kill at any moment leaves published shards (kept) and staging files (deleted by the next
+run); a rerun does what is not done, and a sample that failed `output.max_attempts` times
+is given up. Features go engine -> OUT's storage; only the small rows reach the driver.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from collections import Counter
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as pads
+import pyarrow.fs as pafs
+import ray
+
+from eagle_data.config import Config
+from eagle_data.errors import ConfigError, MissingInput, NotEnoughSpace, NotWritable
+from eagle_data.job.fingerprints import hidden_states_config
+from eagle_data.job.ray_internals import one_batch_per_block, read_parquet_in_small_tasks
+from eagle_data.job.stages.columns import Stage, columns
+from eagle_data.job.stages.engines import apply_hidden_states_engine
+from eagle_data.job.stages.pack_hidden_states import HiddenStatesPacker
+from eagle_data.model_files import model_config, text_config_value
+from eagle_data.reader.samples import row_filter
+from eagle_data.storage.contract import FAILED_SCHEMA, HIDDEN_FAILED, HIDDEN_STATES, IDS, STAGING
+from eagle_data.storage.folder import Output
+from eagle_data.storage.hidden_states import Index, layer_bytes
+from eagle_data.storage.shards import shard_files
+from eagle_data.storage.status import sample_ids
+
+log = logging.getLogger("eagle_data")
+
+REQUESTS = f"{STAGING}/hidden-requests"  # the engine's per-row files, until packed
+
+
+def eagle3_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's choice (speculators', SpecForge's and Model-Optimizer's, as vLLM ids): the
+    states after decoder layers 2, L/2 and L-3, and the final one (L); fewer on a model
+    too shallow for four distinct ones."""
+    return sorted({min(max(k, 1), num_layers) for k in (2, num_layers // 2, num_layers - 3, num_layers)})
+
+
+def target_shape(cfg: Config) -> tuple[int, int]:
+    """(decoder layers L, hidden size H) of the target, from its config."""
+    config, where = model_config(cfg.model.path, cfg.model.trust_remote_code)
+    if config is None:
+        raise MissingInput(f"the hidden-states phase needs the target's config: {where}")
+    layers, hidden = text_config_value(config, "num_hidden_layers"), text_config_value(config, "hidden_size")
+    if not layers or not hidden:
+        raise MissingInput(f"{where} has no num_hidden_layers / hidden_size")
+    return int(layers), int(hidden)
+
+
+def layer_ids(cfg: Config, num_layers: int) -> list[int]:
+    ids = cfg.hidden_states.layer_ids
+    if ids is None:
+        return eagle3_layer_ids(num_layers)
+    too_deep = [k for k in ids if k > num_layers]
+    if too_deep:
+        raise ConfigError(f"hidden_states.layer_ids {too_deep} exceed the target's {num_layers} layers "
+                          f"(ids go from 0, the embeddings, to {num_layers}, the final state)")
+    return sorted(ids)
+
+
+def run_hidden_states(cfg: Config, out: Output, engine=None) -> dict:
+    """`engine(ds, cfg, layer_ids, dtype, scratch_dir) -> ds` replaces the configured engine
+    (benchmarks put another one there)."""
+    data_files = shard_files(out.fs, out.folder("data"))
+    if not data_files:
+        raise MissingInput(f"{out.root}/data holds no rows: run the generate phase first")
+    if not isinstance(out.fs, pafs.LocalFileSystem):
+        raise NotWritable(f"the hidden-states phase needs output.path on a local or mounted filesystem "
+                          f"(every node's engine writes its files there), not {cfg.output.path!r}")
+    if not out.manifest.generate_finished:
+        log.warning("hidden states: the latest generate run did not finish; rows it adds later get their "
+                    "hidden states on the next run of this phase")
+    num_layers, hidden_size = target_shape(cfg)
+    ids, dtype = layer_ids(cfg, num_layers), cfg.hidden_states.dtype
+    selected = selected_rows(out, cfg)
+    status = Status.read(out, cfg.output.max_attempts)
+    todo = selected.filter(pc.invert(pc.is_in(selected.column("sample_id"),
+                                              pa.array(sorted(status.finished()), pa.string()))))
+    tokens = pc.sum(todo.column("num_tokens")).as_py() or 0
+    estimate = layer_bytes(tokens, len(ids), hidden_size, dtype)
+    log.info("hidden states: %d rows selected, %d done, %d given up, %d to do; layer ids %s of %d, H %d, %s: "
+             "%d tokens -> %s", selected.num_rows, len(status.done & set(selected.column("sample_id").to_pylist())),
+             len(status.given_up), todo.num_rows, ids, num_layers, hidden_size, dtype, tokens, gib(estimate))
+    check_space(out, estimate)
+    run = out.manifest.start_run("hidden_states", cfg.model_dump(mode="json"), {
+        "hidden_states_config": hidden_states_config(cfg),
+        "features": {"layer_ids": ids, "final_norm": "pre", "dtype": dtype, "hidden_size": hidden_size,
+                     "num_layers": num_layers},
+    }, todo=todo.num_rows, estimate_bytes=estimate)
+    failed = out.writer(HIDDEN_FAILED, FAILED_SCHEMA, run["run_id"], cfg.output.rows_per_shard, cfg.output.flush_seconds)
+    publisher = Publisher(out, run["run_id"], failed, total=todo.num_rows, every_s=cfg.output.log_every_s)
+    if todo.num_rows:
+        scratch = f"{out.root}/{REQUESTS}/{run['run_id']}"
+        ds = read_parquet_in_small_tasks(data_files, out.fs, [*IDS, "input_ids"])
+        ds = ds.map_batches(HiddenStatesRequests(ray.put(todo.column("sample_id").combine_chunks()), scratch),
+                            batch_format="pyarrow")
+        ds = one_batch_per_block(ds, cfg.engine.batch_size)
+        ds = (engine or apply_hidden_states_engine)(ds, cfg, ids, dtype, scratch)
+        ds = ds.map_batches(HiddenStatesPacker(out.root, run["run_id"], ids, hidden_size, dtype),
+                            batch_size=cfg.hidden_states.rows_per_shard, batch_format="pyarrow")
+        publisher.publish(ds)
+        publisher.line(final=True)
+    failed.close()
+    counts = totals(out, cfg)
+    out.manifest.finish_run("hidden_states", run, counts, ok=publisher.ok, failed=failed.written,
+                            tokens=publisher.tokens, bytes=publisher.bytes,
+                            wall_s=round(time.monotonic() - publisher.started, 1))
+    log.info("hidden states: run %s published %d rows (%d tokens, %s), %d failed; OUT totals %s",
+             run["run_id"], publisher.ok, publisher.tokens, gib(publisher.bytes), failed.written, counts)
+    return counts
+
+
+def selected_rows(out: Output, cfg: Config) -> pa.Table:
+    """sample_id and num_tokens of the data/ rows the phase is for."""
+    expr = row_filter(cfg.hidden_states.finish_reason, cfg.hidden_states.source)
+    table = pads.dataset(shard_files(out.fs, out.folder("data")), filesystem=out.fs, format="parquet").to_table(
+        columns=["sample_id", "num_prompt_tokens", "num_reasoning_tokens", "num_response_tokens"], filter=expr)
+    n = pc.add(pc.add(table.column("num_prompt_tokens").cast(pa.int64()), table.column("num_reasoning_tokens")),
+               table.column("num_response_tokens"))
+    return pa.table({"sample_id": table.column("sample_id"), "num_tokens": n})
+
+
+class Status:
+    """What the phase already did: samples published in hidden_states/, and failed attempts."""
+
+    def __init__(self, done: set[str], failures: Counter, max_attempts: int):
+        self.done, self.failures, self.max_attempts = done, failures, max_attempts
+
+    @classmethod
+    def read(cls, out: Output, max_attempts: int) -> "Status":
+        return cls(set(Index.read(out.fs, out.folder(HIDDEN_STATES)).entries),
+                   Counter(sample_ids(out.fs, out.folder(HIDDEN_FAILED))), max_attempts)
+
+    @property
+    def given_up(self) -> set[str]:
+        return {s for s, n in self.failures.items() if n >= self.max_attempts} - self.done
+
+    def finished(self) -> set[str]:
+        return self.done | self.given_up
+
+
+def totals(out: Output, cfg: Config) -> dict:
+    status = Status.read(out, cfg.output.max_attempts)
+    selected = set(selected_rows(out, cfg).column("sample_id").to_pylist())
+    return {"selected": len(selected), "ok": len(status.done & selected), "failed_final": len(status.given_up),
+            "pending_retry": len(set(status.failures) - status.finished()),
+            "failed_rows": sum(status.failures.values())}
+
+
+def check_space(out: Output, estimate: int) -> None:
+    free = shutil.disk_usage(out.root).free
+    if estimate > free:
+        raise NotEnoughSpace(f"the hidden-states phase needs about {gib(estimate)} (tokens x layers x H x dtype "
+                             f"bytes) and {out.root} has {gib(free)} free: free space, choose fewer rows "
+                             "(hidden_states.finish_reason / source), fewer layers, or another output.path")
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+class HiddenStatesRequests(Stage):
+    """The data/ rows still to do, each with the file its engine writes (under OUT/.staging/)."""
+
+    reads = columns("sample_id", "input_ids")
+    makes = columns("sample_id", "input_ids", "hidden_states_path")
+
+    def __init__(self, todo: ray.ObjectRef, scratch: str):
+        self.todo, self.scratch = todo, scratch
+
+    def apply(self, batch: pa.Table) -> pa.Table:
+        todo = self.todo if isinstance(self.todo, (pa.Array, pa.ChunkedArray)) else ray.get(self.todo)
+        batch = batch.filter(pc.is_in(batch.column("sample_id"), todo))
+        paths = pc.binary_join_element_wise(self.scratch + "/", batch.column("sample_id"), ".safetensors", "")
+        return batch.append_column("hidden_states_path", paths)
+
+
+class Publisher:
+    """The driver's side: moves each packed shard into hidden_states/ and records failures."""
+
+    def __init__(self, out: Output, run_id: str, failed, total: int, every_s: float):
+        self.out, self.run_id, self.failed, self.total, self.every_s = out, run_id, failed, total, every_s
+        self.ok = self.tokens = self.bytes = self.shards = 0
+        self.published: set[str] = set()
+        self.started = self.last_line = time.monotonic()
+
+    def publish(self, ds: ray.data.Dataset) -> None:
+        for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+            bad = pc.not_equal(batch.column("error"), "")
+            rows = batch.filter(bad)
+            self.failed.add(rows.select(list(IDS)).append_column("error", rows.column("error")).append_column(
+                "run_id", pa.array([self.run_id] * rows.num_rows, pa.string())))
+            good = batch.filter(pc.invert(bad))
+            for shard in pc.unique(good.column("shard")).to_pylist():
+                self._commit(shard, good.filter(pc.equal(good.column("shard"), shard)))
+            self.line()
+
+    def _commit(self, shard: str, rows: pa.Table) -> None:
+        ids = rows.column("sample_id").to_pylist()
+        if self.published & set(ids):  # a retried task's second copy: never publish a sample twice
+            log.warning("hidden states: dropping a repeated shard of %d rows", len(ids))
+            self.out.fs.delete_file(shard)
+            return
+        size = self.out.fs.get_file_info(shard).size
+        self.out.fs.create_dir(self.out.folder(HIDDEN_STATES), recursive=True)
+        self.out.fs.move(shard, f"{self.out.folder(HIDDEN_STATES)}/part-{self.run_id}-{self.shards:05d}.safetensors")
+        self.shards += 1
+        self.published.update(ids)
+        self.ok += len(ids)
+        self.tokens += pc.sum(rows.column("num_tokens")).as_py() or 0
+        self.bytes += size
+
+    def line(self, final: bool = False) -> None:
+        now = time.monotonic()
+        if now - self.last_line < self.every_s and not final:
+            return
+        self.last_line = now
+        rate = self.tokens / max(now - self.started, 1e-9)
+        log.info("hidden states: %d/%d rows published, %d failed attempts, %d tokens (%.0f tok/s), %s written",
+                 self.ok, self.total, self.failed.written + self.failed.buffered, self.tokens, rate, gib(self.bytes))

@@ -1,0 +1,100 @@
+"""The hidden-states pass on transformers: a Ray actor pool running the model's forward over
+each row's exact `input_ids` and writing the states at the chosen layers, with vLLM's
+layer semantics, to the file the row names (as vLLM's connector does, so the packing stage
+after either engine is the same).
+
+Layer id k < L is HF's `hidden_states[k]` (the residual stream after k decoder layers).
+Id L is the last decoder layer's output before the final norm, taken with a forward hook:
+HF's `hidden_states[L]` is after the norm (Qwen3, Llama under transformers 5).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pyarrow as pa
+import ray
+
+from eagle_data.config import Config
+from eagle_data.job.ray_internals import ENGINE_ERROR
+from eagle_data.job.stages.columns import Stage, columns
+from eagle_data.model_files import pretrained_args
+
+
+def decoder_layers(model):
+    """The model's decoder layers (model.model.layers for Llama/Qwen-style models)."""
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None) or getattr(getattr(inner, "language_model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: cannot find its decoder layers (model.model.layers)")
+    return layers
+
+
+class TransformersHiddenStates(Stage):
+    """Loads the model once per actor; one forward per row (no padding: exact positions)."""
+
+    reads = columns("sample_id", "input_ids", "hidden_states_path")
+    makes = columns("sample_id", "hidden_states_path", ENGINE_ERROR)
+
+    def __init__(self, model_path: str, trust_remote_code: bool, layer_ids: list[int], dtype: str,
+                 cpu_threads: int | None = None):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(cpu_threads or os.cpu_count() or 1)
+        name, kwargs = pretrained_args(model_path)
+        self.torch = torch
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model = AutoModelForCausalLM.from_pretrained(
+            name, trust_remote_code=trust_remote_code, dtype=getattr(torch, dtype), **kwargs).to(self.device).eval()
+        self.layer_ids = sorted(layer_ids)
+        layers = decoder_layers(self.model)
+        self.num_layers = len(layers)
+        self._final = None
+        layers[-1].register_forward_hook(self._keep_final)
+        print(f"hidden-states replica on node {ray.get_runtime_context().get_node_id()}", flush=True)
+
+    def _keep_final(self, module, args, output) -> None:
+        self._final = output[0] if isinstance(output, tuple) else output
+
+    def states(self, input_ids: list[int]):
+        """[len(input_ids), len(layer_ids), H] on CPU, in the model's dtype."""
+        torch = self.torch
+        with torch.no_grad():
+            out = self.model(input_ids=torch.tensor([input_ids], device=self.device), output_hidden_states=True,
+                             use_cache=False)
+        picked = [self._final[0] if k == self.num_layers else out.hidden_states[k][0] for k in self.layer_ids]
+        return torch.stack(picked, dim=1).cpu()
+
+    def apply(self, batch: pa.Table) -> pa.Table:
+        from safetensors.torch import save_file
+
+        errors = []
+        for row in batch.select(["input_ids", "hidden_states_path"]).to_pylist():
+            try:
+                hidden = self.states(row["input_ids"])
+                path = row["hidden_states_path"]
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                save_file({"hidden_states": hidden.contiguous(),
+                           "token_ids": self.torch.tensor(row["input_ids"], dtype=self.torch.int64)}, path + ".tmp")
+                os.replace(path + ".tmp", path)  # whole or absent, as the packer reads it
+                errors.append("")
+            except Exception as e:  # the row fails, the batch goes on
+                errors.append(f"{type(e).__name__}: {e}")
+        return batch.append_column(ENGINE_ERROR, pa.array(errors, pa.string()))
+
+
+def transformers_hidden_states_stage(ds: ray.data.Dataset, cfg: Config, layer_ids: list[int],
+                                     dtype: str) -> ray.data.Dataset:
+    gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+    return ds.map_batches(
+        TransformersHiddenStates,
+        fn_constructor_kwargs=dict(model_path=cfg.model.path, trust_remote_code=cfg.model.trust_remote_code,
+                                   layer_ids=layer_ids, dtype=dtype, cpu_threads=cfg.engine.cpu_threads),
+        batch_size=cfg.engine.batch_size,
+        batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(size=cfg.engine.replicas),
+        num_cpus=cfg.engine.num_cpus,
+        num_gpus=gpus,
+        resources=cfg.engine.replica_resources or None,
+    )

@@ -1,0 +1,173 @@
+"""OUT/hidden_states/: the target's hidden states at the EAGLE-3 layers, sharded.
+
+A shard is `part-<run id>-<n>.safetensors`, a valid safetensors file (any safetensors
+reader opens it) holding one tensor per sample, named by its `sample_id`:
+[len(input_ids), len(layer_ids), hidden_size], layers in ascending id order. Its header
+(`__metadata__`) says what the tensors are:
+
+    format      "eagle-data hidden states"
+    layer_ids   JSON list of vLLM layer ids (id k = the residual stream after k decoder
+                layers; id L, the last, is the final state BEFORE the final norm)
+    final_norm  "pre" (the state at id L is before the model's final norm)
+    dtype       bfloat16 | float16 | float32
+    crc32       JSON {sample_id: crc32 of the tensor's bytes}, checked by `verify`
+    run_id      the run that wrote the shard
+
+A reader reaches one sample by reading the header (8 bytes of length, then JSON) and then
+that sample's byte range only (`read_sample`), on any filesystem OUT may be on.
+
+Shards are written in OUT/.staging/ by the workers that pack them and moved into
+hidden_states/ by the driver: that move is a sample's commit point, as for data/.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Iterable
+
+import pyarrow.fs as pafs
+
+SUFFIX = ".safetensors"
+FORMAT = "eagle-data hidden states"
+# safetensors dtype names, and bytes per value
+DTYPES = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4)}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """Where one sample's tensor lies in a shard."""
+
+    shard: str
+    shape: tuple[int, ...]
+    start: int  # absolute byte offsets in the file
+    end: int
+    crc32: int | None
+
+    @property
+    def tokens(self) -> int:
+        return self.shape[0]
+
+
+def encode_header(entries: dict[str, tuple[tuple[int, ...], int]], dtype: str, metadata: dict) -> bytes:
+    """The safetensors header for tensors of `dtype`, given name -> (shape, nbytes) in
+    file order; padded with spaces to a multiple of 8 bytes, as safetensors aligns."""
+    code = DTYPES[dtype][0]
+    header, offset = {"__metadata__": {k: str(v) for k, v in metadata.items()}}, 0
+    for name, (shape, nbytes) in entries.items():
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def tensor_bytes(tensor) -> "memoryview":
+    """A CPU torch tensor's bytes, as stored (C order), without a copy when it is contiguous."""
+    import torch
+
+    return memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
+
+
+def write_shard(fs: pafs.FileSystem, path: str, layout: dict[str, tuple[tuple[int, ...], int, int]],
+                payloads: Iterable, dtype: str, run_id: str, layer_ids: list[int]) -> int:
+    """Write one shard at `path`: `layout` is name -> (shape, nbytes, crc32) in file order,
+    `payloads` yields each tensor's bytes in that order (one sample in memory at a time).
+    Returns its size in bytes. Not atomic: write under OUT/.staging/ and move."""
+    metadata = {"format": FORMAT, "layer_ids": json.dumps(layer_ids), "final_norm": "pre", "dtype": dtype,
+                "run_id": run_id, "crc32": json.dumps({n: crc for n, (_, _, crc) in layout.items()})}
+    header = encode_header({n: (shape, nbytes) for n, (shape, nbytes, _) in layout.items()}, dtype, metadata)
+    size = len(header)
+    with fs.open_output_stream(path) as f:
+        f.write(header)
+        for (name, (_, nbytes, _)), payload in zip(layout.items(), payloads):
+            if len(payload) != nbytes:
+                raise ValueError(f"{path}: {name} has {len(payload)} bytes, its header says {nbytes}")
+            f.write(payload)
+            size += nbytes
+    return size
+
+
+class ShardHeaderError(ValueError):
+    """A hidden-states shard whose header cannot be read: damaged, or not ours."""
+
+
+def read_header(fs: pafs.FileSystem, path: str) -> tuple[dict, dict[str, Entry]]:
+    """(metadata, sample_id -> Entry) of one shard, reading its header only."""
+    with fs.open_input_file(path) as f:
+        size = f.size()
+        head = f.read_at(8, 0)
+        if len(head) < 8:
+            raise ShardHeaderError(f"{path}: {size} bytes, shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise ShardHeaderError(f"{path}: header length {n} exceeds the file ({size} bytes)")
+        try:
+            header = json.loads(f.read_at(n, 8))
+        except ValueError as e:
+            raise ShardHeaderError(f"{path}: header is not JSON ({e})") from None
+    metadata = header.pop("__metadata__", {})
+    if metadata.get("format") != FORMAT:
+        raise ShardHeaderError(f"{path}: not an eagle-data hidden-states shard")
+    crcs = json.loads(metadata.get("crc32", "{}"))
+    base = 8 + n
+    entries = {name: Entry(path, tuple(t["shape"]), base + t["data_offsets"][0], base + t["data_offsets"][1],
+                           crcs.get(name))
+               for name, t in header.items()}
+    return metadata, entries
+
+
+def read_bytes(fs: pafs.FileSystem, entry: Entry) -> bytes:
+    with fs.open_input_file(entry.shard) as f:
+        return f.read_at(entry.end - entry.start, entry.start)
+
+
+def read_sample(fs: pafs.FileSystem, entry: Entry, dtype: str):
+    """One sample's hidden states as a torch tensor [tokens, layers, hidden_size]."""
+    import torch
+
+    data = bytearray(read_bytes(fs, entry))  # writable: torch.frombuffer warns on read-only memory
+    return torch.frombuffer(data, dtype=getattr(torch, dtype)).reshape(entry.shape)
+
+
+def shard_paths(fs: pafs.FileSystem, folder: str) -> list[str]:
+    """The published hidden-states shards of OUT/hidden_states, sorted."""
+    selector = pafs.FileSelector(folder, allow_not_found=True)
+    return sorted(info.path for info in fs.get_file_info(selector)
+                  if info.is_file and info.base_name.endswith(SUFFIX) and not info.base_name.startswith((".", "_")))
+
+
+@dataclass
+class Index:
+    """Every published sample of OUT/hidden_states: sample_id -> Entry, and the shards'
+    metadata (the same for every shard of one OUT; `metadata` is the first's)."""
+
+    entries: dict[str, Entry]
+    metadata: dict
+    duplicates: list[str]  # sample ids found in more than one shard (verify reports them)
+
+    @classmethod
+    def read(cls, fs: pafs.FileSystem, folder: str) -> "Index":
+        entries, metadata, duplicates = {}, {}, []
+        for path in shard_paths(fs, folder):
+            meta, found = read_header(fs, path)
+            metadata = metadata or meta
+            for sample_id, entry in found.items():
+                if sample_id in entries:
+                    duplicates.append(sample_id)
+                entries[sample_id] = entry
+        return cls(entries, metadata, duplicates)
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return json.loads(self.metadata.get("layer_ids", "[]"))
+
+    @property
+    def dtype(self) -> str:
+        return self.metadata.get("dtype", "bfloat16")
+
+
+def layer_bytes(tokens: int, layers: int, hidden_size: int, dtype: str) -> int:
+    """The storage the phase needs: tokens x layers x H x bytes per value."""
+    return tokens * layers * hidden_size * DTYPES[dtype][1]
