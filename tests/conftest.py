@@ -27,6 +27,27 @@ def tiny_qwen3(tmp_path_factory, qwen3_tokenizer_dir) -> Path:
     return build_tiny_model(qwen3_tokenizer_dir, tmp_path_factory.mktemp("model") / "tiny-qwen3")
 
 
+@pytest.fixture(scope="session")
+def deep_qwen3(tmp_path_factory, qwen3_tokenizer_dir) -> Path:
+    """8 layers, so EAGLE-3's default layer ids {2, L/2, L-3, L} are 4 distinct ones;
+    head_dim 64, which vLLM's CPU attention takes."""
+    return build_tiny_model(qwen3_tokenizer_dir, tmp_path_factory.mktemp("model") / "deep-qwen3", head_dim=64, layers=8)
+
+
+@pytest.fixture(scope="session")
+def hidden_out(ray_local, deep_qwen3, tmp_path_factory) -> Path:
+    """A real OUT with hidden states, made once for the modules that only read one (reader,
+    export): the whole job on 12 samples of the bundled sample, transformers engine,
+    float32 features at the default layer ids [2, 4, 5, 8], 3 samples per shard."""
+    from eagle_data.job.phases.run import run
+
+    out = tmp_path_factory.mktemp("hidden-out") / "out"
+    run(job_config(out, deep_qwen3, engine__batch_size=4, sampling__max_tokens=12, source__sample=12,
+                   output__rows_per_shard=4, hidden_states__enabled=True, hidden_states__dtype="float32",
+                   hidden_states__rows_per_shard=3))
+    return out
+
+
 def pytest_runtest_setup(item):
     if item.get_closest_marker("vllm") is None:
         return
