@@ -8,7 +8,8 @@ import os
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle_data.storage.contract import FOLDERS, QUARANTINE
+from eagle_data.storage.contract import FOLDERS, HIDDEN_STATES, QUARANTINE
+from eagle_data.storage.hidden_states import ShardHeaderError, read_header, shard_paths
 from eagle_data.storage.folder import Output
 from eagle_data.storage.shards import shard_files
 
@@ -20,19 +21,21 @@ def quarantine_corrupt(out: Output) -> list[str]:
     a page: every page is read and its checksum checked) out of the folders that are
     read, into OUT/quarantine/, so that resume and readers never take them as data. Their
     samples are then simply not done and get generated again; a damaged prompts/ or
-    skipped/ shard makes the prompts phase run again. Cost: one read of OUT per run."""
+    skipped/ shard makes the prompts phase run again. Cost: one read of OUT's Parquet per
+    run; of hidden-states shards only the headers and sizes (hidden_problem)."""
     moved = []
-    for folder in FOLDERS:
-        for path in shard_files(out.fs, out.folder(folder)):
-            problem = read_problem(out.fs, path)
-            if problem:
-                dest = f"{out.folder(QUARANTINE)}/{folder}/{os.path.basename(path)}"
-                out.fs.create_dir(os.path.dirname(dest), recursive=True)
-                out.fs.move(path, dest)
-                log.warning("quarantined damaged shard %s -> %s (%s)", path, dest, problem)
-                moved.append(path)
-                if folder in ("prompts", "skipped"):
-                    out.manifest.mark_prompts("damaged")
+    shards = [(folder, path, read_problem) for folder in FOLDERS for path in shard_files(out.fs, out.folder(folder))]
+    shards += [(HIDDEN_STATES, path, hidden_problem) for path in shard_paths(out.fs, out.folder(HIDDEN_STATES))]
+    for folder, path, problem_of in shards:
+        problem = problem_of(out.fs, path)
+        if problem:
+            dest = f"{out.folder(QUARANTINE)}/{folder}/{os.path.basename(path)}"
+            out.fs.create_dir(os.path.dirname(dest), recursive=True)
+            out.fs.move(path, dest)
+            log.warning("quarantined damaged shard %s -> %s (%s)", path, dest, problem)
+            moved.append(path)
+            if folder in ("prompts", "skipped"):
+                out.manifest.mark_prompts("damaged")
     if moved:
         out.manifest.save()
     return moved
@@ -62,6 +65,18 @@ def read_problem(fs, path: str) -> str | None:
     except (OSError, pa.ArrowException) as e:
         return f"{type(e).__name__}: {e}"
     return None
+
+
+def hidden_problem(fs, path: str) -> str | None:
+    """Why a hidden-states shard is damaged (its header, or fewer bytes than it lists), or
+    None. Its values are checked by `verify` (crc32), not here: that reads every byte."""
+    try:
+        _, entries = read_header(fs, path)
+    except (ShardHeaderError, OSError) as e:
+        return str(e)
+    end = max((e.end for e in entries.values()), default=0)
+    size = fs.get_file_info(path).size
+    return None if size == end else f"{size} bytes, its header lists {end}"
 
 
 def _rows(fs, path: str) -> int:

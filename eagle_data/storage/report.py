@@ -21,7 +21,8 @@ import pyarrow.dataset as pads
 from eagle_data.storage import manifest as mf
 from eagle_data.storage.folder import Output
 from eagle_data.storage.status import SampleStatus
-from eagle_data.storage.contract import STAGING, VOCAB_SUMMARY
+from eagle_data.storage.contract import HIDDEN_STATES, STAGING, VOCAB_SUMMARY
+from eagle_data.storage.hidden_states import Index
 from eagle_data.storage.files import read_json, write_bytes, write_json
 from eagle_data.storage.shards import shard_files
 
@@ -32,6 +33,7 @@ COLUMNS = {
              "finish_reason"],
     "failed": ["sample_id", "source"],
     "stopped": ["sample_id", "reason"],
+    "hidden_failed": ["sample_id", "error"],
 }
 
 
@@ -67,6 +69,32 @@ def throughput(out: Output, runs: list[dict]) -> list[dict]:
     rows = np.cumsum([p[1] for p in points]).tolist()
     tokens = np.cumsum([p[2] for p in points]).tolist()
     return [{"time": t, "rows": r, "tokens": k} for (t, _, _), r, k in zip(points, rows, tokens)]
+
+
+def hidden_states_section(out: Output) -> dict | None:
+    """The hidden-states phase: samples and tokens published, bytes, failures by reason,
+    and each run's throughput (prefill tokens/s) and storage estimate. None before it ran."""
+    record = out.manifest.phase("hidden_states")
+    if not record:
+        return None
+    index = Index.read(out.fs, out.folder(HIDDEN_STATES))
+    failed = read_columns(out, "hidden_failed")
+    failed = failed.filter(pc.invert(pc.is_in(failed.column("sample_id"), pa.array(list(index.entries), pa.string()))))
+    reasons = pc.utf8_slice_codeunits(failed.column("error"), 0, 60)  # the kind of failure, not its detail
+    runs = [{k: r.get(k) for k in ("run_id", "status", "todo", "ok", "failed", "tokens", "bytes", "estimate_bytes",
+                                   "wall_s")} for r in record.get("runs", [])]
+    for r in runs:
+        if r.get("tokens") and r.get("wall_s"):
+            r["tokens_per_s"] = round(r["tokens"] / r["wall_s"], 1)
+    return {
+        "features": record.get("features", {}),
+        "samples": len(index.entries),
+        "tokens": sum(e.tokens for e in index.entries.values()),
+        "bytes": sum(e.end - e.start for e in index.entries.values()),
+        "failed_rows": failed.num_rows,
+        "failed_by_reason": value_counts(reasons),
+        "runs": runs,
+    }
 
 
 def value_counts(column: pa.ChunkedArray) -> dict:
@@ -130,6 +158,7 @@ def build_report(out: Output) -> dict:
         # Written by `python -m eagle_data vocab OUT` (OUT/vocab/vocab.json): how many masked
         # tokens the top-D ids cover, to choose the draft vocabulary size D.
         "vocab": read_json(out.fs, f"{out.root}/{VOCAB_SUMMARY}"),
+        "hidden_states": hidden_states_section(out),
         # Each run's config stays in manifest.json.
         "runs": {"prompts": {k: v for k, v in prompt_phase.items() if k not in ("prompt_config", "runs")},
                  "generate": [{k: v for k, v in r.items() if k != "config"} for r in manifest.generate_runs]},
@@ -234,6 +263,9 @@ def to_html(report: dict, figures: dict[str, bytes]) -> str:
         f"<h2>Tokens</h2>{table(report['tokens'], ('', 'statistics'))}"
         f"<h2>By source</h2>{table(report['by_source'], ('source', 'rows'))}"
         f"<h2>Turns</h2>{table(report['turns'], ('', 'rows'))}"
+        + (f"<h2>Hidden states</h2>{table({k: v for k, v in report['hidden_states'].items() if k != 'runs'}, ('', ''))}"
+           f"{table({r['run_id']: r for r in report['hidden_states']['runs']}, ('run', 'figures'))}"
+           if report["hidden_states"] else "")
         + (f"<h2>Draft vocabulary coverage</h2>{table(report['vocab']['coverage'], ('top D ids', 'share of masked tokens'))}"
            if report["vocab"] else "") +
         f"<h2>Plots</h2>{images}"

@@ -9,17 +9,25 @@
 - after a finished generate run, every turn that could be asked (the first, and each one
   after an ok turn) is in data/, failed/ or stopped/; under turns: first_user that means
   ok + failed + skipped = selected.
+- hidden_states/: every shard's header reads and its file has the bytes it lists; each
+  sample is in one shard only, is a data/ row, has len(input_ids) rows and the recorded
+  layers, H and dtype, and its bytes match their crc32; after a finished hidden-states run,
+  every selected data/ row is in hidden_states/ or hidden_failed/.
 """
 
 from __future__ import annotations
 
+import json
+import zlib
 from collections import Counter
 
 import pyarrow.compute as pc
+import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
-from eagle_data.storage.contract import FOLDERS, turn_sample_id
+from eagle_data.storage.contract import FOLDERS, HIDDEN_STATES, turn_sample_id
 from eagle_data.storage.folder import Output
+from eagle_data.storage.hidden_states import ShardHeaderError, read_bytes, read_header, shard_paths
 from eagle_data.storage.status import SampleStatus
 from eagle_data.storage.shards import shard_files
 
@@ -85,7 +93,74 @@ def verify(path: str) -> tuple[list[str], dict]:
             problems.append(f"ok ({counts['ok']}) + failed ({counts['failed']}) + skipped "
                             f"({counts['skipped']}) != selected ({counts['selected']})")
     counts["generate_finished"] = manifest.generate_finished
-    return problems, counts
+    hidden_problems, hidden_counts = check_hidden_states(out, set(ids["hidden_failed"]))
+    return problems + hidden_problems, {**counts, **hidden_counts}
+
+
+def check_hidden_states(out: Output, failed: set[str]) -> tuple[list[str], dict]:
+    record = out.manifest.phase("hidden_states")
+    paths = shard_paths(out.fs, out.folder(HIDDEN_STATES))
+    if not record and not paths:
+        return [], {}
+    features = record.get("features", {})
+    problems, seen = [], Counter()
+    lengths = data_lengths(out)
+    for path in paths:
+        try:
+            meta, entries = read_header(out.fs, path)
+        except (ShardHeaderError, OSError) as e:
+            problems.append(f"{path}: unreadable hidden-states shard ({e})")
+            continue
+        end = max((e.end for e in entries.values()), default=0)
+        if out.fs.get_file_info(path).size != end:
+            problems.append(f"{path}: {out.fs.get_file_info(path).size} bytes, its header lists {end}")
+            continue
+        recorded = {"layer_ids": json.loads(meta.get("layer_ids", "null")), "dtype": meta.get("dtype")}
+        expected = {k: features.get(k) for k in recorded}
+        if recorded != expected:
+            problems.append(f"{path}: holds {recorded}, the manifest records {expected}")
+        for sample_id, entry in entries.items():
+            seen[sample_id] += 1
+            shape = (lengths.get(sample_id), len(features.get("layer_ids", ())), features.get("hidden_size"))
+            if sample_id not in lengths:
+                problems.append(f"{path}: sample_id {sample_id} has hidden states but no data/ row")
+            elif entry.shape != shape:
+                problems.append(f"{path}: sample_id {sample_id} has shape {list(entry.shape)}, expected {list(shape)}")
+            elif entry.crc32 is None or zlib.crc32(read_bytes(out.fs, entry)) != entry.crc32:
+                problems.append(f"{path}: sample_id {sample_id}: its bytes do not match their crc32 (damaged)")
+    problems += [f"sample_id {s} appears {n} times in hidden_states/ (exactly-once broken)"
+                 for s, n in seen.items() if n > 1]
+    runs = record.get("runs", [])
+    finished = bool(runs) and runs[-1].get("status") == "complete"
+    if finished:
+        selected = selected_for_hidden_states(out, record.get("hidden_states_config", {}))
+        missing = selected - set(seen) - failed
+        if missing:
+            problems.append(f"{len(missing)} selected data/ rows have neither hidden states nor a hidden_failed/ "
+                            f"row after a finished hidden-states run, e.g. {sorted(missing)[0]}")
+    return problems, {"hidden_states": len(seen), "hidden_failed": len(failed - set(seen)),
+                      "hidden_states_finished": finished}
+
+
+def data_lengths(out: Output) -> dict[str, int]:
+    files = shard_files(out.fs, out.folder("data"))
+    if not files:
+        return {}
+    table = pads.dataset(files, filesystem=out.fs, format="parquet").to_table(
+        columns=["sample_id", "num_prompt_tokens", "num_reasoning_tokens", "num_response_tokens"])
+    rows = zip(*(table.column(c).to_pylist() for c in table.column_names))
+    return {s: a + b + c for s, a, b, c in rows}
+
+
+def selected_for_hidden_states(out: Output, config: dict) -> set[str]:
+    from eagle_data.reader.samples import row_filter
+
+    files = shard_files(out.fs, out.folder("data"))
+    if not files:
+        return set()
+    expr = row_filter(config.get("hidden_states.finish_reason"), config.get("hidden_states.source"))
+    table = pads.dataset(files, filesystem=out.fs, format="parquet").to_table(columns=["sample_id"], filter=expr)
+    return set(table.column("sample_id").to_pylist())
 
 
 def unanswered(num_turns: dict[str, int], progress: SampleStatus, all_turns: bool) -> set[str]:

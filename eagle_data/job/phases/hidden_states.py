@@ -173,7 +173,11 @@ def check_space(out: Output, estimate: int) -> None:
 
 
 def gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    """A byte count for a log line: 1000 B, 3.2 MiB, 2.07 TiB."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
 
 
 class HiddenStatesRequests(Stage):
