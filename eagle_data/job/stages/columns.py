@@ -53,6 +53,8 @@ MEANING = {
     "num_response_tokens": "generated tokens after it",
     "finish_reason": "stop | length",
     "error": "the engine's error text (failed/ rows)",
+    "hidden_states_path": "the row's hidden-states file (safetensors: `hidden_states` [S, n_layers, H], "
+                          "`token_ids` [S]), an absolute path on the engine's node",
 }
 
 
