@@ -63,6 +63,8 @@ ENGINE_ERROR = "__inference_error__"  # Ray's vLLM stage: a row's error text, ""
 VLLM_OUTPUT_DEFAULTS = {"prompt": "", "prompt_token_ids": None, "num_input_tokens": 0, "generated_tokens": [],
                         "generated_text": "", "num_generated_tokens": 0, "embeddings": None, "metrics": None,
                         "logprobs": None, "prompt_logprobs": None}
+# And the bookkeeping columns it adds to every row besides them.
+VLLM_STAGE_EXTRA_COLUMNS = ("request_id", "params", "time_taken_llm", "batch_uuid")
 
 MAX_QUEUED_BLOCKS = "eagle_data.max_queued_blocks"
 EXECUTIONS: list = []  # weak references to the QueuedBlocksCap of each execution, newest last

@@ -131,3 +131,36 @@ def test_the_transformers_backend_emits_rays_vllm_output_columns():
 
     assert list(VLLM_OUTPUT_DEFAULTS) == list(vLLMOutputData.model_fields)
     assert set(engine_output([1], [2], "")) == {*vLLMOutputData.model_fields, ENGINE_ERROR}
+
+
+def test_hidden_states_pass_settings(kimi):
+    from eagle_data.job.stages.engines.vllm_hidden_states import (
+        CONNECTOR_CLASS, CONNECTOR_MODULE, HiddenStatesRequests, HiddenStatesRows, hidden_states_engine_kwargs)
+
+    cfg = load_config(KIMI, ["engine.engine_kwargs.enable_prefix_caching=true", "engine.engine_kwargs.dtype=float16"])
+    extra = hidden_states_engine_kwargs([2, 30, 60], "bfloat16", "/scratch")
+    kwargs = processor_config(cfg, extra).engine_kwargs
+    assert kwargs["dtype"] == "bfloat16"  # the pass's own setting wins over the job's
+    assert kwargs["enable_prefix_caching"] is True and kwargs["max_num_seqs"] == 512  # passed through
+    assert kwargs["speculative_config"]["draft_model_config"]["hf_config"] == \
+        {"eagle_aux_hidden_state_layer_ids": [2, 30, 60]}
+    transfer = kwargs["kv_transfer_config"]
+    assert (transfer["kv_connector_module_path"], transfer["kv_connector"]) == (CONNECTOR_MODULE, CONNECTOR_CLASS)
+    assert transfer["kv_connector_extra_config"] == {"shared_storage_path": "/scratch", "allow_custom_save_path": True}
+    assert "speculative_config" not in processor_config(cfg).engine_kwargs  # the generate phase's is unchanged
+    for ids, dtype in (([30, 2], "bfloat16"), ([2, 2], "bfloat16"), ([], "bfloat16"), ([2], "fp8")):
+        with pytest.raises(ValueError):
+            hidden_states_engine_kwargs(ids, dtype, "/scratch")
+
+    batch = pa.Table.from_pylist([{"sample_id": "a", "input_ids": [1, 2, 3], "hidden_states_path": "/hs/a.st",
+                                   "source": "s"}])
+    rows = HiddenStatesRequests()(batch).to_pylist()
+    assert rows[0]["tokenized_prompt"] == [1, 2, 3] and rows[0]["source"] == "s"
+    assert rows[0]["sampling_params"] == {"max_tokens": 1, "temperature": 0.0, "detokenize": False,
+                                          "extra_args": {"kv_transfer_params": {"hidden_states_path": "/hs/a.st"}}}
+    with pytest.raises(ValueError, match="absolute"):
+        HiddenStatesRequests()(batch.set_column(2, "hidden_states_path", pa.array(["a.st"])))
+    answered = batch.append_column("__inference_error__", pa.array([""])).append_column(
+        "generated_tokens", pa.array([[7]])).append_column("request_id", pa.array([0]))
+    assert HiddenStatesRows()(answered).column_names == ["sample_id", "input_ids", "hidden_states_path", "source",
+                                                         "__inference_error__"]

@@ -83,7 +83,7 @@ def test_every_row_gets_the_models_own_states_once(hidden_out, deep_qwen3):
     assert report["runs"][-1]["estimate_bytes"] == report["bytes"]
 
 
-def test_verify_finds_a_flipped_byte_and_the_next_run_keeps_the_shard_it_cannot_see(hidden_out, tmp_path):
+def test_verify_finds_a_flipped_byte_and_a_cut_shard(hidden_out, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(hidden_out, out)
     shard = shard_paths(Output.existing(str(out)).fs, str(out / "hidden_states"))[0]
@@ -94,7 +94,7 @@ def test_verify_finds_a_flipped_byte_and_the_next_run_keeps_the_shard_it_cannot_
         f.write(bytes([byte[0] ^ 0xFF]))
     problems, _ = verify(str(out))
     assert any("crc32" in p for p in problems), problems
-    with open(shard, "r+b") as f:  # a cut shard is quarantined by the next run and its rows redone
+    with open(shard, "r+b") as f:  # a cut shard (the next run quarantines it: storage/damage.py)
         f.truncate(os.path.getsize(shard) - 10)
     assert any("bytes, its header lists" in p for p in verify(str(out))[0])
 

@@ -53,7 +53,8 @@ MEANING = {
     "num_response_tokens": "generated tokens after it",
     "finish_reason": "stop | length",
     "error": "the engine's error text (failed/ rows), or why a row's hidden states failed a check",
-    "hidden_states_path": "where the hidden-states engine writes this row's features (a file under OUT/.staging/)",
+    "hidden_states_path": "the row's hidden-states file, written by the engine (safetensors: `hidden_states` "
+                          "[S, n_layers, H], `token_ids` [S]), under OUT/.staging/",
     "shard": "the hidden-states shard under OUT/.staging/ that holds this row ('' when it failed)",
     "num_tokens": "len(input_ids)",
 }

@@ -99,10 +99,12 @@ def wait_for_replica_resources(cfg: Config, poll_s: float = 2.0) -> None:
         f"and after waiting {cfg.engine.resource_wait_s:g}s (engine.resource_wait_s) {hint}")
 
 
-def processor_config(cfg: Config):
+def processor_config(cfg: Config, extra_engine_kwargs: dict | None = None):
+    """Ray's processor config for cfg's engine; `extra_engine_kwargs` (a phase's own engine
+    settings, e.g. the hidden-states pass) go over `engine_kwargs(cfg)`."""
     from ray.data.llm import vLLMEngineProcessorConfig
 
-    kwargs = engine_kwargs(cfg)
+    kwargs = {**engine_kwargs(cfg), **(extra_engine_kwargs or {})}
     in_flight = cfg.engine.batch_size * cfg.engine.max_concurrent_batches
     max_num_seqs = kwargs.get("max_num_seqs")
     factor = feed_factor(cfg.engine.batch_size)
@@ -127,10 +129,10 @@ def processor_config(cfg: Config):
     )
 
 
-def build_vllm_processor(cfg: Config):
+def build_vllm_processor(cfg: Config, extra_engine_kwargs: dict | None = None):
     from ray.data.llm import build_processor
 
-    processor = build_processor(processor_config(cfg))
+    processor = build_processor(processor_config(cfg, extra_engine_kwargs))
     # model_copy: an assignment would run the stage's validator again, which pops its own settings.
     stage = processor.get_stage_by_name("vLLMEngineStage")
     processor.stages["vLLMEngineStage"] = stage.model_copy(update={"fn": vllm_stage_udf()})
