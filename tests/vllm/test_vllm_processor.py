@@ -135,7 +135,7 @@ def test_the_transformers_backend_emits_rays_vllm_output_columns():
 
 def test_hidden_states_pass_settings(kimi):
     from eagle_data.job.stages.engines.vllm_hidden_states import (
-        CONNECTOR_CLASS, CONNECTOR_MODULE, HiddenStatesRequests, HiddenStatesRows, hidden_states_engine_kwargs)
+        CONNECTOR_CLASS, CONNECTOR_MODULE, ExtractRequests, HiddenStatesRows, hidden_states_engine_kwargs)
 
     cfg = load_config(KIMI, ["engine.engine_kwargs.enable_prefix_caching=true", "engine.engine_kwargs.dtype=float16"])
     extra = hidden_states_engine_kwargs([2, 30, 60], "bfloat16", "/scratch")
@@ -154,12 +154,12 @@ def test_hidden_states_pass_settings(kimi):
 
     batch = pa.Table.from_pylist([{"sample_id": "a", "input_ids": [1, 2, 3], "hidden_states_path": "/hs/a.st",
                                    "source": "s"}])
-    rows = HiddenStatesRequests()(batch).to_pylist()
+    rows = ExtractRequests()(batch).to_pylist()
     assert rows[0]["tokenized_prompt"] == [1, 2, 3] and rows[0]["source"] == "s"
     assert rows[0]["sampling_params"] == {"max_tokens": 1, "temperature": 0.0, "detokenize": False,
                                           "extra_args": {"kv_transfer_params": {"hidden_states_path": "/hs/a.st"}}}
     with pytest.raises(ValueError, match="absolute"):
-        HiddenStatesRequests()(batch.set_column(2, "hidden_states_path", pa.array(["a.st"])))
+        ExtractRequests()(batch.set_column(2, "hidden_states_path", pa.array(["a.st"])))
     answered = batch.append_column("__inference_error__", pa.array([""])).append_column(
         "generated_tokens", pa.array([[7]])).append_column("request_id", pa.array([0]))
     assert HiddenStatesRows()(answered).column_names == ["sample_id", "input_ids", "hidden_states_path", "source",

@@ -42,7 +42,7 @@ def apply_hidden_states_engine(ds: ray.data.Dataset, cfg: Config, layer_ids: lis
         from eagle_data.job.stages.engines.vllm_backend import describe, wait_for_replica_resources
         from eagle_data.job.stages.engines.vllm_hidden_states import vllm_hidden_states_stage
 
-        wait_for_replica_resources(cfg)
+        wait_for_replica_resources(cfg)  # before the pipeline starts: never hang on a missing GPU
         log.info("engine: %s, extract_hidden_states at layer ids %s", describe(cfg), layer_ids)
         return vllm_hidden_states_stage(ds, cfg, layer_ids, dtype, scratch_dir)
     from eagle_data.job.stages.engines.transformers_hidden_states import transformers_hidden_states_stage

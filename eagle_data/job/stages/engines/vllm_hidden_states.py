@@ -22,8 +22,8 @@ columns; Ray's generation and bookkeeping columns are dropped
 
 A row comes out once the engine has the states in memory; the file is written
 asynchronously while a `<path>.lock` companion is held (flock LOCK_EX, taken before the
-row is answered). A reader must take the lock shared first: `wait_for_file(path)` (or
-vLLM's `load_hidden_states`, which does the same). A row with an error has no file.
+row is answered). A reader must take the lock shared first (pack_hidden_states.py's
+`load_request_file`, or vLLM's `load_hidden_states`). A row with an error has no file.
 
 Engine settings over `engine_kwargs(cfg)`: `dtype`, `speculative_config`,
 `kv_transfer_config`. Anything else comes from `cfg.engine.engine_kwargs`, prefix caching
@@ -34,14 +34,13 @@ its cached hidden states too; on CPU a shared prefix hits only in whole blocks o
 
 from __future__ import annotations
 
-import fcntl
 import os
 
 import pyarrow as pa
 import ray
 
 from eagle_data.config import Config
-from eagle_data.job.ray_internals import ENGINE_ERROR, VLLM_OUTPUT_DEFAULTS, VLLM_STAGE_EXTRA_COLUMNS, one_batch_per_block
+from eagle_data.job.ray_internals import ENGINE_ERROR, VLLM_OUTPUT_DEFAULTS, VLLM_STAGE_EXTRA_COLUMNS
 from eagle_data.job.stages.columns import Stage, columns
 
 CONNECTOR_MODULE = "eagle_data.job.stages.engines.hidden_states_connector"
@@ -70,7 +69,7 @@ def hidden_states_engine_kwargs(layer_ids: list[int], dtype: str, scratch_dir: s
     }
 
 
-class HiddenStatesRequests(Stage):
+class ExtractRequests(Stage):
     """Each row's prefill-only request: its exact tokens, one greedy token, and its file."""
 
     reads = columns("sample_id", "input_ids", "hidden_states_path")
@@ -101,23 +100,11 @@ class HiddenStatesRows(Stage):
 
 def vllm_hidden_states_stage(ds: ray.data.Dataset, cfg: Config, layer_ids: list[int], dtype: str,
                              scratch_dir: str) -> ray.data.Dataset:
-    from eagle_data.job.stages.engines.vllm_backend import build_vllm_processor, wait_for_replica_resources
+    """Rows (one engine batch per block, as the phase makes them) -> vLLM -> rows whose
+    files are being written."""
+    from eagle_data.job.stages.engines.vllm_backend import build_vllm_processor
 
     extra = hidden_states_engine_kwargs(layer_ids, dtype, scratch_dir)
-    wait_for_replica_resources(cfg)
-    ds = ds.map_batches(HiddenStatesRequests(), batch_format="pyarrow")
-    ds = one_batch_per_block(ds, cfg.engine.batch_size)
+    ds = ds.map_batches(ExtractRequests(), batch_format="pyarrow")
     ds = build_vllm_processor(cfg, extra)(ds)
     return ds.map_batches(HiddenStatesRows(), batch_format="pyarrow")
-
-
-def wait_for_file(path: str) -> None:
-    """Until the engine has finished writing `path` (its `.lock` taken shared: the writer
-    holds it exclusively until the file is complete, and a writer that dies releases it).
-    FileNotFoundError when there is no complete file (the write failed)."""
-    lock = path + ".lock"
-    if os.path.exists(lock):
-        with open(lock) as f:
-            fcntl.flock(f, fcntl.LOCK_SH)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no hidden-states file {path} (the engine's write failed, or the row did)")

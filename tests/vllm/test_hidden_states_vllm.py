@@ -1,0 +1,87 @@
+"""The hidden-states phase on vLLM's CPU build (extract_hidden_states + the connector, through
+Ray's vLLM stage), as a user runs it (`--phase hidden_states` on an OUT), against the same
+phase on transformers, on the 8-layer tiny Qwen3 at the default layer ids [2, 4, 5, 8].
+
+The OUT's rows share a long system prompt (prompts of ~150 tokens, the first ~100 shared),
+and vLLM runs with prefix caching on (blocks of 32, vLLM's CPU attention takes multiples
+of 32) and prefill chunks of 32 tokens, so the features also cover cache hits and chunked
+prefill (vLLM #44485: prefix caching once gave fewer rows than tokens). One engine run per
+dtype; the transformers phase, itself checked against HF's own hidden_states in
+tests/whole_job/test_hidden_states.py, is the reference."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from support import job_config, write_jsonl
+from eagle_data.job.phases.run import run
+from eagle_data.storage.folder import Output
+from eagle_data.storage.hidden_states import Index, read_sample
+from eagle_data.tools.verify import verify
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+SYSTEM = ("You are a careful assistant. Answer in plain words, check every number twice, name your sources, "
+          "and say so when you do not know. Keep answers short unless asked for detail. ") * 3
+QUESTIONS = ["What is a prime number?", "Why is the sky blue?", "How do bees make honey?",
+             "What does a compiler do?", "Name three rivers in Europe.", "How far is the Moon?",
+             "What is entropy, in one line?", "Why do cats purr?"]
+VLLM = dict(engine__backend="vllm", engine__device="cpu", engine__num_cpus=1, engine__cpu_kv_cache_gib=0.25,
+            engine__batch_size=4, engine__max_concurrent_batches=4, engine__resource_wait_s=30,
+            engine__engine_kwargs={"enforce_eager": True, "max_num_seqs": 8, "enable_prefix_caching": True,
+                                   "block_size": 32, "max_num_batched_tokens": 32})
+# dtype: (largest relative difference per row and layer, smallest cosine per token and layer)
+TOLERANCE = {"float32": (1e-4, 0.99999), "bfloat16": (3e-2, 0.999)}
+
+
+def settings(out, model, dataset, dtype="float32", **extra):
+    return job_config(out, model, dataset, preset={"sampling__max_tokens": 12, "engine__batch_size": 4},
+                      hidden_states__dtype=dtype, **extra)
+
+
+@pytest.fixture(scope="module")
+def shared_prefix_out(ray_local, deep_qwen3, tmp_path_factory):
+    """data/ made by the job (transformers), then the transformers hidden-states phase."""
+    root = tmp_path_factory.mktemp("hs-vllm")
+    dataset = write_jsonl(root / "shared-prefix.jsonl", [
+        {"conversations": [{"from": "system", "value": SYSTEM}, {"from": "human", "value": q}], "source": "s"}
+        for q in QUESTIONS])
+    out = root / "transformers"
+    run(settings(out, deep_qwen3, dataset, hidden_states__enabled=True))
+    return out, dataset
+
+
+def features(out) -> dict[str, torch.Tensor]:
+    o = Output.existing(str(out))
+    index = Index.read(o.fs, o.folder("hidden_states"))
+    return {s: read_sample(o.fs, e, index.dtype).float() for s, e in index.entries.items()}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_vllm_phase_equals_the_transformers_phase(shared_prefix_out, deep_qwen3, tmp_path, dtype):
+    reference_out, dataset = shared_prefix_out
+    out = tmp_path / "vllm"
+    shutil.copytree(reference_out, out, ignore=shutil.ignore_patterns("hidden_states", "hidden_failed"))
+    manifest = Output(str(out)).manifest  # the copy as it was before its hidden-states phase
+    manifest.data["phases"].pop("hidden_states")
+    manifest.save()
+    counts = run(settings(out, deep_qwen3, dataset, dtype, **VLLM), phase="hidden_states")["hidden_states"]
+    assert counts["ok"] == counts["selected"] == len(QUESTIONS) and counts["failed_rows"] == 0
+    assert verify(str(out))[0] == []
+
+    want, got = features(reference_out), features(out)
+    assert set(got) == set(want)
+    meta = Index.read(Output(str(out)).fs, str(out / "hidden_states"))
+    assert meta.layer_ids == [2, 4, 5, 8] and meta.dtype == dtype
+    max_rel, min_cos = 0.0, 1.0
+    for sample_id, w in want.items():
+        g = got[sample_id]
+        assert g.shape == w.shape and g.shape[0] > 128  # longer than four 32-token blocks
+        max_rel = max(max_rel, ((g - w).norm(dim=(0, 2)) / w.norm(dim=(0, 2))).max().item())
+        min_cos = min(min_cos, torch.nn.functional.cosine_similarity(g, w, dim=-1).min().item())
+    print(f"{dtype}: largest relative difference {max_rel:.3g}, smallest cosine {min_cos:.7f}")
+    rel_tol, cos_tol = TOLERANCE[dtype]
+    assert max_rel <= rel_tol and min_cos >= cos_tol, (max_rel, min_cos)
