@@ -24,7 +24,8 @@ from eagle_data.job.phases.hidden_states import eagle3_layer_ids
 from eagle_data.job.phases.run import run
 from eagle_data.job.stages.pack_hidden_states import check_states
 from eagle_data.storage.folder import Output
-from eagle_data.storage.hidden_states import Index, read_sample, shard_paths
+from eagle_data.storage.damage import quarantine_corrupt
+from eagle_data.storage.hidden_states import Index, read_header, read_sample, shard_paths
 from eagle_data.tools.verify import verify
 
 HIDDEN = dict(engine__batch_size=4, sampling__max_tokens=12, source__sample=12, output__rows_per_shard=4,
@@ -94,9 +95,14 @@ def test_verify_finds_a_flipped_byte_and_a_cut_shard(hidden_out, tmp_path):
         f.write(bytes([byte[0] ^ 0xFF]))
     problems, _ = verify(str(out))
     assert any("crc32" in p for p in problems), problems
-    with open(shard, "r+b") as f:  # a cut shard (the next run quarantines it: storage/damage.py)
+    with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) - 10)
     assert any("bytes, its header lists" in p for p in verify(str(out))[0])
+    # A run's start moves a cut shard aside, so its samples are simply not done.
+    lost = set(read_header(Output(str(out)).fs, shard)[1])
+    assert quarantine_corrupt(Output(str(out))) == [shard]
+    assert (out / "quarantine" / "hidden_states" / os.path.basename(shard)).is_file()
+    assert lost and not lost & set(hidden_index(out).entries)
 
 
 @pytest.mark.slow
