@@ -450,9 +450,15 @@ def write_speculators_dataset(dest: str, samples: Iterator[OfflineSample], cache
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
                                   "loss_mask": datasets.Sequence(datasets.Value("int64")),
                                   "seq_len": datasets.Value("int64")})
-    ds = datasets.Dataset.from_parquet(staged, features=features, cache_dir=os.path.join(cache, "hf"))
-    ds.set_format(type="torch")
-    ds.save_to_disk(dest)
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # the command prints its counts; no bars from datasets
+    try:
+        ds = datasets.Dataset.from_parquet(staged, features=features, cache_dir=os.path.join(cache, "hf"))
+        ds.set_format(type="torch")
+        ds.save_to_disk(dest)
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
 
 
 def hidden_states_model(out: Out) -> str:
@@ -475,6 +481,12 @@ def ours(path: str) -> bool:
 
 
 def check_offline_dest(path: str, dest: str, overwrite: bool) -> None:
+    parent = os.path.dirname(path)
+    above = parent
+    while not os.path.lexists(above):
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        raise EagleDataError(f"export: {above} is not a folder, so {dest} cannot be created under it")
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
@@ -489,9 +501,6 @@ def check_offline_dest(path: str, dest: str, overwrite: bool) -> None:
         if not ours(path):
             raise EagleDataError(f"export: {dest} is a folder this tool did not write (no {MARKER}); "
                                  "refusing to replace it: give another DEST, or remove it yourself")
-    parent = os.path.dirname(path)
-    if os.path.exists(parent) and not os.path.isdir(parent):
-        raise EagleDataError(f"export: {parent} is not a folder, so {dest} cannot be created under it")
     os.makedirs(parent, exist_ok=True)
 
 
