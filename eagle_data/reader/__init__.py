@@ -22,6 +22,13 @@ So at the last prompt position p = num_prompt_tokens - 1, pred_mask[p] == 1 (it 
 the first generated token) and at p - 1 it is 0 (it predicts the last prompt token).
 vllm-project/speculators applies the same shift (src/speculators/models/eagle3/data.py:
 `loss_mask = loss_mask[1:]` next to `input_ids = input_ids[1:]`).
+
+With `hidden_states=True` (an OUT whose hidden-states phase ran) each item also has
+`hidden_states` [n, n_layers, H], aligned 1:1 with input_ids: row t holds the target's
+states computed at token input_ids[t], so the draft's input at position t is
+hidden_states[t] and its target is input_ids[t+1] (`hidden_states[:-1]` with `labels`).
+Rows without published hidden states are left out (`missing_hidden_states`); each item
+reads only its own byte range (reader/samples.py says more).
 """
 
 from eagle_data.reader.samples import Out, Samples, row_filter

@@ -12,6 +12,20 @@ partition the samples: each is seen exactly once per epoch; sizes differ by at m
 Shuffling is two-level so that reads stay sequential: row groups are permuted, then rows
 are permuted within each group of `window` consecutive row groups. All ranks must see the
 same shard list: read an OUT whose generate phase finished (not one still being written).
+
+Hidden states (`hidden_states=True`, for an OUT whose hidden-states phase ran): each item
+also has `hidden_states`, a torch tensor [tokens, n_layers, H] in the OUT's dtype (torch
+is imported then: bfloat16 has no numpy dtype), layers in ascending vLLM layer-id order
+(`hidden_layer_ids`; id k = the residual stream after k decoder layers, the last id L = the
+final state BEFORE the final norm). Row t of it holds the states computed AT token
+`input_ids[t]` (from tokens 0..t): a trainer predicting token t+1 from position t shifts
+exactly as with labels (`hidden_states[:-1]` with `input_ids[1:]`, `loss_mask[1:]`); under
+`overflow="truncate"` it is cut to the same `max_len` rows. The sample_id -> byte range
+index is built once, at construction, from the shards' headers only; each item then reads
+that one sample's byte range (its first `max_len` rows' bytes under truncate), never a
+whole shard, so memory stays one sample. A data/ row with no published hidden states (the
+phase did not run for it, failed for it, or its filters left it out) is left out of the
+index, and counted in `missing_hidden_states`.
 """
 
 from __future__ import annotations
@@ -25,8 +39,10 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
-from eagle_data.errors import EagleDataError
+from eagle_data.errors import EagleDataError, MissingInput
+from eagle_data.storage.contract import HIDDEN_STATES
 from eagle_data.storage.folder import Output
+from eagle_data.storage.hidden_states import DTYPES, Index, ShardHeaderError
 from eagle_data.storage.shards import shard_files
 
 TOKEN_COLUMNS = ("input_ids", "loss_mask")
@@ -120,7 +136,7 @@ class Samples:
     def __init__(self, out: str | Out, *, finish_reason=None, source=None, min_len=None,
                  max_len=None, overflow: str = "drop", columns: Sequence[str] = (),
                  rank: int = 0, world_size: int = 1, shuffle: bool = True, seed: int = 0,
-                 window: int = 4, filesystem=None):
+                 window: int = 4, filesystem=None, hidden_states: bool = False):
         if overflow not in ("drop", "truncate"):
             raise ValueError("overflow must be 'drop' (filter out rows longer than max_len) "
                              "or 'truncate' (cut them to max_len)")
@@ -134,15 +150,42 @@ class Samples:
         self.shuffle, self.seed, self.window = shuffle, seed, max(1, window)
         expr = row_filter(finish_reason, source, min_len, None if self.truncate else max_len)
         self.dropped_no_loss = 0  # truncate: samples cut before their first loss token
+        self.missing_hidden_states = 0  # hidden_states: rows left out for having none
+        self.hidden_states = hidden_states
+        if hidden_states:
+            self._open_hidden_states()
         if self.truncate:
             before = self._count(expr)
             expr = keeps_a_loss_token(max_len, self.out.manifest.config.get("mask", {}).get("train_on"), expr)
             self._build_index(expr)
-            self.dropped_no_loss = before - self.row.size
+            self.dropped_no_loss = before - self.row.size - self.missing_hidden_states
         else:
             self._build_index(expr)
         self._cache: OrderedDict = OrderedDict()
         self.set_epoch(0)
+
+    def _open_hidden_states(self) -> None:
+        """The shards' headers -> sample_id -> (shard, byte range), kept as arrays (cheap to
+        pickle into DataLoader workers); every tensor must be [tokens, layers, H] alike."""
+        folder = f"{self.out.root}/{HIDDEN_STATES}"
+        try:
+            index = Index.read(self.out.fs, folder)
+        except ShardHeaderError as e:
+            raise EagleDataError(f"{folder}: {e}; run `python -m eagle_data verify {self.out.root}`") from None
+        if not index.entries:
+            raise MissingInput(f"{self.out.root} has no hidden states ({folder} holds no shard): run the "
+                               "job's hidden-states phase (hidden_states.enabled), or read without hidden_states=True")
+        self.hidden_dtype = index.dtype
+        if self.hidden_dtype not in DTYPES:
+            raise EagleDataError(f"{folder}: unknown hidden-states dtype {self.hidden_dtype!r}")
+        self.hidden_layer_ids = index.layer_ids
+        shapes = {e.shape[1:] for e in index.entries.values()}
+        if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+            raise EagleDataError(f"{folder}: tensors of different layer/hidden shapes {sorted(shapes)}")
+        self.hidden_shape = next(iter(shapes))  # (layers, H)
+        self._hs_shards = sorted({e.shard for e in index.entries.values()})
+        self._hs_shard_number = {s: i for i, s in enumerate(self._hs_shards)}
+        self._hs_ids = index.entries  # until _build_index has looked every row up; then dropped
 
     def _count(self, expr: pc.Expression | None) -> int:
         return sum(b.num_rows for b in self.out.batches(FILTER_COLUMNS, filter=expr))
@@ -152,22 +195,68 @@ class Samples:
         the row group sizes, or with a filter the small FILTER_COLUMNS, one row group at a
         time; never the token lists."""
         self.blocks: list[tuple[int, int]] = []  # (file number, row group number)
-        rows, block_ids = [], []
+        rows, block_ids, spans = [], [], []
+        read = (*FILTER_COLUMNS, "sample_id") if self.hidden_states else FILTER_COLUMNS
         for f, path in enumerate(self.out.files):
             for g, n in enumerate(self.out.row_group_sizes(path)):
                 keep = np.arange(n, dtype=np.int32)
-                if expr is not None:
-                    table = self.out.read_row_group(path, g, FILTER_COLUMNS)
+                if expr is not None or self.hidden_states:
+                    table = self.out.read_row_group(path, g, read)
                     table = table.append_column("__row", pa.array(keep))
-                    keep = table.filter(expr).column("__row").to_numpy()
+                    if expr is not None:
+                        table = table.filter(expr)
+                    keep = table.column("__row").to_numpy()
+                    if self.hidden_states:
+                        keep, span = self._hidden_spans(table, keep, path)
+                        spans.append(span)
                 if keep.size:
                     block_ids.append(np.full(keep.size, len(self.blocks), dtype=np.int32))
                     rows.append(keep)
                     self.blocks.append((f, g))
         self.row = np.concatenate(rows) if rows else np.empty(0, np.int32)
         self.block = np.concatenate(block_ids) if block_ids else np.empty(0, np.int32)
+        if self.hidden_states:
+            # Per index position: shard number, first byte, tokens (rows are stored block by block).
+            self._hs = np.concatenate(spans) if spans else np.empty((0, 3), np.int64)
+            del self._hs_ids, self._hs_shard_number
         # Positions of each block's rows in the index (rows are stored block by block).
         self.block_start = np.searchsorted(self.block, np.arange(len(self.blocks) + 1))
+
+    def _hidden_spans(self, table: pa.Table, keep: np.ndarray, path: str) -> tuple[np.ndarray, np.ndarray]:
+        """The kept rows that have hidden states, and their (shard, start, tokens)."""
+        ids = table.column("sample_id").to_pylist()
+        lengths = sum(table.column(c).to_numpy().astype(np.int64) for c in LENGTH_COLUMNS)
+        shard = self._hs_shard_number
+        found, span = [], []
+        for r, sample_id, n in zip(keep, ids, lengths):
+            entry = self._hs_ids.get(sample_id)
+            if entry is None:
+                self.missing_hidden_states += 1
+                continue
+            if entry.tokens != n:
+                raise EagleDataError(f"{entry.shard}: {sample_id} has hidden states for {entry.tokens} tokens, "
+                                     f"its data/ row in {path} has {n}: the OUT is inconsistent; run verify")
+            found.append(r)
+            span.append((shard[entry.shard], entry.start, entry.tokens))
+        return np.asarray(found, np.int32), np.asarray(span, np.int64).reshape(-1, 3)
+
+    def read_hidden_states(self, pos: int):
+        """The hidden states of the sample at index position `pos` (a torch tensor), read
+        from its shard's byte range: its first max_len rows under truncate, all otherwise."""
+        import torch
+
+        shard, start, tokens = (int(v) for v in self._hs[pos])
+        if self.truncate:
+            tokens = min(tokens, self.max_len)
+        layers, hidden = self.hidden_shape
+        nbytes = tokens * layers * hidden * DTYPES[self.hidden_dtype][1]
+        with self.out.fs.open_input_file(self._hs_shards[shard]) as f:
+            data = bytearray(f.read_at(nbytes, start)) if nbytes else bytearray()
+        if len(data) != nbytes:
+            raise EagleDataError(f"{self._hs_shards[shard]}: short read at byte {start} ({len(data)} of {nbytes})")
+        if not nbytes:
+            return torch.empty((0, layers, hidden), dtype=getattr(torch, self.hidden_dtype))
+        return torch.frombuffer(data, dtype=getattr(torch, self.hidden_dtype)).reshape(tokens, layers, hidden)
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """Every index position once; the same on every rank for a given (seed, epoch)."""
@@ -201,6 +290,8 @@ class Samples:
                 b = min(b, a + self.max_len)
             item[name] = values[a:b].astype(np.int64)
         item["attention_mask"] = np.ones_like(item["input_ids"])
+        if self.hidden_states:
+            item["hidden_states"] = self.read_hidden_states(pos)
         for name in self.columns:
             item[name] = meta.column(name)[r].as_py()
         return item
