@@ -203,7 +203,7 @@ class HiddenStatesConfig(_Section):
     source: list[str] | None = Field(default=None, description="only data/ rows of these sources; null = all")
     rows_per_shard: int = Field(
         default=64, ge=1,
-        description="samples per hidden_states/ shard (Kimi-K2.5: 56 KiB a token, so 64 rows of 1.6k "
+        description="samples per hidden_states/ shard, at most (Kimi-K2.5: 56 KiB a token, so 64 rows of 1.6k "
                     "tokens are ~6 GB)")
 
     @model_validator(mode="after")

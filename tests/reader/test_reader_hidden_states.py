@@ -178,7 +178,7 @@ def test_samples_without_states_are_left_out_and_counted(out, tmp_path, rows):
                       ["__metadata__"]["crc32"])
     shards[0].unlink()
     ds = Samples(str(copy), shuffle=False, hidden_states=True, columns=["sample_id"])
-    assert ds.missing_hidden_states == len(gone) == 3
+    assert gone and ds.missing_hidden_states == len(gone)
     assert len(ds) == len(rows) - 3 and not {s["sample_id"] for s in ds} & set(gone)
     # Without hidden_states every row is there.
     assert len(Samples(str(copy))) == len(rows)

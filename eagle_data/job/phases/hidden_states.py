@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import threading
 import time
 from collections import Counter
 
@@ -29,9 +30,10 @@ import ray
 from eagle_data.config import Config
 from eagle_data.errors import ConfigError, MissingInput, NotEnoughSpace, NotWritable
 from eagle_data.job.fingerprints import hidden_states_config
+from eagle_data.job.progress import EngineWatch
 from eagle_data.job.ray_internals import one_batch_per_block, read_parquet_in_small_tasks
 from eagle_data.job.stages.columns import Stage, columns
-from eagle_data.job.stages.engines import apply_hidden_states_engine
+from eagle_data.job.stages.engines import ENGINE_CLASSES, apply_hidden_states_engine
 from eagle_data.job.stages.pack_hidden_states import HiddenStatesPacker
 from eagle_data.model_files import model_config, text_config_value
 from eagle_data.reader.samples import row_filter
@@ -106,7 +108,7 @@ def run_hidden_states(cfg: Config, out: Output, engine=None) -> dict:
     }, todo=todo.num_rows, estimate_bytes=estimate)
     failed = out.writer(HIDDEN_FAILED, FAILED_SCHEMA, run["run_id"], cfg.output.rows_per_shard, cfg.output.flush_seconds)
     publisher = Publisher(out, run["run_id"], failed, total=todo.num_rows, every_s=cfg.output.log_every_s)
-    if todo.num_rows:
+    if todo.num_rows:  # starting the engine replicas alone is a model load
         scratch = f"{out.root}/{REQUESTS}/{run['run_id']}"
         ds = read_parquet_in_small_tasks(data_files, out.fs, [*IDS, "input_ids"])
         ds = ds.map_batches(HiddenStatesRequests(ray.put(todo.column("sample_id").combine_chunks()), scratch),
@@ -115,13 +117,14 @@ def run_hidden_states(cfg: Config, out: Output, engine=None) -> dict:
         ds = (engine or apply_hidden_states_engine)(ds, cfg, ids, dtype, scratch)
         ds = ds.map_batches(HiddenStatesPacker(out.root, run["run_id"], ids, hidden_size, dtype),
                             batch_size=cfg.hidden_states.rows_per_shard, batch_format="pyarrow")
-        publisher.publish(ds)
-        publisher.line(final=True)
+        with publisher:
+            publisher.publish(ds)
     failed.close()
     counts = totals(out, cfg)
     out.manifest.finish_run("hidden_states", run, counts, ok=publisher.ok, failed=failed.written,
                             tokens=publisher.tokens, bytes=publisher.bytes,
-                            wall_s=round(time.monotonic() - publisher.started, 1))
+                            wall_s=round(time.monotonic() - publisher.started, 1),
+                            engine_load_s=[round(t, 1) for t in publisher.engine.load_s])
     log.info("hidden states: run %s published %d rows (%d tokens, %s), %d failed; OUT totals %s",
              run["run_id"], publisher.ok, publisher.tokens, gib(publisher.bytes), failed.written, counts)
     return counts
@@ -197,13 +200,18 @@ class HiddenStatesRequests(Stage):
 
 
 class Publisher:
-    """The driver's side: moves each packed shard into hidden_states/ and records failures."""
+    """The driver's side: moves each packed shard into hidden_states/ and records failures;
+    a background thread logs the progress line every `every_s`, with what the engine is
+    doing (loading the model, rows in it), also while no row arrives."""
 
     def __init__(self, out: Output, run_id: str, failed, total: int, every_s: float):
         self.out, self.run_id, self.failed, self.total, self.every_s = out, run_id, failed, total, every_s
         self.ok = self.tokens = self.bytes = self.shards = 0
         self.published: set[str] = set()
-        self.started = self.last_line = time.monotonic()
+        self.started = time.monotonic()
+        self.engine = EngineWatch(ENGINE_CLASSES)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="eagle-hidden-progress")
 
     def publish(self, ds: ray.data.Dataset) -> None:
         for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
@@ -214,7 +222,6 @@ class Publisher:
             good = batch.filter(pc.invert(bad))
             for shard in pc.unique(good.column("shard")).to_pylist():
                 self._commit(shard, good.filter(pc.equal(good.column("shard"), shard)))
-            self.line()
 
     def _commit(self, shard: str, rows: pa.Table) -> None:
         ids = rows.column("sample_id").to_pylist()
@@ -231,11 +238,25 @@ class Publisher:
         self.tokens += pc.sum(rows.column("num_tokens")).as_py() or 0
         self.bytes += size
 
-    def line(self, final: bool = False) -> None:
-        now = time.monotonic()
-        if now - self.last_line < self.every_s and not final:
-            return
-        self.last_line = now
-        rate = self.tokens / max(now - self.started, 1e-9)
-        log.info("hidden states: %d/%d rows published, %d failed attempts, %d tokens (%.0f tok/s), %s written",
-                 self.ok, self.total, self.failed.written + self.failed.buffered, self.tokens, rate, gib(self.bytes))
+    def line(self) -> str:
+        rate = self.tokens / max(time.monotonic() - self.started, 1e-9)
+        return (f"hidden states: {self.ok}/{self.total} rows published | {self.engine.describe()} | "
+                f"{self.failed.written + self.failed.buffered} failed attempts | {self.tokens} tokens, "
+                f"{rate:.0f} prefill tok/s | {gib(self.bytes)} written")
+
+    def _run(self) -> None:
+        due = time.monotonic() + self.every_s
+        while not self._stop.wait(min(1.0, self.every_s)):
+            self.engine.look()
+            if time.monotonic() >= due:
+                due += self.every_s
+                log.info(self.line())
+
+    def __enter__(self) -> "Publisher":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        log.info(self.line())
