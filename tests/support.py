@@ -252,3 +252,13 @@ def read_layout(source_cfg, dataset, repartition):
 
     ds = read_source(source_cfg.model_copy(update={"dataset": dataset}))
     return ds.repartition(repartition) if repartition else ds
+
+
+def hidden_features(out) -> dict:
+    """sample_id -> its hidden-states tensor as stored, read with the storage module."""
+    from eagle_data.storage.files import filesystem
+    from eagle_data.storage.hidden_states import Index, read_sample
+
+    fs, root = filesystem(str(out))
+    index = Index.read(fs, f"{root}/hidden_states")
+    return {sid: read_sample(fs, e, index.dtype) for sid, e in index.entries.items()}

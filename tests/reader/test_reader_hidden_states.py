@@ -15,11 +15,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from support import data_rows
+from support import data_rows, hidden_features
 from eagle_data.errors import MissingInput
 from eagle_data.reader import Out, OutDataset, OutIterableDataset, Samples, collate
 from eagle_data.storage.files import filesystem
-from eagle_data.storage.hidden_states import Index, read_sample
+from eagle_data.storage.hidden_states import Index
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +35,7 @@ def rows(out) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def reference(out) -> dict[str, torch.Tensor]:
     """Every sample's tensor, read with the storage module (the phase's own reader)."""
-    fs, root = filesystem(str(out))
-    index = Index.read(fs, f"{root}/hidden_states")
-    return {sid: read_sample(fs, e, index.dtype) for sid, e in index.entries.items()}
+    return hidden_features(out)
 
 
 def test_items_carry_their_own_states_aligned_with_input_ids(out, rows, reference):

@@ -19,11 +19,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from support import data_rows
+from support import data_rows, hidden_features
 from eagle_data.__main__ import main
 from eagle_data.errors import EagleDataError
 from eagle_data.storage.files import filesystem
-from eagle_data.storage.hidden_states import Index, read_sample
+from eagle_data.storage.hidden_states import Index
 from eagle_data.tools import export as ex
 
 FORMATS = ("specforge-offline", "speculators-offline", "modelopt-offline")
@@ -57,9 +57,8 @@ def rows(hidden_out) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def reference(hidden_out) -> dict[str, torch.Tensor]:
     fs, root = filesystem(str(hidden_out))
-    index = Index.read(fs, f"{root}/hidden_states")
-    assert index.layer_ids == [2, 4, 5, L]
-    return {sid: read_sample(fs, e, index.dtype) for sid, e in index.entries.items()}
+    assert Index.read(fs, f"{root}/hidden_states").layer_ids == [2, 4, 5, L]
+    return hidden_features(hidden_out)
 
 
 def post_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -16,10 +16,10 @@ import shutil
 import pytest
 import torch
 
-from support import job_config, write_jsonl
+from support import hidden_features, job_config, write_jsonl
 from eagle_data.job.phases.run import run
 from eagle_data.storage.folder import Output
-from eagle_data.storage.hidden_states import Index, read_sample
+from eagle_data.storage.hidden_states import Index
 from eagle_data.tools.verify import verify
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -54,12 +54,6 @@ def shared_prefix_out(ray_local, deep_qwen3, tmp_path_factory):
     return out, dataset
 
 
-def features(out) -> dict[str, torch.Tensor]:
-    o = Output.existing(str(out))
-    index = Index.read(o.fs, o.folder("hidden_states"))
-    return {s: read_sample(o.fs, e, index.dtype).float() for s, e in index.entries.items()}
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_vllm_phase_equals_the_transformers_phase(shared_prefix_out, deep_qwen3, tmp_path, dtype):
     reference_out, dataset = shared_prefix_out
@@ -72,7 +66,8 @@ def test_vllm_phase_equals_the_transformers_phase(shared_prefix_out, deep_qwen3,
     assert counts["ok"] == counts["selected"] == len(QUESTIONS) and counts["failed_rows"] == 0
     assert verify(str(out))[0] == []
 
-    want, got = features(reference_out), features(out)
+    want = {s: t.float() for s, t in hidden_features(reference_out).items()}
+    got = {s: t.float() for s, t in hidden_features(out).items()}
     assert set(got) == set(want)
     meta = Index.read(Output(str(out)).fs, str(out / "hidden_states"))
     assert meta.layer_ids == [2, 4, 5, 8] and meta.dtype == dtype

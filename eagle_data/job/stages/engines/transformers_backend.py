@@ -22,6 +22,22 @@ log = logging.getLogger(__name__)
 CONSUMED = ("tokenized_prompt", "sampling_params")  # popped by the engine, as Ray's stage does
 
 
+def load_model(model_path: str, trust_remote_code: bool, from_pretrained: dict, cpu_threads: int | None):
+    """(torch, device, the model in eval mode) for a replica: torch on `cpu_threads` (null = all
+    cores of the node; Ray would otherwise limit it to the actor's CPUs), on CUDA when there
+    is one; logs where the replica runs (actor stdout reaches the job log)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(cpu_threads or os.cpu_count() or 1)
+    name, kwargs = pretrained_args(model_path)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(
+        name, trust_remote_code=trust_remote_code, **kwargs, **from_pretrained).to(device).eval()
+    print(f"engine replica on node {ray.get_runtime_context().get_node_id()}", flush=True)
+    return torch, device, model
+
+
 class TransformersEngine(Stage):
     """Loads the model once per actor; generates a batch of rows per call."""
 
@@ -30,20 +46,8 @@ class TransformersEngine(Stage):
 
     def __init__(self, model_path: str, trust_remote_code: bool, engine_kwargs: dict, pad_id: int,
                  cpu_threads: int | None = None):
-        import torch
-
-        torch.set_num_threads(cpu_threads or os.cpu_count() or 1)
-        from transformers import AutoModelForCausalLM
-
-        name, kwargs = pretrained_args(model_path)
-        self.torch = torch
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.model = AutoModelForCausalLM.from_pretrained(
-            name, trust_remote_code=trust_remote_code, **kwargs, **engine_kwargs
-        ).to(self.device).eval()
+        self.torch, self.device, self.model = load_model(model_path, trust_remote_code, engine_kwargs, cpu_threads)
         self.pad_id = pad_id
-        # Into the job log (actor stdout reaches the driver): where this replica runs.
-        print(f"engine replica on node {ray.get_runtime_context().get_node_id()}", flush=True)
 
     def apply(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()

@@ -18,7 +18,7 @@ import ray
 from eagle_data.config import Config
 from eagle_data.job.ray_internals import ENGINE_ERROR
 from eagle_data.job.stages.columns import Stage, columns
-from eagle_data.model_files import pretrained_args
+from eagle_data.job.stages.engines.transformers_backend import load_model
 
 
 def decoder_layers(model):
@@ -39,20 +39,14 @@ class TransformersHiddenStates(Stage):
     def __init__(self, model_path: str, trust_remote_code: bool, layer_ids: list[int], dtype: str,
                  cpu_threads: int | None = None):
         import torch
-        from transformers import AutoModelForCausalLM
 
-        torch.set_num_threads(cpu_threads or os.cpu_count() or 1)
-        name, kwargs = pretrained_args(model_path)
-        self.torch = torch
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.model = AutoModelForCausalLM.from_pretrained(
-            name, trust_remote_code=trust_remote_code, dtype=getattr(torch, dtype), **kwargs).to(self.device).eval()
+        self.torch, self.device, self.model = load_model(model_path, trust_remote_code,
+                                                         {"dtype": getattr(torch, dtype)}, cpu_threads)
         self.layer_ids = sorted(layer_ids)
         layers = decoder_layers(self.model)
         self.num_layers = len(layers)
         self._final = None
         layers[-1].register_forward_hook(self._keep_final)
-        print(f"hidden-states replica on node {ray.get_runtime_context().get_node_id()}", flush=True)
 
     def _keep_final(self, module, args, output) -> None:
         self._final = output[0] if isinstance(output, tuple) else output
