@@ -4,7 +4,7 @@ the bytes the phase wrote per token against its storage estimate. vLLM's CPU bui
 replica.
 
     .venv/bin/python benchmarks/hidden_states_throughput.py [--rows 192] [--gen 256 1024]
-        [--slots 16] [--dtype bfloat16|float32] [--no-transformers] [--smoke]
+        [--slots 16] [--feeding B C] [--dtype bfloat16|float32] [--no-transformers] [--smoke]
 
 The OUT is made once up front by the job itself (prompts phase on synthetic English chat
 rows with the real Qwen3 tokenizer, then the generate phase with a scripted engine in the
@@ -208,6 +208,9 @@ def main() -> None:
     parser.add_argument("--gen", type=int, nargs=2, default=[256, 1024], metavar=("MIN", "MAX"),
                         help="generated tokens per data/ row, uniform in [MIN, MAX] (the prompt adds ~20-70)")
     parser.add_argument("--slots", type=int, default=16, help="max_num_seqs")
+    parser.add_argument("--feeding", type=int, nargs=2, metavar=("B", "C"),
+                        help="engine.batch_size and max_concurrent_batches (default: the project's rule, 4 x "
+                             "ceil(2.5 x slots / 4))")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--no-transformers", action="store_true", help="skip the per-sample transformers dump")
     parser.add_argument("--smoke", action="store_true", help="8 rows of 16-48 generated tokens")
@@ -240,7 +243,7 @@ def main() -> None:
         write_chat_rows(tmp / "rows.jsonl", args.rows, (5, 40))
         max_len = 1 << math.ceil(math.log2(args.gen[1] + 256))
         kwargs = {"enforce_eager": True, "max_num_seqs": args.slots}
-        b, c = 4, math.ceil((2 + 4 / 8) * args.slots / 4)  # the project's feeding rule
+        b, c = args.feeding or (4, math.ceil((2 + 4 / 8) * args.slots / 4))  # default: the project's feeding rule
         out = tmp / "out"
         cfg = load_config(None, [
             f"source.dataset={tmp / 'rows.jsonl'}", f"model.path={model}", f"output.path={out}",
