@@ -17,6 +17,7 @@ SMOKE = {
     "driver_memory.py": (["--rows", "200", "400"], "driver peak RSS"),
     "engine_feeding.py": (["--slots", "4", "--rows", "40", "--measure-s", "2", "--settings", "4x4", "naive",
                            "--no-model-table"], "util"),
+    "hidden_states_throughput.py": (["--smoke"], "| bare vLLM, generate + files written |"),
     "postprocess_throughput.py": (["--rows", "40", "--repeats", "1"], "ours (Postprocessor)"),
     "prompts_memory.py": (["--rows", "200", "400"], "driver peak RSS"),
     "reader_memory.py": (["--rows", "400", "--tokens", "50", "--rows-per-shard", "100"], "samples"),
@@ -32,8 +33,9 @@ def test_every_benchmark_has_a_smoke_size():
 
 
 # Each smoke run of a whole job (its own Ray instance, tens of seconds) is `slow`; vLLM's is `vllm`.
-MARKS = {"vllm_vs_job.py": pytest.mark.vllm, "driver_memory.py": pytest.mark.slow,
-         "prompts_memory.py": pytest.mark.slow, "engine_feeding.py": pytest.mark.slow}
+MARKS = {"vllm_vs_job.py": pytest.mark.vllm, "hidden_states_throughput.py": pytest.mark.vllm,
+         "driver_memory.py": pytest.mark.slow, "prompts_memory.py": pytest.mark.slow,
+         "engine_feeding.py": pytest.mark.slow}
 
 
 @pytest.mark.parametrize("script", [pytest.param(s, marks=MARKS.get(s, ())) for s in sorted(SMOKE)],

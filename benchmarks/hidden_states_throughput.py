@@ -1,0 +1,323 @@
+"""The hidden-states phase against bare vLLM and against a per-sample transformers dump:
+prefill tokens per second (tokens = sum of len(input_ids)) over the same data/ rows, plus
+the bytes the phase wrote per token against its storage estimate. vLLM's CPU build, one
+replica.
+
+    .venv/bin/python benchmarks/hidden_states_throughput.py [--rows 192] [--gen 256 1024]
+        [--slots 16] [--feeding B C] [--dtype bfloat16|float32] [--no-transformers] [--smoke]
+
+The OUT is made once up front by the job itself (prompts phase on synthetic English chat
+rows with the real Qwen3 tokenizer, then the generate phase with a scripted engine in the
+engine's place: each row gets a seeded number of generated tokens, uniform in --gen, as
+<think> ... </think> ... <|im_end|>), so data/ is the job's own. The target is the tiny
+8-layer Qwen3 of the vLLM tests (head_dim 64, H 64, random weights), EAGLE-3 layer ids
+[2, 4, 5, 8]. Then, on those rows:
+
+1. the phase on vLLM (`run_hidden_states`: requests, Ray's vLLM stage with
+   extract_hidden_states + HiddenStatesConnector, packing into shards, publishing), with a
+   step after Ray's stage recording vLLM's per-request metrics (the phase's own stage drops
+   them). Three figures: engine = first request queued in the engine to its last token
+   (vLLM's clock); phase = first request arriving at the engine to the phase returning
+   (includes waiting for the connector's files, packing and publishing the last shards);
+   wall = the whole `run_hidden_states` call (Ray pipeline start and model load included).
+   `load s` = phase call start to first request arrival.
+2. bare `vllm.LLM.generate` in a child process: the same engine kwargs (the job's
+   `engine_kwargs(cfg)` + `hidden_states_engine_kwargs`, same connector and speculative
+   config), the same token ids, each request with its own hidden_states_path, max_tokens 1.
+   Timed: the generate call, and the generate call plus waiting until every file is
+   written (a shared flock on each `.lock`, as pack_hidden_states.load_request_file does).
+   The ratio column is against the latter. Before it, one 64-token warm-up request (tokens
+   no row starts with) takes the engine's first-call costs (about a second here), which the
+   phase's cold engine pays inside its run: the "cold" row adds that call back.
+3. the per-sample transformers dump of the peers' HF scripts: one forward with
+   output_hidden_states=True per sample, the layers stacked, one safetensors file per sample
+   (save_file), same model and dtype, torch threads = the machine's cores; model load apart.
+4. bytes: the sizes of hidden_states/*.safetensors against `layer_bytes` (tokens x layers x
+   H x dtype bytes), and their ratio (the excess is the shards' headers).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
+
+import argparse  # noqa: E402
+import fcntl  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import math  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
+
+from _workload import REPO, qwen3_dir, write_chat_rows  # noqa: E402
+
+VOCAB_TEXT = 151643  # Qwen3: ids below this are ordinary text tokens
+
+
+def data_rows(out: str) -> list[dict]:
+    """sample_id and input_ids of OUT/data, in a fixed order (the same on every side)."""
+    import pyarrow.dataset as pads
+
+    files = sorted(str(p) for p in Path(out, "data").glob("*.parquet"))
+    rows = pads.dataset(files).to_table(columns=["sample_id", "input_ids"]).to_pylist()
+    return sorted(rows, key=lambda r: r["sample_id"])
+
+
+def scripted_engine(gen: tuple[int, int], special):
+    """`engine(ds, cfg, pad_id) -> ds` for the generate phase: each row answers with a seeded
+    number of random text tokens in [gen[0], gen[1]], columns as Ray's vLLM stage emits."""
+
+    def answer(batch: pa.Table) -> pa.Table:
+        ids, lengths = [], []
+        for s in batch.column("sample_id").to_pylist():
+            rng = np.random.default_rng(int(s[:12], 16))
+            n = int(rng.integers(gen[0], gen[1] + 1))
+            t = rng.integers(0, VOCAB_TEXT, n)
+            t[0], t[n // 3], t[-1] = special.reasoning_start_id, special.reasoning_end_id, special.eos_ids[0]
+            ids.append(t)
+            lengths.append(n)
+        n = batch.num_rows
+        prompt = batch.column("tokenized_prompt")
+        carried = batch.drop_columns(["tokenized_prompt", "sampling_params"])
+        out = {name: carried.column(name) for name in carried.column_names}
+        offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+        out.update({
+            "prompt": pa.array([""] * n), "prompt_token_ids": prompt,
+            "num_input_tokens": pa.array([len(p) for p in prompt.to_pylist()], pa.int64()),
+            "generated_tokens": pa.ListArray.from_arrays(offsets, pa.array(np.concatenate(ids), pa.int64())),
+            "generated_text": pa.array([""] * n), "num_generated_tokens": pa.array(lengths, pa.int64()),
+            "embeddings": pa.nulls(n), "metrics": pa.nulls(n), "logprobs": pa.nulls(n),
+            "prompt_logprobs": pa.nulls(n), "__inference_error__": pa.array([""] * n),
+        })
+        return pa.table(out)
+
+    def stage(ds, cfg, pad_id):
+        return ds.map_batches(answer, batch_size=cfg.engine.batch_size, batch_format="pyarrow")
+
+    return stage
+
+
+def timed_hidden_states_engine(events: str):
+    """The phase's vLLM stage (vllm_hidden_states.vllm_hidden_states_stage's three steps) with
+    a step after Ray's stage that records each batch's vLLM request metrics."""
+
+    def record(batch, path):
+        metrics = [m for m in batch.column("metrics").to_pylist() if m]
+        if metrics:
+            with open(path, "a") as f:
+                f.write(json.dumps({"queued": min(m["queued_ts"] for m in metrics),
+                                    "last": max(m["last_token_ts"] for m in metrics),
+                                    "arrival": min(m["arrival_time"] for m in metrics),
+                                    "rows": len(metrics)}) + "\n")
+        return batch
+
+    def stage(ds, cfg, layer_ids, dtype, scratch_dir):
+        from eagle_data.job.stages.engines.vllm_backend import build_vllm_processor, wait_for_replica_resources
+        from eagle_data.job.stages.engines.vllm_hidden_states import (
+            ExtractRequests,
+            HiddenStatesRows,
+            hidden_states_engine_kwargs,
+        )
+
+        wait_for_replica_resources(cfg)
+        ds = ds.map_batches(ExtractRequests(), batch_format="pyarrow")
+        ds = build_vllm_processor(cfg, hidden_states_engine_kwargs(layer_ids, dtype, scratch_dir))(ds)
+        ds = ds.map_batches(record, batch_format="pyarrow", fn_kwargs={"path": events})
+        return ds.map_batches(HiddenStatesRows(), batch_format="pyarrow")
+
+    return stage
+
+
+def bare_vllm(spec_path: str, result_path: str) -> None:
+    """The child process: vllm.LLM on data/'s token ids, one file per request (its engine
+    process is spawned, so this runs under the __main__ guard)."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    spec = json.loads(Path(spec_path).read_text())
+    rows = data_rows(spec["out"])
+    scratch = Path(spec["scratch"])
+    t0 = time.perf_counter()
+    llm = LLM(model=spec["model"], **spec["engine_kwargs"])
+    load = time.perf_counter() - t0
+    paths = [str(scratch / f"{r['sample_id']}.safetensors") for r in rows]
+    params = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                             extra_args={"kv_transfer_params": {"hidden_states_path": p}}) for p in paths]
+    prompts = [TokensPrompt(prompt_token_ids=list(r["input_ids"])) for r in rows]
+    warm = str(scratch / "warm-up.safetensors")  # tokens no row starts with: no prefix-cache hit later
+    t0 = time.perf_counter()
+    llm.generate([TokensPrompt(prompt_token_ids=list(range(1000, 1064)))],
+                 [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                 extra_args={"kv_transfer_params": {"hidden_states_path": warm}})], use_tqdm=False)
+    with open(warm + ".lock") as f:
+        fcntl.flock(f, fcntl.LOCK_SH)
+    warm_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    generate_s = time.perf_counter() - t0
+    for p in paths:  # until every file is whole: the connector holds <path>.lock exclusively while writing
+        with open(p + ".lock") as f:
+            fcntl.flock(f, fcntl.LOCK_SH)
+    written_s = time.perf_counter() - t0
+    missing = [p for p in paths if not os.path.exists(p)]
+    from safetensors import safe_open
+
+    with safe_open(paths[0], "pt") as f:
+        shape = list(f.get_slice("hidden_states").get_shape())
+    Path(result_path).write_text(json.dumps({
+        "load_s": load, "warm_s": warm_s, "generate_s": generate_s, "written_s": written_s, "rows": len(rows),
+        "tokens": sum(len(r["input_ids"]) for r in rows), "missing": len(missing), "first_shape": shape,
+        "bytes": sum(os.path.getsize(p) for p in paths if os.path.exists(p))}))
+    os.remove(warm)
+
+
+def transformers_dump(model: str, rows: list[dict], layer_ids: list[int], dtype: str, dest: Path) -> dict:
+    """The peers' HF path: per sample, one forward with output_hidden_states, one file."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    t0 = time.perf_counter()
+    net = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
+    load = time.perf_counter() - t0
+    dest.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():
+        net(input_ids=torch.arange(1000, 1064)[None], output_hidden_states=True, use_cache=False)  # warm-up
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for r in rows:
+            out = net(input_ids=torch.tensor([r["input_ids"]]), output_hidden_states=True, use_cache=False)
+            hidden = torch.stack([out.hidden_states[k][0] for k in layer_ids], dim=1)
+            save_file({"hidden_states": hidden.contiguous()}, str(dest / f"{r['sample_id']}.safetensors"))
+    seconds = time.perf_counter() - t0
+    return {"load_s": load, "seconds": seconds, "bytes": sum(p.stat().st_size for p in dest.iterdir())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=192)
+    parser.add_argument("--gen", type=int, nargs=2, default=[256, 1024], metavar=("MIN", "MAX"),
+                        help="generated tokens per data/ row, uniform in [MIN, MAX] (the prompt adds ~20-70)")
+    parser.add_argument("--slots", type=int, default=16, help="max_num_seqs")
+    parser.add_argument("--feeding", type=int, nargs=2, metavar=("B", "C"),
+                        help="engine.batch_size and max_concurrent_batches (default: the project's rule, 4 x "
+                             "ceil(2.5 x slots / 4))")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--no-transformers", action="store_true", help="skip the per-sample transformers dump")
+    parser.add_argument("--smoke", action="store_true", help="8 rows of 16-48 generated tokens")
+    parser.add_argument("--bare", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.bare:
+        return bare_vllm(*args.bare)
+    if args.smoke:
+        args.rows, args.gen, args.slots = 8, [16, 48], 4
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from support import build_tiny_model
+
+    import ray
+
+    from eagle_data.config import load_config
+    from eagle_data.job.phases.generate import target_tokens
+    from eagle_data.job.phases.hidden_states import layer_ids as phase_layer_ids
+    from eagle_data.job.phases.hidden_states import run_hidden_states, target_shape
+    from eagle_data.job.phases.run import run
+    from eagle_data.job.stages.engines.vllm_backend import engine_kwargs as job_engine_kwargs
+    from eagle_data.job.stages.engines.vllm_hidden_states import hidden_states_engine_kwargs
+    from eagle_data.model_files import load_tokenizer
+    from eagle_data.storage.folder import Output
+    from eagle_data.storage.hidden_states import layer_bytes
+
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        model = build_tiny_model(qwen3_dir(tmp), tmp / "deep-qwen3", head_dim=64, layers=8)
+        write_chat_rows(tmp / "rows.jsonl", args.rows, (5, 40))
+        max_len = 1 << math.ceil(math.log2(args.gen[1] + 256))
+        kwargs = {"enforce_eager": True, "max_num_seqs": args.slots}
+        b, c = args.feeding or (4, math.ceil((2 + 4 / 8) * args.slots / 4))  # default: the project's feeding rule
+        out = tmp / "out"
+        cfg = load_config(None, [
+            f"source.dataset={tmp / 'rows.jsonl'}", f"model.path={model}", f"output.path={out}",
+            "engine.backend=vllm", "engine.device=cpu", "engine.cpu_kv_cache_gib=0.5",
+            f"engine.engine_kwargs={json.dumps(kwargs)}", f"engine.max_model_len={max_len}",
+            f"sampling.max_tokens={args.gen[1] + 1}", f"engine.batch_size={b}", f"engine.max_concurrent_batches={c}",
+            f"hidden_states.dtype={args.dtype}", "output.log_every_s=3600"])
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+        logging.getLogger("ray").setLevel(logging.WARNING)
+        run(cfg, phase="prompts")
+        special = target_tokens(cfg, load_tokenizer(str(model)))
+        run(cfg, phase="generate", engine=scripted_engine(tuple(args.gen), special))
+        rows = data_rows(str(out))
+        tokens = sum(len(r["input_ids"]) for r in rows)
+        num_layers, hidden_size = target_shape(cfg)
+        ids = phase_layer_ids(cfg, num_layers)
+        print(f"workload: {len(rows)} data/ rows, {tokens} tokens (longest {max(len(r['input_ids']) for r in rows)}), "
+              f"layer ids {ids} of {num_layers}, H {hidden_size}, {args.dtype}, max_num_seqs {args.slots}, "
+              f"batch {b} x {c} concurrent, {os.cpu_count()} cores", flush=True)
+
+        # 2. bare vLLM first, while the parent's Ray workers are idle.
+        spec = tmp / "bare.json"
+        bare_kwargs = {**job_engine_kwargs(cfg), **hidden_states_engine_kwargs(ids, args.dtype, str(tmp / "bare"))}
+        spec.write_text(json.dumps({"out": str(out), "model": str(model), "engine_kwargs": bare_kwargs,
+                                    "scratch": str(tmp / "bare")}))
+        subprocess.run([sys.executable, __file__, "--bare", str(spec), str(tmp / "bare-result.json")], check=True,
+                       env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
+        bare = json.loads((tmp / "bare-result.json").read_text())
+        assert bare["missing"] == 0 and bare["tokens"] == tokens, bare
+        assert bare["first_shape"][1:] == [len(ids), hidden_size], bare
+        shutil.rmtree(tmp / "bare")
+
+        # 1. the phase on vLLM.
+        events = tmp / "events.jsonl"
+        started = time.time()
+        counts = run_hidden_states(cfg, Output(str(out)), engine=timed_hidden_states_engine(str(events)))
+        ended = time.time()
+        assert counts["ok"] == len(rows) and counts["failed_rows"] == 0, counts
+        calls = [json.loads(line) for line in events.read_text().splitlines()]
+        assert sum(c_["rows"] for c_ in calls) == len(rows), calls
+        engine_s = max(c_["last"] for c_ in calls) - min(c_["queued"] for c_ in calls)
+        first = min(c_["arrival"] for c_ in calls)
+        phase_s, wall_s, load_s = ended - first, ended - started, first - started
+        written = sum(p.stat().st_size for p in (out / "hidden_states").glob("*.safetensors"))
+        estimate = layer_bytes(tokens, len(ids), hidden_size, args.dtype)
+        ray.shutdown()
+
+        # 3. the per-sample transformers dump.
+        hf = None if args.no_transformers else transformers_dump(str(model), rows, ids, args.dtype, tmp / "hf")
+
+    bare_rate = tokens / bare["written_s"]
+    table = [
+        ("bare vLLM, generate + files written", bare["written_s"], bare["load_s"]),
+        ("bare vLLM, generate call only", bare["generate_s"], bare["load_s"]),
+        ("bare vLLM, cold: + its warm-up call (first-call costs)", bare["written_s"] + bare["warm_s"], bare["load_s"]),
+        ("phase on vLLM, first request to phase done", phase_s, load_s),
+        ("phase on vLLM, engine (first queued to last token)", engine_s, load_s),
+        ("phase on vLLM, wall (incl. Ray pipeline start + load)", wall_s, 0.0),
+    ]
+    if hf:
+        table.append(("transformers per-sample dump (forward + save_file)", hf["seconds"], hf["load_s"]))
+    print("\n| path | rows | tokens | seconds | prefill tok/s | vs bare vLLM | load s |")
+    print("|---|---|---|---|---|---|---|")
+    for name, seconds, load in table:
+        rate = tokens / seconds
+        print(f"| {name} | {len(rows)} | {tokens} | {seconds:.2f} | {rate:.0f} | {rate / bare_rate:.2f} | "
+              f"{load:.1f} |")
+    per_token = len(ids) * hidden_size * (2 if args.dtype != "float32" else 4)
+    print(f"\nbytes: the phase wrote {written} B in hidden_states/ = {written / tokens:.1f} B/token; estimate "
+          f"(layer_bytes: {len(ids)} layers x H {hidden_size} x {per_token // (len(ids) * hidden_size)} B) "
+          f"{estimate} B = {estimate / tokens:.1f} B/token; written/estimate {written / estimate:.4f}"
+          f" (bare vLLM's per-request files: {bare['bytes'] / tokens:.1f} B/token"
+          + (f", transformers files: {hf['bytes'] / tokens:.1f} B/token)" if hf else ")"))
+
+
+if __name__ == "__main__":
+    main()
