@@ -21,6 +21,9 @@ from eagle_data.reader import Out, OutDataset, OutIterableDataset, Samples, coll
 from eagle_data.storage.files import filesystem
 from eagle_data.storage.hidden_states import Index
 
+# Every test reads `hidden_out`, an OUT the whole job makes (about a minute): not in `make test-fast`.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def out(hidden_out) -> Path:

@@ -26,6 +26,9 @@ from eagle_data.storage.files import filesystem
 from eagle_data.storage.hidden_states import Index
 from eagle_data.tools import export as ex
 
+# Every test reads `hidden_out`, an OUT the whole job makes (about a minute): not in `make test-fast`.
+pytestmark = pytest.mark.slow
+
 FORMATS = ("specforge-offline", "speculators-offline", "modelopt-offline")
 L, H = 8, 64
 

@@ -58,6 +58,7 @@ def reference(model_dir, input_ids: list[int]):
     return model, [h[0] for h in out.hidden_states]
 
 
+@pytest.mark.slow  # reads hidden_out, made by the whole job
 def test_every_row_gets_the_models_own_states_once(hidden_out, deep_qwen3):
     index = hidden_index(hidden_out)
     rows = data_rows(hidden_out)
@@ -84,6 +85,7 @@ def test_every_row_gets_the_models_own_states_once(hidden_out, deep_qwen3):
     assert report["runs"][-1]["estimate_bytes"] == report["bytes"]
 
 
+@pytest.mark.slow  # reads hidden_out, made by the whole job
 def test_verify_finds_a_flipped_byte_and_a_cut_shard(hidden_out, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(hidden_out, out)
@@ -162,6 +164,7 @@ def corrupting_engine(bad: dict[str, str]):
     return engine
 
 
+@pytest.mark.slow  # reads hidden_out, made by the whole job
 def test_rows_that_fail_a_check_are_recorded_and_never_published(ray_local, hidden_out, deep_qwen3, tmp_path):
     from eagle_data.job.phases.hidden_states import run_hidden_states
 
@@ -200,6 +203,7 @@ def test_eagle3_layer_ids_are_the_peers_choice():
     assert eagle3_layer_ids(2) == [1, 2]  # too shallow for four: the distinct ones
 
 
+@pytest.mark.slow  # reads hidden_out, made by the whole job
 def test_refused_before_it_starts(ray_local, hidden_out, deep_qwen3, tmp_path, monkeypatch):
     out = without_hidden_states(hidden_out, tmp_path / "out")
     with pytest.raises(ConfigError, match=r"layer_ids \[9\] exceed the target's 8 layers"):
