@@ -18,7 +18,7 @@ import ray
 from eagle_data.config import Config
 from eagle_data.job.ray_internals import ENGINE_ERROR
 from eagle_data.job.stages.columns import Stage, columns
-from eagle_data.job.stages.engines.transformers_backend import load_model
+from eagle_data.job.stages.engines.transformers_backend import actor_pool, load_model
 
 
 def decoder_layers(model):
@@ -80,15 +80,4 @@ class TransformersHiddenStates(Stage):
 
 def transformers_hidden_states_stage(ds: ray.data.Dataset, cfg: Config, layer_ids: list[int],
                                      dtype: str) -> ray.data.Dataset:
-    gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
-    return ds.map_batches(
-        TransformersHiddenStates,
-        fn_constructor_kwargs=dict(model_path=cfg.model.path, trust_remote_code=cfg.model.trust_remote_code,
-                                   layer_ids=layer_ids, dtype=dtype, cpu_threads=cfg.engine.cpu_threads),
-        batch_size=cfg.engine.batch_size,
-        batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(size=cfg.engine.replicas),
-        num_cpus=cfg.engine.num_cpus,
-        num_gpus=gpus,
-        resources=cfg.engine.replica_resources or None,
-    )
+    return actor_pool(ds, cfg, TransformersHiddenStates, layer_ids=layer_ids, dtype=dtype)
