@@ -334,8 +334,11 @@ def test_one_replica_per_node_and_a_node_lost_mid_run(tiny_qwen3):
     8-GPU nodes: engine.replicas=2 puts one replica on each. Then one worker's raylet is
     killed while its replica generates: Ray Data restarts that replica's actor on the first
     node with a replica's resources free (here the survivor's node, once its own replica
-    has drained the queue and is released) and retries its batches there; the job finishes."""
-    cluster = RayCluster(num_cpus=1, env=FAST_HEALTH_CHECKS)
+    has drained the queue and is released) and retries its batches there; the job finishes.
+    The head has 2 CPUs for the CPU stages: Ray Data counts the restarting replica's CPU as in
+    use, so with 1 CPU left for them after the loss it throttles the stages that feed the
+    survivor, which then idles and is never released (a deadlock seen on CI)."""
+    cluster = RayCluster(num_cpus=2, env=FAST_HEALTH_CHECKS)
     try:
         kept = cluster.add_worker(num_cpus=1, resources={"eagle_replica": 1})
         lost = cluster.add_worker(num_cpus=1, resources={"eagle_replica": 1})
