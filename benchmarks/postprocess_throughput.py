@@ -55,6 +55,7 @@ import pyarrow as pa  # noqa: E402
 from _workload import completion_lengths, qwen3_dir, text_pool_ids  # noqa: E402
 
 SOURCES = ["math", "code", "chat", "writing", "science"]
+SAMPLING = {"max_tokens": 8192, "temperature": 0.6, "top_p": 0.95, "top_k": 0, "min_p": 0.0, "seed": 0}
 
 
 def build_rows(tokenizer, special, n: int, seed: int = 0) -> pa.Table:
@@ -89,11 +90,14 @@ def build_rows(tokenizer, special, n: int, seed: int = 0) -> pa.Table:
         sid = f"{rng.integers(0, 2**63):016x}"
         # first_user rows: the conversation is the sample, its turn 0 (storage/contract.py IDS).
         rows.append({"sample_id": sid, "conversation_id": sid, "turn": 0, "source": SOURCES[i % 5],
+                     "prompt_id": sid, "answer": 0, "variant": "default", "sampling": SAMPLING,
                      "messages": messages, "prompt_token_ids": list(prompt),
                      "generated_tokens": gen.astype(np.int64).tolist(), "__inference_error__": ""})
+    from eagle_data.storage.contract import ANSWER_FIELDS, SAMPLING_TYPE
+
     schema = pa.schema([
         ("sample_id", pa.string()), ("conversation_id", pa.string()), ("turn", pa.int32()),
-        ("source", pa.string()),
+        ("source", pa.string()), *ANSWER_FIELDS, ("sampling", SAMPLING_TYPE),
         ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
         ("prompt_token_ids", pa.list_(pa.int64())), ("generated_tokens", pa.list_(pa.int64())),
         ("__inference_error__", pa.string()),

@@ -39,7 +39,9 @@ def write_out(root: Path, rows: int, tokens: int, rows_per_shard: int, failed: i
     import pyarrow.parquet as pq
 
     from eagle_data.storage.contract import FAILED_SCHEMA
-    from eagle_data.storage.contract import DATA_SCHEMA
+    from eagle_data.storage.contract import DATA_SCHEMA, SAMPLING_TYPE
+
+    SAMPLING = {"max_tokens": 8192, "temperature": 0.6, "top_p": 0.95, "top_k": 0, "min_p": 0.0, "seed": 0}
 
     rng = np.random.default_rng(0)
     (root / "data").mkdir(parents=True, exist_ok=True)
@@ -62,6 +64,8 @@ def write_out(root: Path, rows: int, tokens: int, rows_per_shard: int, failed: i
         table = pa.table({
             "sample_id": sample_ids, "conversation_id": sample_ids, "turn": np.zeros(n, np.int32),
             "source": [f"src{i % 5}" for i in range(n)],
+            "prompt_id": sample_ids, "answer": np.zeros(n, np.int32), "variant": ["default"] * n,
+            "sampling": pa.array([SAMPLING] * n, SAMPLING_TYPE),
             "messages": messages,
             "reasoning": [""] * n,
             "response": [f"the answer is {2 * i}" for i in range(n)],

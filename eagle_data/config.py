@@ -145,13 +145,48 @@ class EngineConfig(_Section):
                     "the replica's placement group). Empty = Ray places replicas by CPUs/GPUs alone")
 
 
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class VariantConfig(_Section):
+    """One named way of answering (docs/variants.md); a key left out takes the sampling section's value."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="recorded in every data/ row it answers")
+    weight: Finite = Field(default=1.0, gt=0, description="its share of the conversations, against the others'")
+    max_tokens: int | None = Field(default=None, ge=1, description="most tokens generated per answer")
+    temperature: Finite | None = Field(default=None, ge=0, description="sampling temperature")
+    top_p: Finite | None = Field(default=None, gt=0, le=1, description="nucleus sampling: top-p")
+    top_k: int | None = Field(default=None, ge=0, description="top-k sampling; 0 = off")
+    min_p: Finite | None = Field(default=None, ge=0, le=1, description="min-p sampling; 0 = off")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="over `prompt.chat_template_kwargs` (e.g. `enable_thinking: false`); "
+                                  "applied in the prompts phase, so prompts/ holds the tokens the engine sees")
+
+
 class SamplingConfig(_Section):
     max_tokens: int = Field(
         default=8192, ge=1,
         description="most tokens generated per answer; must be smaller than `engine.max_model_len`")
-    temperature: float = Field(default=0.6, ge=0, description="sampling temperature")
-    top_p: float = Field(default=0.95, gt=0, le=1, description="nucleus sampling: top-p")
-    seed: int = Field(default=0, description="sampling seed; each sample's seed is derived from it")
+    temperature: Finite = Field(default=0.6, ge=0, description="sampling temperature")
+    top_p: Finite = Field(default=0.95, gt=0, le=1, description="nucleus sampling: top-p")
+    top_k: int = Field(default=0, ge=0, description="top-k sampling; 0 = off")
+    min_p: Finite = Field(default=0.0, ge=0, le=1, description="min-p sampling; 0 = off")
+    seed: int = Field(default=0, description="sampling seed; each sample's seed, and its variant, are derived from it")
+    variants: list[VariantConfig] = Field(
+        default_factory=list,
+        description="named sampling variants; each conversation gets one, drawn by weight from its id and "
+                    "`seed` (docs/variants.md). Empty = one variant, `default`, with the values above")
+    answers_per_prompt: int = Field(
+        default=1, ge=1, le=64,
+        description="answers per prompt: each is its own conversation (sample_id `<prompt_id>.<n>` when > 1) "
+                    "with its own seed and variant")
+
+    @model_validator(mode="after")
+    def _check_variants(self) -> "SamplingConfig":
+        names = [v.name for v in self.variants]
+        if len(set(names)) != len(names):
+            raise ValueError(f"sampling.variants: names must differ, got {names}")
+        return self
 
 
 class MaskConfig(_Section):
@@ -228,18 +263,15 @@ class Config(_Section):
         default_factory=HiddenStatesConfig,
         description="the hidden-states phase: the target's features at the EAGLE-3 layers, for offline training")
 
-    @property
-    def max_prompt_tokens(self) -> int:
-        """The longest prompt that leaves room for max_tokens of answer."""
-        return self.engine.max_model_len - self.sampling.max_tokens
-
     @model_validator(mode="after")
     def _check_combinations(self) -> "Config":
-        if self.sampling.max_tokens >= self.engine.max_model_len:
-            raise ValueError(
-                f"sampling.max_tokens ({self.sampling.max_tokens}) must be smaller than "
-                f"engine.max_model_len ({self.engine.max_model_len}): no prompt would fit"
-            )
+        for where, v in [("sampling", self.sampling),
+                         *((f"sampling.variants[{v.name}]", v) for v in self.sampling.variants)]:
+            if v.max_tokens is not None and v.max_tokens >= self.engine.max_model_len:
+                raise ValueError(
+                    f"{where}.max_tokens ({v.max_tokens}) must be smaller than "
+                    f"engine.max_model_len ({self.engine.max_model_len}): no prompt would fit"
+                )
         if self.model.reasoning_start == self.model.reasoning_end:
             raise ValueError("model.reasoning_start and model.reasoning_end must differ")
         if self.prompt.max_turns is not None and self.prompt.turns != "all":

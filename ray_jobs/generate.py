@@ -57,12 +57,16 @@ def summary(out: str, result: dict) -> str:
     if "prompts" in result:
         p = result["prompts"]
         reasons = ", ".join(f"{k} {v}" for k, v in p["skipped_by_reason"].items()) or "none"
+        answers = (f", {p['conversations']} conversations ({p['answers_per_prompt']} answers each)"
+                   if p.get("answers_per_prompt", 1) > 1 else "")
+        variants = p.get("conversations_by_variant", {})
+        by_variant = ("; variants " + ", ".join(f"{k} {v}" for k, v in variants.items())) if len(variants) > 1 else ""
         lines.append(f"  prompts/  {p['prompts']} prompts ({p['prompt_tokens']} tokens) of "
-                     f"{p['selected']} selected rows")
+                     f"{p['selected']} selected rows{answers}{by_variant}")
         lines.append(f"  skipped/  {p['skipped']} rows ({reasons})")
     if "generate" in result:
         g = result["generate"]
-        turns = f" of {g['user_turns']} user turns" if g["user_turns"] != g["prompts"] else ""
+        turns = f" of {g['user_turns']} user turns" if g["user_turns"] != g["conversations"] else ""
         lines.append(f"  data/     {g['ok']} ok samples{turns}")
         lines.append(f"  failed/   {g['failed_rows']} failed attempts; {g['failed_final']} samples gave up, "
                      f"{g['pending_retry']} to retry (rerun the same command)")

@@ -181,7 +181,7 @@ def write_out(root: Path, rows: list[dict], rows_per_shard: int, pad_id: int = 0
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from eagle_data.storage.contract import DATA_SCHEMA
+    from eagle_data.storage.contract import DATA_SCHEMA, MANIFEST_VERSION
     from eagle_data.storage.files import filesystem, write_json
 
     (root / "data").mkdir(parents=True)
@@ -189,10 +189,20 @@ def write_out(root: Path, rows: list[dict], rows_per_shard: int, pad_id: int = 0
         table = pa.Table.from_pylist(rows[i:i + rows_per_shard], schema=DATA_SCHEMA)
         pq.write_table(table, root / "data" / f"part-{i // rows_per_shard:05d}.parquet")
     fs, path = filesystem(str(root))
-    write_json(fs, f"{path}/manifest.json", {"schema_version": 2, "phases": {"generate": {"tokenizer": {
+    write_json(fs, f"{path}/manifest.json", {"schema_version": MANIFEST_VERSION, "phases": {"generate": {"tokenizer": {
         "path": "synthetic", "vocab_size": 1000, "eos_ids": [2], "pad_id": pad_id,
         "reasoning_start_id": 5, "reasoning_end_id": 6}}}})
     return root
+
+
+# What prompts/ and the request stage add to a row of a first_user run with no variants: for
+# stage tests that build the engine's output by hand.
+ANSWERED = {"answer": 0, "variant": "default", "sampling": {"max_tokens": 16, "temperature": 0.0, "top_p": 1.0,
+                                                           "top_k": 0, "min_p": 0.0, "seed": 0}}
+
+
+def answered(sample_id: str) -> dict:
+    return {"prompt_id": sample_id, **ANSWERED}
 
 
 def synthetic_row(i: int, n_prompt: int, n_reasoning: int, n_response: int, finish: str,
@@ -200,7 +210,7 @@ def synthetic_row(i: int, n_prompt: int, n_reasoning: int, n_response: int, fini
     n_gen = n_reasoning + n_response
     return {
         "sample_id": f"s{i:04d}", "conversation_id": f"s{i:04d}", "turn": 0, "source": source,
-        "messages": [{"role": "user", "content": f"question {i}"}],
+        **answered(f"s{i:04d}"), "messages": [{"role": "user", "content": f"question {i}"}],
         "reasoning": f"thought {i}" if n_reasoning else "", "response": f"answer {i}",
         "input_ids": [100 + i] * n_prompt + [200 + i] * n_gen,
         "loss_mask": [0] * n_prompt + [1] * n_gen,

@@ -22,6 +22,10 @@ def prompt_config(cfg: Config) -> dict:
         "model.reasoning_end": cfg.model.reasoning_end,
         "engine.max_model_len": cfg.engine.max_model_len,
         "sampling.max_tokens": cfg.sampling.max_tokens,
+        # The conversations and their variants (drawn with sampling.seed when there are several).
+        "sampling.answers_per_prompt": cfg.sampling.answers_per_prompt,
+        "sampling.variants": [v.model_dump() for v in cfg.sampling.variants],
+        **({"sampling.seed": cfg.sampling.seed} if cfg.sampling.variants else {}),
     })
 
 

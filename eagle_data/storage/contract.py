@@ -19,7 +19,9 @@ Parquet page checksums (storage/shards.py). Nothing else is ours: a job refuses 
 holding a file it did not write (`is_ours`), so --fresh and every delete touch only ours.
 
 manifest.json (`schema_version` MANIFEST_VERSION):
-    phases.prompts:  status (running | complete | damaged), counts, prompt_config, runs
+    phases.prompts:  status (running | complete | damaged), counts (selected = prompts +
+                     skipped dataset rows; conversations = prompts/ rows = prompts x
+                     answers_per_prompt; per variant), prompt_config, runs
     phases.generate: counts, generate_config, tokenizer (path, vocab_size, eos_ids, pad_id,
                      reasoning_start_id, reasoning_end_id), runs
     phases.hidden_states: counts, hidden_states_config, features (layer_ids, final_norm,
@@ -43,7 +45,7 @@ HIDDEN_STATES = "hidden_states"  # safetensors shards (storage/hidden_states.py)
 HIDDEN_FAILED = "hidden_failed"
 MANIFEST = "manifest.json"
 VOCAB_SUMMARY = "vocab/vocab.json"  # written by the vocab tool; read by the report
-MANIFEST_VERSION = 2  # 2: config and versions per run (1: once, at the top level)
+MANIFEST_VERSION = 3  # 3: prompts/ and data/ rows carry prompt_id, answer, variant (data/: sampling); 2: config and versions per run
 ERROR = "error"  # failed/: the engine's error text
 IDS = ("sample_id", "conversation_id", "turn", "source")  # carried by every data/failed/stopped row
 
@@ -52,9 +54,18 @@ IDS = ("sample_id", "conversation_id", "turn", "source")  # carried by every dat
 MESSAGE_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string()),
                                    ("reasoning_content", pa.string())]))
 
+# The exact sampling values a row was answered with (its variant's, and its own seed).
+SAMPLING_TYPE = pa.struct([("max_tokens", pa.int32()), ("temperature", pa.float64()), ("top_p", pa.float64()),
+                           ("top_k", pa.int32()), ("min_p", pa.float64()), ("seed", pa.int64())])
+# Which answer to which prompt a conversation is (job/variants.py): `prompt_id` is the hash of
+# what the target is asked; with sampling.answers_per_prompt > 1 a prompt has several
+# conversations, `<prompt_id>.<answer>`, each with its own seed and variant.
+ANSWER_FIELDS = [("prompt_id", pa.string()), ("answer", pa.int32()), ("variant", pa.string())]
+
 PROMPTS_SCHEMA = pa.schema([
-    ("sample_id", pa.string()),  # the conversation id: a hash of what the target is asked
+    ("sample_id", pa.string()),  # the conversation id: prompt_id, or <prompt_id>.<answer>
     ("source", pa.string()),
+    *ANSWER_FIELDS,
     ("messages", MESSAGE_TYPE),  # the first turn's prompt (optional system + first user turn)
     ("user_turns", pa.list_(pa.string())),  # the user texts the target answers, in order
     ("tokenized_prompt", pa.list_(pa.int32())),
@@ -73,6 +84,8 @@ DATA_SCHEMA = pa.schema([
     ("conversation_id", pa.string()),
     ("turn", pa.int32()),
     ("source", pa.string()),
+    *ANSWER_FIELDS,
+    ("sampling", SAMPLING_TYPE),
     ("messages", MESSAGE_TYPE),
     ("reasoning", pa.string()),
     ("response", pa.string()),

@@ -57,7 +57,8 @@ class Manifest:
         if version != MANIFEST_VERSION:
             raise EagleDataError(f"{self.path} has schema_version {version}; this eagle-data reads "
                                  f"{MANIFEST_VERSION}: " + ("upgrade eagle-data to read this OUT" if version > MANIFEST_VERSION
-                                                            else "it was made before eagle-data 0.1.0; make it again"))
+                                                            else "it was made by an older eagle-data, whose rows lack columns this one "
+                                                                 "writes; make it again (--fresh) or use a new output.path"))
 
     def save(self) -> None:
         self.data["schema_version"] = MANIFEST_VERSION

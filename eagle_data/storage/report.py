@@ -21,17 +21,17 @@ import pyarrow.dataset as pads
 from eagle_data.storage import manifest as mf
 from eagle_data.storage.folder import Output
 from eagle_data.storage.status import SampleStatus
-from eagle_data.storage.contract import HIDDEN_STATES, STAGING, VOCAB_SUMMARY
+from eagle_data.storage.contract import HIDDEN_STATES, SCHEMAS, STAGING, VOCAB_SUMMARY
 from eagle_data.storage.hidden_states import Index
 from eagle_data.storage.files import read_json, write_bytes, write_json
 from eagle_data.storage.shards import shard_files
 
 COLUMNS = {
-    "prompts": ["source", "num_prompt_tokens"],
+    "prompts": ["sample_id", "source", "answer", "variant", "num_prompt_tokens"],
     "skipped": ["source", "reason"],
-    "data": ["sample_id", "turn", "source", "num_prompt_tokens", "num_reasoning_tokens", "num_response_tokens",
-             "finish_reason"],
-    "failed": ["sample_id", "source"],
+    "data": ["sample_id", "turn", "source", "variant", "num_prompt_tokens", "num_reasoning_tokens",
+             "num_response_tokens", "finish_reason"],
+    "failed": ["sample_id", "conversation_id", "source"],
     "stopped": ["sample_id", "reason"],
     "hidden_failed": ["sample_id", "error"],
 }
@@ -40,7 +40,7 @@ COLUMNS = {
 def read_columns(out: Output, folder: str) -> pa.Table:
     files = shard_files(out.fs, out.folder(folder))
     if not files:
-        return pa.table({c: pa.array([], pa.string()) for c in COLUMNS[folder]})
+        return pa.table({c: pa.array([], SCHEMAS[folder].field(c).type) for c in COLUMNS[folder]})
     return pads.dataset(files, filesystem=out.fs, format="parquet").to_table(columns=COLUMNS[folder])
 
 
@@ -104,6 +104,24 @@ def value_counts(column: pa.ChunkedArray) -> dict:
     return dict(zip(counts.field("values").to_pylist(), counts.field("counts").to_pylist()))
 
 
+def by_variant(prompts: pa.Table, data: pa.Table, failed_samples: pa.Table) -> dict:
+    """Per sampling variant: its conversations, ok rows, failed samples, finish reasons and
+    lengths (job/variants.py; one variant, `default`, without sampling.variants)."""
+    variant_of = dict(zip(prompts.column("sample_id").to_pylist(), prompts.column("variant").to_pylist()))
+    failed = Counter(variant_of.get(c) for c in failed_samples.column("conversation_id_last").to_pylist())
+    found = {}
+    for name, conversations in sorted(value_counts(prompts.column("variant")).items()):
+        rows = data.filter(pc.equal(data.column("variant"), name))
+        lengths = {c: rows.column(f"num_{c}_tokens").to_numpy(zero_copy_only=False).astype(np.int64)
+                   for c in ("prompt", "reasoning", "response")}
+        found[name] = {"conversations": conversations, "ok": rows.num_rows, "failed": failed.get(name, 0),
+                       "finish_reasons": value_counts(rows.column("finish_reason")),
+                       "completion_tokens": stats(lengths["reasoning"] + lengths["response"]),
+                       **{f"{c}_tokens_mean": round(float(v.mean()), 1) if v.size else None
+                          for c, v in lengths.items()}}
+    return found
+
+
 def build_report(out: Output) -> dict:
     manifest = out.manifest
     prompts, skipped = read_columns(out, "prompts"), read_columns(out, "skipped")
@@ -112,12 +130,14 @@ def build_report(out: Output) -> dict:
     progress = SampleStatus.of(*(t.column("sample_id").to_pylist() for t in (data, failed, stopped)),
                                manifest.max_attempts)
     by_source: dict = defaultdict(Counter)
-    for name, table in (("prompts", prompts), ("skipped", skipped), ("ok", data)):
+    first_answers = prompts.filter(pc.equal(prompts.column("answer"), 0))  # one row per prompt
+    for name, table in (("prompts", first_answers), ("skipped", skipped), ("ok", data)):
         for source, n in value_counts(table.column("source")).items():
             by_source[source][name] = n
     # Failed samples that have no ok row (yet), once each.
     no_ok = failed.filter(pc.invert(pc.is_in(failed.column("sample_id"), value_set=data.column("sample_id"))))
-    failed_samples = no_ok.group_by("sample_id", use_threads=False).aggregate([("source", "last")])
+    failed_samples = no_ok.group_by("sample_id", use_threads=False).aggregate(
+        [("source", "last"), ("conversation_id", "last")])
     for source, n in value_counts(failed_samples.column("source_last")).items():
         by_source[source]["failed"] += n
     quotas = manifest.prompts_counts.get("sources", {})
@@ -135,7 +155,8 @@ def build_report(out: Output) -> dict:
         "generated_at": mf.now(),
         "counts": {
             "selected": manifest.prompts_counts.get("selected"),
-            "prompts": prompts.num_rows,
+            "prompts": first_answers.num_rows,
+            "conversations": prompts.num_rows,  # prompts x sampling.answers_per_prompt
             "skipped": skipped.num_rows,
             "ok": data.num_rows,
             "failed_rows": failed.num_rows,
@@ -144,6 +165,7 @@ def build_report(out: Output) -> dict:
         "skipped_by_reason": value_counts(skipped.column("reason")),
         "finish_reasons": value_counts(data.column("finish_reason")),
         "by_source": {s: dict(c) for s, c in sorted(by_source.items())},
+        "by_variant": by_variant(prompts, data, failed_samples),
         # turns: all: ok rows per turn (0 = first user turn) and why conversations stopped early.
         "turns": {"ok_by_turn": value_counts(data.column("turn")),
                   "stopped_by_reason": value_counts(stopped.column("reason"))},
@@ -262,6 +284,7 @@ def to_html(report: dict, figures: dict[str, bytes]) -> str:
         f"<h2>Counts</h2>{table(report['counts'], ('', 'rows'))}"
         f"<h2>Tokens</h2>{table(report['tokens'], ('', 'statistics'))}"
         f"<h2>By source</h2>{table(report['by_source'], ('source', 'rows'))}"
+        f"<h2>By sampling variant</h2>{table(report['by_variant'], ('variant', 'rows and lengths'))}"
         f"<h2>Turns</h2>{table(report['turns'], ('', 'rows'))}"
         + (f"<h2>Hidden states</h2>{table({k: v for k, v in report['hidden_states'].items() if k != 'runs'}, ('', ''))}"
            f"{table({r['run_id']: r for r in report['hidden_states']['runs']}, ('run', 'figures'))}"

@@ -50,6 +50,7 @@ def render_sample(row: dict, tokenizer, colour: bool) -> str:
     mask = row["loss_mask"]
     lines = [
         heading(f"sample {row['sample_id']}  source {row['source']}  finish_reason {row['finish_reason']}"),
+        f"variant {row['variant']}: " + ", ".join(f"{k} {v}" for k, v in row["sampling"].items()),
         f"tokens: prompt {row['num_prompt_tokens']}, reasoning {row['num_reasoning_tokens']}, "
         f"response {row['num_response_tokens']}; loss on {sum(mask)} of {len(mask)}",
         heading("--- prompt"),
@@ -77,7 +78,8 @@ def summary(out: Output) -> str:
     lines = [
         f"OUT {out.root}",
         f"rows: selected {c['selected']} = prompts {c['prompts']} + skipped {c['skipped']}; "
-        f"ok {c['ok']}, failed attempts {c['failed_rows']} ({c['failed_final']} samples gave up)",
+        + (f"{c['conversations']} conversations; " if c["conversations"] != c["prompts"] else "")
+        + f"ok {c['ok']}, failed attempts {c['failed_rows']} ({c['failed_final']} samples gave up)",
         "skipped: " + (", ".join(f"{k} {v}" for k, v in r["skipped_by_reason"].items()) or "none"),
         "finish reasons: " + (", ".join(f"{k} {v}" for k, v in r["finish_reasons"].items()) or "none"),
     ]
@@ -90,6 +92,14 @@ def summary(out: Output) -> str:
     for source, counts in r["by_source"].items():
         lines.append(f"{source[:45]:<45} {counts.get('prompts', 0):>8} {counts.get('skipped', 0):>8} "
                      f"{counts.get('ok', 0):>8} {counts.get('failed', 0):>7}")
+    if len(r["by_variant"]) > 1:
+        lines.append(f"{'variant':<24} {'conversations':>13} {'ok':>8} {'failed':>7} {'stop':>6} {'length':>7} "
+                     f"{'completion mean':>15} {'p95':>7}")
+        for name, v in r["by_variant"].items():
+            finish, done = v["finish_reasons"], v["completion_tokens"]
+            lines.append(f"{name[:24]:<24} {v['conversations']:>13} {v['ok']:>8} {v['failed']:>7} "
+                         f"{finish.get('stop', 0):>6} {finish.get('length', 0):>7} "
+                         f"{done.get('mean', '-'):>15} {done.get('p95', '-'):>7}")
     return "\n".join(lines)
 
 

@@ -5,10 +5,11 @@
 - data/, failed/ and stopped/ hold only conversations of prompts/;
 - every data/ row is consistent: len(loss_mask) == len(input_ids) ==
   num_prompt_tokens + num_reasoning_tokens + num_response_tokens, no loss on the prompt;
-- the prompts phase accounts for every selected row: prompts + skipped = selected;
+- the prompts phase accounts for every selected row: prompts + skipped = selected, and
+  every prompt has answers_per_prompt conversations in prompts/;
 - after a finished generate run, every turn that could be asked (the first, and each one
   after an ok turn) is in data/, failed/ or stopped/; under turns: first_user that means
-  ok + failed + skipped = selected.
+  ok + failed = conversations.
 - hidden_states/: every shard's header reads and its file has the bytes it lists; each
   sample is in one shard only, is a data/ row, has len(input_ids) rows and the recorded
   layers, H and dtype, and its bytes match their crc32; after a finished hidden-states run,
@@ -42,6 +43,7 @@ def verify(path: str) -> tuple[list[str], dict]:
     ids: dict[str, Counter] = {}
     conversations: dict[str, set] = {}  # folder -> conversation_ids
     num_turns: dict[str, int] = {}  # conversation_id -> user turns to answer
+    prompt_ids: Counter = Counter()  # prompt_id -> its conversations in prompts/
     for folder in FOLDERS:
         ids[folder], conversations[folder] = Counter(), set()
         for f in shard_files(out.fs, out.folder(folder)):
@@ -54,6 +56,7 @@ def verify(path: str) -> tuple[list[str], dict]:
             if folder in ("data", "failed", "stopped"):
                 conversations[folder].update(table.column("conversation_id").to_pylist())
             if folder == "prompts":
+                prompt_ids.update(table.column("prompt_id").to_pylist())
                 num_turns.update(zip(table.column("sample_id").to_pylist(),
                                      pc.list_value_length(table.column("user_turns")).to_pylist()))
             if folder == "data":
@@ -70,12 +73,18 @@ def verify(path: str) -> tuple[list[str], dict]:
 
     manifest = out.manifest
     all_turns = manifest.turns == "all"
-    counts = {"prompts": sum(prompts.values()), "skipped": sum(ids["skipped"].values())}
+    counts = {"prompts": len(prompt_ids), "conversations": sum(prompts.values()),
+              "skipped": sum(ids["skipped"].values())}
     if manifest.prompts_complete():
         counts["selected"] = manifest.prompts_counts["selected"]
         if counts["prompts"] + counts["skipped"] != counts["selected"]:
             problems.append(f"prompts ({counts['prompts']}) + skipped ({counts['skipped']}) != "
                             f"selected ({counts['selected']}) recorded by the prompts phase")
+        answers = manifest.prompts_counts.get("answers_per_prompt", 1)
+        uneven = {p: n for p, n in prompt_ids.items() if n != answers}
+        if uneven:
+            problems.append(f"{len(uneven)} prompts have other than {answers} conversations (answers_per_prompt) "
+                            f"in prompts/, e.g. {min(uneven)}")
     else:
         problems.append("the prompts phase has not finished (manifest status "
                         f"{manifest.prompts_status!r}): rerun the job")
@@ -89,9 +98,9 @@ def verify(path: str) -> tuple[list[str], dict]:
         if missing:
             problems.append(f"{len(missing)} turns that could be asked have no data/, failed/ or stopped/ "
                             f"row after a finished generate run, e.g. {sorted(missing)[0]}")
-        elif not all_turns and "selected" in counts and counts["ok"] + counts["failed"] + counts["skipped"] != counts["selected"]:
-            problems.append(f"ok ({counts['ok']}) + failed ({counts['failed']}) + skipped "
-                            f"({counts['skipped']}) != selected ({counts['selected']})")
+        elif not all_turns and counts["ok"] + counts["failed"] != counts["conversations"]:
+            problems.append(f"ok ({counts['ok']}) + failed ({counts['failed']}) != conversations "
+                            f"({counts['conversations']}) in prompts/")
     counts["generate_finished"] = manifest.generate_finished
     hidden_problems, hidden_counts = check_hidden_states(out, set(ids["hidden_failed"]))
     return problems + hidden_problems, {**counts, **hidden_counts}

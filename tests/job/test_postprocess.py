@@ -8,6 +8,7 @@ import pytest
 
 from eagle_data.model_files import load_tokenizer, special_tokens
 from eagle_data.job.stages.postprocess import OUT_SCHEMA, Postprocessor
+from support import answered
 
 QUESTION = [{"role": "user", "content": "What is 2+2?"}]
 
@@ -18,7 +19,8 @@ def postprocess(tokenizer_dir, rows, train_on="generated"):
     post = Postprocessor(str(tokenizer_dir), False, special.eos_ids, special.reasoning_start_id,
                          special.reasoning_end_id, train_on)
     batch = pa.Table.from_pylist([
-        {"sample_id": f"s{i}", "conversation_id": f"s{i}", "turn": 0, "source": "t", "messages": QUESTION,
+        {"sample_id": f"s{i}", "conversation_id": f"s{i}", "turn": 0, "source": "t", **answered(f"s{i}"),
+         "messages": QUESTION,
          "prompt_token_ids": prompt, "generated_tokens": gen, "__inference_error__": err}
         for i, (prompt, gen, err) in enumerate(rows)
     ])
@@ -118,7 +120,7 @@ def test_no_reasoning_tokens_in_vocab_means_all_response(qwen3_tokenizer_dir):
     post = Postprocessor(str(d), False, special.eos_ids, None, None, "response")
     gen = encode(d, "<think>\nx\n</think>\n\ny", eos=True)
     [row] = post(pa.Table.from_pylist([{"sample_id": "a", "conversation_id": "a", "turn": 0,
-                                        "source": "t", "messages": QUESTION,
+                                        "source": "t", **answered("a"), "messages": QUESTION,
                                         "prompt_token_ids": [1, 2], "generated_tokens": gen,
                                         "__inference_error__": ""}])).to_pylist()
     assert row["num_reasoning_tokens"] == 0 and row["loss_mask"] == [0, 0] + [1] * len(gen)

@@ -143,6 +143,7 @@ def test_parquet_in_open_perfectblend_schema(ray_local, tmp_path, qwen3_tokenize
                      source__sample=10)
     counts = run(cfg, phase="prompts")["prompts"]
     assert counts == {"selected": 10, "prompts": 10, "skipped": 0, "skipped_by_reason": {}, "user_turns": 10,
+                      "answers_per_prompt": 1, "conversations": 10, "conversations_by_variant": {"default": 10},
                       "prompt_tokens": counts["prompt_tokens"]}
     prompts = read_rows(tmp_path / "out", "prompts")
     assert {p["source"] for p in prompts} <= {"src0", "src1", "src2"}

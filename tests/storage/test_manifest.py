@@ -33,7 +33,7 @@ def test_a_changed_fingerprint_is_refused_naming_the_keys(tmp_path):
         manifest.check_prompts_config({"source.sample": 3, "source.seed": 1})
 
 
-@pytest.mark.parametrize("version, says", [(1, "before eagle-data 0.1.0"), (MANIFEST_VERSION + 1, "upgrade")])
+@pytest.mark.parametrize("version, says", [(2, "older eagle-data"), (MANIFEST_VERSION + 1, "upgrade")])
 def test_another_schema_version_is_refused_with_what_to_do(tmp_path, version, says):
     (tmp_path / "manifest.json").write_text(json.dumps({"schema_version": version, "phases": {}}))
     with pytest.raises(EagleDataError, match=says):

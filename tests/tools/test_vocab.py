@@ -22,6 +22,7 @@ from eagle_data.__main__ import main
 from eagle_data.errors import NotAnOut, VocabError
 from eagle_data.tools.token_counts import count_tokens
 from eagle_data.tools.vocab import FORMATS, build_vocab, coverage, coverage_curve, mappings, select_ids
+from eagle_data.storage.contract import MANIFEST_VERSION
 
 ROW_SCHEMA = pa.schema([
     ("sample_id", pa.string()), ("conversation_id", pa.string()), ("turn", pa.int32()),
@@ -62,7 +63,7 @@ def write_rows(root: Path, rows: list[dict], rows_per_shard: int = 4, manifest: 
         table = pa.Table.from_pylist(rows[i:i + rows_per_shard], schema=ROW_SCHEMA)
         pq.write_table(table, root / "data" / f"part-{i // rows_per_shard:05d}.parquet",
                        row_group_size=row_group_size)
-    (root / "manifest.json").write_text(json.dumps(manifest or {"schema_version": 2, "phases": {"generate": {}}}))
+    (root / "manifest.json").write_text(json.dumps(manifest or {"schema_version": MANIFEST_VERSION, "phases": {"generate": {}}}))
     return root
 
 
@@ -275,7 +276,7 @@ def test_errors_say_what_to_do(tmp_path):
     (tmp_path / "empty" / "data").mkdir(parents=True)
     with pytest.raises(NotAnOut):
         build_vocab(str(tmp_path / "empty"), 10, 100)
-    (tmp_path / "empty" / "manifest.json").write_text('{"schema_version": 2, "phases": {}}')
+    (tmp_path / "empty" / "manifest.json").write_text(json.dumps({"schema_version": MANIFEST_VERSION, "phases": {}}))
     with pytest.raises(VocabError, match="has no shards: run the generate phase"):
         build_vocab(str(tmp_path / "empty"), 10, 100)
     with pytest.raises(VocabError, match="has no rows"):
@@ -292,7 +293,7 @@ def cli(argv: list[str]) -> int:
 
 def test_cli_reads_the_manifest_vocab_size_and_writes_one_format(tmp_path, capsys):
     rows = random_rows(4, 30, 100)
-    manifest = {"schema_version": 2, "phases": {"generate": {"tokenizer": {"model_vocab_size": 200, "source": "test"}}}}
+    manifest = {"schema_version": MANIFEST_VERSION, "phases": {"generate": {"tokenizer": {"model_vocab_size": 200, "source": "test"}}}}
     out = write_rows(tmp_path / "out", rows, manifest=manifest)
     assert cli([str(out), "--draft-vocab-size", "20", "--format", "speculators",
                 "--finish-reason", "stop"]) == 0

@@ -50,10 +50,10 @@ def test_processor_from_kimi_config(ray_local, kimi):
     assert stage.map_batches_kwargs["max_concurrency"] == 96
 
     # Our engine input satisfies the stage's contract.
-    batch = pa.Table.from_pylist([{"sample_id": "abcdef0123", "source": "s",
+    batch = pa.Table.from_pylist([{"sample_id": "abcdef0123", "source": "s", "variant": "default",
                                    "messages": [{"role": "user", "content": "hi"}],
                                    "tokenized_prompt": [1, 2, 3]}])
-    rows = Requests(engine_sampling(kimi.sampling), [163586])(batch).to_pylist()
+    rows = Requests(engine_sampling(kimi), kimi.sampling.seed, [163586])(batch).to_pylist()
     required = set(stage.get_required_input_keys())
     assert required == {"sampling_params"} and required <= set(rows[0])
     assert "tokenized_prompt" in stage.get_optional_input_keys() and "tokenized_prompt" in rows[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from support import REPO, as_config, attached, job_settings, read, shards
 from eagle_data.errors import OutputLocked, OutputMismatch
 from eagle_data.storage.folder import Output
 from eagle_data.job.phases.run import run
+from eagle_data.tools.inspect_out import inspect
 from eagle_data.tools.verify import verify
 
 
@@ -40,14 +42,30 @@ def assert_verified(out):
     return counts
 
 
+# Three sampling variants (greedy; hot with top-k; thinking off on Qwen3's switch) and two
+# answers per prompt.
+VARIANTS = dict(sampling__answers_per_prompt=2, sampling__seed=5, sampling__variants=[
+    {"name": "greedy", "weight": 2},
+    {"name": "hot", "temperature": 1.0, "top_k": 20, "top_p": 0.9},
+    {"name": "no_think", "temperature": 0.6, "min_p": 0.05, "chat_template_kwargs": {"enable_thinking": False}}])
+
+
 @pytest.mark.slow
 def test_driver_sigkill_at_several_points_then_resume(ray_local, tmp_path, tiny_qwen3):
     """SIGKILL the job's driver from outside while it generates, rerun the same command
-    each time; in the end every sample is in data/ exactly once and the counts add up."""
+    each time; in the end every sample is in data/ exactly once and the counts add up.
+    With three variants and two answers per prompt: no conversation is ever reassigned a
+    variant or a seed, and each row records the values it was answered with."""
+    from eagle_data.job.stages.requests import row_seed
+    from eagle_data.job.variants import Assigner, variants
+    from eagle_data.model_files import load_tokenizer
+
     config = tmp_path / "job.yaml"
     # One row per engine batch and shard, so that kills land between shards.
-    config.write_text(yaml.safe_dump(job_settings(tmp_path / "out", tiny_qwen3, preset=FAULTS, engine__batch_size=1,
-                                              sampling__max_tokens=32, source__sample=32)))
+    settings = job_settings(tmp_path / "out", tiny_qwen3, preset=FAULTS, engine__batch_size=1,
+                            sampling__max_tokens=32, source__sample=16, **VARIANTS)
+    config.write_text(yaml.safe_dump(settings))
+    cfg = as_config(settings)
     out = tmp_path / "out"
     env = attached(ray_local)
     command = [sys.executable, "-m", "ray_jobs.generate", "--config", str(config)]
@@ -63,7 +81,7 @@ def test_driver_sigkill_at_several_points_then_resume(ray_local, tmp_path, tiny_
     os.kill(job.pid, signal.SIGKILL)
     job.wait()
 
-    kills = []
+    kills, answered_as = [], {}
     for shards_before_kill in (1, 6):
         job = start()
         deadline = time.monotonic() + 240
@@ -73,7 +91,10 @@ def test_driver_sigkill_at_several_points_then_resume(ray_local, tmp_path, tiny_
         assert job.poll() is None, "the job finished before it could be killed"
         os.kill(job.pid, signal.SIGKILL)
         job.wait()
-        kills.append(len(read(out, "data")))
+        rows = read(out, "data")
+        kills.append(len(rows))
+        for r in rows:  # a row published before a kill stays as it was
+            assert answered_as.setdefault(r["sample_id"], (r["variant"], r["sampling"])) == (r["variant"], r["sampling"])
         # What a killed run published stays valid data.
         assert not verify(str(out))[0]
     assert kills[0] < kills[-1]
@@ -82,15 +103,42 @@ def test_driver_sigkill_at_several_points_then_resume(ray_local, tmp_path, tiny_
     counts = assert_verified(out)
     manifest = json.loads((out / "manifest.json").read_text())
     prompts = manifest["phases"]["prompts"]["counts"]
-    assert counts["ok"] == prompts["prompts"] and counts["failed"] == 0
-    assert counts["ok"] + counts["skipped"] == prompts["selected"]
+    assert counts["ok"] == prompts["conversations"] == 2 * prompts["prompts"] and counts["failed"] == 0
+    assert prompts["prompts"] + counts["skipped"] == prompts["selected"]
     runs = manifest["phases"]["generate"]["runs"]
     # Each rerun only did what earlier runs had not published.
-    assert [r["todo"] for r in runs][1:] == [prompts["prompts"] - k for k in kills]
-    assert runs[-1]["status"] == "complete" and runs[-1]["ok"] == prompts["prompts"] - kills[-1]
+    assert [r["todo"] for r in runs][1:] == [prompts["conversations"] - k for k in kills]
+    assert runs[-1]["status"] == "complete" and runs[-1]["ok"] == prompts["conversations"] - kills[-1]
+
+    # Every conversation: the variant its id and the seed draw, the prompt its variant
+    # renders, and the exact values it was answered with.
+    found, draw, tokenizer = variants(cfg), Assigner(variants(cfg), 5), load_tokenizer(str(tiny_qwen3))
+    by_id = {p["sample_id"]: p for p in read(out, "prompts")}
+    data = read(out, "data")
+    for r in data:
+        prompt, variant = by_id[r["sample_id"]], found[r["variant"]]
+        assert r["variant"] == prompt["variant"] == draw(r["sample_id"])
+        assert r["sample_id"] == f"{r['prompt_id']}.{r['answer']}" and r["answer"] in (0, 1)
+        assert r["sampling"] == {**variant.sampling, "seed": row_seed(5, r["sample_id"])}
+        assert answered_as.get(r["sample_id"], (r["variant"], r["sampling"])) == (r["variant"], r["sampling"])
+        expected = tokenizer.apply_chat_template([{k: v for k, v in m.items() if v is not None} for m in r["messages"]],
+                                                 add_generation_prompt=True, tokenize=True, return_dict=False,
+                                                 **variant.chat_template_kwargs)
+        assert r["input_ids"][:r["num_prompt_tokens"]] == list(prompt["tokenized_prompt"]) == expected
+    assert {r["variant"] for r in data} == set(found)
+    greedy = [r for r in data if r["variant"] == "greedy"]  # greedy: both answers of a prompt are the same
+    assert all(a["input_ids"] == b["input_ids"] for a in greedy for b in greedy if a["prompt_id"] == b["prompt_id"])
+    report = json.loads((out / "report.json").read_text())["by_variant"]
+    assert {name: (v["conversations"], v["ok"]) for name, v in report.items()} == {
+        name: (n, sum(r["variant"] == name for r in data)) for name, n in prompts["conversations_by_variant"].items()}
+    assert sum(v["completion_tokens"]["count"] for v in report.values()) == len(data)
+    shown = inspect(str(out))  # the summary's per-variant table: name, conversations, ok
+    for name, v in report.items():
+        assert re.search(rf"^{name} +{v['conversations']} +{v['ok']} ", shown, re.M), shown
     print(f"\nfault matrix: driver SIGKILL; ok rows on disk after each kill {kills}; "
-          f"todo per run {[r['todo'] for r in runs]}; final ok {counts['ok']} of {prompts['prompts']} "
-          f"prompts, skipped {counts['skipped']}, selected {prompts['selected']}")
+          f"todo per run {[r['todo'] for r in runs]}; final ok {counts['ok']} of {prompts['conversations']} "
+          f"conversations ({prompts['prompts']} prompts x 2), skipped {counts['skipped']}, selected "
+          f"{prompts['selected']}; by variant {prompts['conversations_by_variant']}")
 
 
 def _engine_actor_pids():

@@ -93,7 +93,7 @@ def test_transformers_engine_emits_the_vllm_stage_columns(tiny_qwen3):
     engine = TransformersEngine(str(tiny_qwen3), False, {}, pad_id=tokenizer.pad_token_id)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}],
                                            add_generation_prompt=True, tokenize=True, return_dict=False)
-    params = {"max_tokens": 5, "temperature": 0.0, "top_p": 1.0, "seed": 0,
+    params = {"max_tokens": 5, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": 0,
               "stop_token_ids": [tokenizer.eos_token_id], "detokenize": False}
     batch = pa.Table.from_pylist([
         {"sample_id": "a", "source": "x", "tokenized_prompt": prompt, "sampling_params": params},

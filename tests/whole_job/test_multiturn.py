@@ -83,15 +83,20 @@ def expected_conversation(row: dict, answers: list[dict]) -> list[dict]:
     return messages
 
 
-def check_turns(out, rows: list[dict], tokenizer) -> dict:
+def check_turns(out, rows: list[dict], tokenizer, answers_per_prompt: int = 1,
+                template_kwargs: dict | None = None) -> dict:
     """Every data/ row's prompt is the template's rendering of the conversation so far with
-    the target's own answers; its mask covers exactly the generated tokens; each
-    conversation continues until its turns run out or a recorded stop."""
+    the target's own answers, with its variant's template arguments (`template_kwargs`:
+    variant -> kwargs); its mask covers exactly the generated tokens; each conversation
+    continues until its turns run out or a recorded stop, keeping its variant and prompt."""
+    template_kwargs = template_kwargs or {"default": {}}
     prompts = {p["sample_id"]: p for p in read(out, "prompts")}
     by_conversation = defaultdict(dict)
     for d in read(out, "data"):
         assert d["sample_id"] == f"{d['conversation_id']}-{d['turn']}"
         assert d["turn"] not in by_conversation[d["conversation_id"]], "a turn answered twice"
+        prompt = prompts[d["conversation_id"]]
+        assert (d["prompt_id"], d["answer"], d["variant"]) == (prompt["prompt_id"], prompt["answer"], prompt["variant"])
         by_conversation[d["conversation_id"]][d["turn"]] = d
     stopped = {(s["conversation_id"], s["turn"]): s for s in read(out, "stopped")}
     assert read(out, "failed") == []
@@ -100,8 +105,8 @@ def check_turns(out, rows: list[dict], tokenizer) -> dict:
     for row in rows:
         first = next(t["value"] for t in row["conversations"] if t["from"] == "human")
         matches = [c for c, p in prompts.items() if p["user_turns"][0] == first]
-        assert len(matches) == 1
-        row_of[matches[0]] = row
+        assert len(matches) == answers_per_prompt and len({prompts[c]["prompt_id"] for c in matches}) == 1
+        row_of.update(dict.fromkeys(matches, row))
     assert set(by_conversation) == set(prompts) == set(row_of)
 
     seen_later_turns = 0
@@ -114,7 +119,7 @@ def check_turns(out, rows: list[dict], tokenizer) -> dict:
         for t, d in enumerate(answers):
             messages = expected_conversation(row, answers[:t])
             expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False)
+                                                     return_dict=False, **template_kwargs[d["variant"]])
             n = d["num_prompt_tokens"]
             assert d["input_ids"][:n] == expected, (conversation, t)
             assert "DATASET ANSWER" not in tokenizer.decode(d["input_ids"])
@@ -134,17 +139,31 @@ def check_turns(out, rows: list[dict], tokenizer) -> dict:
     return {"conversations": len(by_conversation), "stopped": stopped}
 
 
+# Qwen3's template has the thinking switch: two answers per prompt, each drawing one of two
+# variants, thinking on or off. Each answer is its own conversation (`<prompt_id>.<n>`):
+# its later turns are built on its own earlier answers, rendered with its variant's switch.
+QWEN3_VARIANTS = dict(sampling__answers_per_prompt=2, sampling__variants=[
+    {"name": "think"}, {"name": "no_think", "temperature": 0.7, "chat_template_kwargs": {"enable_thinking": False}}])
+SWITCH = {"think": {}, "no_think": {"enable_thinking": False}}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["babbling_qwen3", "babbling_deepseek"])
-def test_each_turn_is_asked_with_the_targets_own_answers(ray_local, tmp_path, model, request):
+@pytest.mark.parametrize("model, variants", [("babbling_qwen3", QWEN3_VARIANTS), ("babbling_deepseek", {})])
+def test_each_turn_is_asked_with_the_targets_own_answers(ray_local, tmp_path, model, variants, request):
     model_dir = request.getfixturevalue(model)
     rows = conversations()
-    result = run(as_config(job_settings(tmp_path / "out", model_dir, write_jsonl(tmp_path / "chats.jsonl", rows), preset=CHATS)))
+    settings = job_settings(tmp_path / "out", model_dir, write_jsonl(tmp_path / "chats.jsonl", rows), preset=CHATS,
+                            **variants)
+    result = run(as_config(settings))
     out = tmp_path / "out"
     tokenizer = load_tokenizer(str(model_dir))
-    checked = check_turns(out, rows, tokenizer)
-    assert checked["conversations"] == result["prompts"]["prompts"] == 8
-    assert result["prompts"]["user_turns"] == sum(1 + i % 3 for i in range(8))
+    answers = settings["sampling"].get("answers_per_prompt", 1)
+    checked = check_turns(out, rows, tokenizer, answers, SWITCH if variants else None)
+    assert checked["conversations"] == result["prompts"]["conversations"] == 8 * answers
+    assert result["prompts"]["prompts"] == 8
+    if variants:
+        assert set(result["prompts"]["conversations_by_variant"]) == set(SWITCH)
+    assert result["prompts"]["user_turns"] == answers * sum(1 + i % 3 for i in range(8))
     # Conversation 5's third question is longer than the prompt budget.
     long_conversation = next(p["sample_id"] for p in read(out, "prompts") if LONG in p["user_turns"])
     assert any(c == long_conversation for c, _ in checked["stopped"])
@@ -164,7 +183,7 @@ def test_each_turn_is_asked_with_the_targets_own_answers(ray_local, tmp_path, mo
         raise AssertionError("an engine pass was built with nothing to ask")
 
     files = {f.name for f in shards(out, "data")}
-    again = run(as_config(job_settings(tmp_path / "out", model_dir, write_jsonl(tmp_path / "chats.jsonl", rows), preset=CHATS)), engine=no_engine)["generate"]
+    again = run(as_config(settings), engine=no_engine)["generate"]
     assert again == result["generate"] and {f.name for f in shards(out, "data")} == files
 
     # verify notices a later turn that should have been asked and has no row: a shard of
@@ -226,9 +245,11 @@ def test_turn_builder_stops_a_conversation_with_a_reason(ray_local, qwen3_tokeni
     import pyarrow as pa
 
     from eagle_data.job.stages.turns import TurnBuilder
+    from eagle_data.job.variants import Variant
 
     def previous(conversation, finish, response="ok"):
         return {"conversation_id": conversation, "turn": 0, "source": "s", "finish_reason": finish,
+                "prompt_id": conversation, "answer": 0, "variant": "default",
                 "messages": [{"role": "user", "content": "hi", "reasoning_content": None}],
                 "reasoning": "thinking", "response": response}
 
@@ -236,7 +257,8 @@ def test_turn_builder_stops_a_conversation_with_a_reason(ray_local, qwen3_tokeni
                                   previous("long", "stop"), previous("done", "stop"), previous("last", "stop")])
     users = pa.table({"conversation_id": ["short", "cut", "long", "done"],
                       "user": ["and then?", "and then?", LONG, "and then?"]})
-    build = TurnBuilder(str(qwen3_tokenizer_dir), False, {}, max_prompt_tokens=100, turn=1,
+    variant = Variant("default", 1.0, {}, {}, max_prompt_tokens=100)
+    build = TurnBuilder(str(qwen3_tokenizer_dir), False, {"default": variant}, turn=1,
                         next_users=ray.put(users), finished=ray.put(pa.array(["done-1"])))
     rows = {r["conversation_id"]: r for r in build(batch).to_pylist()}
     assert set(rows) == {"short", "cut", "long"}

@@ -14,7 +14,7 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
-from support import REPO, job_config
+from support import REPO, answered, job_config
 from eagle_data.tools.inspect_out import render_sample
 from eagle_data.model_files import load_tokenizer, special_tokens
 from eagle_data.job.phases.run import run
@@ -149,7 +149,7 @@ def test_render_marks_the_loss_boundary_of_reasoning(qwen3_tokenizer_dir):
     post = Postprocessor(str(qwen3_tokenizer_dir), False, special.eos_ids, special.reasoning_start_id,
                          special.reasoning_end_id, "response")
     [row] = post(pa.Table.from_pylist([{"sample_id": "k", "conversation_id": "k", "turn": 0,
-                                        "source": "s", "messages": messages,
+                                        "source": "s", **answered("k"), "messages": messages,
                                         "prompt_token_ids": prompt, "generated_tokens": gen,
                                         "__inference_error__": ""}])).to_pylist()
     plain = render_sample(row, tokenizer, colour=False)

@@ -34,7 +34,7 @@ from eagle_data.storage.status import SampleStatus
 
 log = logging.getLogger("eagle_data")
 
-PROMPT_COLUMNS = ["sample_id", "source", "messages", "tokenized_prompt"]
+PROMPT_COLUMNS = ["sample_id", "source", "prompt_id", "answer", "variant", "messages", "tokenized_prompt"]
 
 
 def run_generate(cfg: Config, out: Output, engine=None) -> dict:
@@ -179,7 +179,8 @@ def record_stops(ds: ray.data.Dataset, stopped: ShardWriter, run_id: str) -> int
 
 def answers(ds: ray.data.Dataset, cfg: Config, special: SpecialTokens, engine) -> ray.data.Dataset:
     """Prompts -> requests -> engine -> postprocess: rows for data/ and failed/."""
-    ds = ds.map_batches(Requests(engine_sampling(cfg.sampling), list(special.eos_ids)), batch_format="pyarrow")
+    ds = ds.map_batches(Requests(engine_sampling(cfg), cfg.sampling.seed, list(special.eos_ids)),
+                        batch_format="pyarrow")
     ds = one_batch_per_block(ds, cfg.engine.batch_size)  # finished rows leave the engine batch by batch
     ds = engine(ds, cfg, special.pad_id)
     ds = ds.map_batches(Postprocessor.from_config(cfg, special), batch_format="pyarrow")
@@ -206,6 +207,7 @@ def totals(out: Output, cfg: Config, user_turns: int) -> dict:
     status = SampleStatus.read(out.fs, out.root, cfg.output.max_attempts)
     return {
         "prompts": out.manifest.prompts_counts["prompts"],
+        "conversations": out.manifest.prompts_counts["conversations"],  # prompts x answers_per_prompt
         "user_turns": user_turns,
         "ok": len(status.ok),
         "failed_final": len(status.given_up),

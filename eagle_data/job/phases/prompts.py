@@ -47,41 +47,56 @@ def write_prompts(ds, out: Output, cfg: Config, run_id: str) -> dict:
     """Drain the prompts stage into prompts/ and skipped/; the phase's counts."""
     prompts = out.writer("prompts", PROMPTS_SCHEMA, run_id, cfg.output.rows_per_shard)
     skipped = out.writer("skipped", SKIPPED_SCHEMA, run_id, cfg.output.rows_per_shard)
-    seen: set[str] = set()  # sample_ids already in prompts/, for the duplicate check
+    seen: set[str] = set()  # prompt_ids already in prompts/, for the duplicate check
     reasons: Counter = Counter()
+    per_variant: Counter = Counter()
     tokens = turns = 0
     for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
         good, bad = split_duplicates(batch, seen)
         prompts.add(good)
         skipped.add(bad)
         reasons.update(bad.column("reason").to_pylist())
+        per_variant.update(good.column("variant").to_pylist())
         tokens += pc.sum(good.column("num_prompt_tokens")).as_py() or 0
         turns += pc.sum(pc.list_value_length(good.column("user_turns"))).as_py() or 0
     prompts.close()
     skipped.close()
+    answers = cfg.sampling.answers_per_prompt
     return {
-        "selected": prompts.written + skipped.written,
-        "prompts": prompts.written,
+        "selected": prompts.written // answers + skipped.written,  # dataset rows
+        "prompts": prompts.written // answers,  # dataset rows that became a prompt
         "skipped": skipped.written,
         "skipped_by_reason": dict(sorted(reasons.items())),
+        "answers_per_prompt": answers,
+        "conversations": prompts.written,  # prompts/ rows: prompts x answers_per_prompt
+        "conversations_by_variant": dict(sorted(per_variant.items())),
         "prompt_tokens": tokens,
-        "user_turns": turns,  # = prompts under turns: first_user
+        "user_turns": turns,  # turns to answer (= conversations under turns: first_user)
     }
 
 
 def split_duplicates(batch: pa.Table, seen: set[str]) -> tuple[pa.Table, pa.Table]:
-    """(rows for prompts/, rows for skipped/). A usable row whose sample_id is already in
-    prompts/ (`seen`, updated here) is skipped as a `duplicate`."""
+    """(rows for prompts/, rows for skipped/). A dataset row whose prompt_id an earlier row
+    already had (`seen`, updated here) is skipped as one `duplicate` row. The stage emits a
+    row's conversations together, answer 0 first: the later ones share its fate."""
     reasons = batch.column("reason").to_pylist()
     details = batch.column("detail").to_pylist()
-    for i, sample_id in enumerate(batch.column("sample_id").to_pylist()):
+    keep = [True] * batch.num_rows
+    duplicate = False
+    for i, (prompt_id, answer) in enumerate(zip(batch.column("prompt_id").to_pylist(),
+                                                batch.column("answer").to_pylist())):
         if reasons[i]:
             continue
-        if sample_id in seen:
-            reasons[i], details[i] = "duplicate", "same prompt as an earlier row with this sample_id"
-        else:
-            seen.add(sample_id)
+        if answer == 0:
+            duplicate = prompt_id in seen
+            seen.add(prompt_id)
+        if duplicate:
+            reasons[i], details[i] = "duplicate", "same prompt as an earlier row with this prompt_id"
+            keep[i] = answer == 0  # one skipped/ row per dataset row
     batch = batch.set_column(batch.schema.get_field_index("reason"), "reason", pa.array(reasons, pa.string()))
     batch = batch.set_column(batch.schema.get_field_index("detail"), "detail", pa.array(details, pa.string()))
+    batch = batch.filter(pa.array(keep))
     ok = pc.equal(batch.column("reason"), "")
-    return batch.filter(ok), batch.filter(pc.invert(ok))
+    bad = batch.filter(pc.invert(ok))
+    bad = bad.set_column(bad.schema.get_field_index("sample_id"), "sample_id", bad.column("prompt_id"))
+    return batch.filter(ok), bad

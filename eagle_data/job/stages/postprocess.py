@@ -3,7 +3,7 @@ decoded text, finish reason, loss mask.
 
 Stage contract: takes the engine's columns (`prompt_token_ids`, `generated_tokens`,
 `__inference_error__`) + carried `sample_id`, `conversation_id`, `turn`, `source`,
-`messages`; makes the `data/` columns plus `error` ("" for ok rows; failed rows keep only
+`prompt_id`, `answer`, `variant`, `sampling`, `messages`; makes the `data/` columns plus `error` ("" for ok rows; failed rows keep only
 the ids, source and error).
 
 `input_ids = prompt_token_ids + generated_tokens`, nothing re-tokenized. The reasoning
@@ -24,6 +24,8 @@ from eagle_data.job.stages.columns import Stage, columns
 from eagle_data.model_files import SpecialTokens, load_tokenizer
 from eagle_data.job.ray_internals import ENGINE_ERROR
 from eagle_data.storage.contract import DATA_SCHEMA, ERROR, IDS
+
+ANSWER_OF = ("prompt_id", "answer", "variant", "sampling")  # carried from prompts/ and the request
 
 # What the stage makes: data/'s columns and the error ("" on ok rows; a failed row keeps
 # only IDS and the error).
@@ -71,7 +73,7 @@ def _list_parts(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndar
 class Postprocessor(Stage):
     """Engine output -> data/ rows (ok) and failed/ rows (error)."""
 
-    reads: ClassVar = columns("prompt_token_ids", "generated_tokens", ENGINE_ERROR, *IDS, "messages")
+    reads: ClassVar = columns("prompt_token_ids", "generated_tokens", ENGINE_ERROR, *IDS, *ANSWER_OF, "messages")
     makes: ClassVar = columns(*OUT_SCHEMA.names)
 
     tokenizer_path: str
@@ -151,8 +153,7 @@ class Postprocessor(Stage):
 
         offsets = pa.array(out_off.astype(np.int32))
         return pa.table({
-            **{c: batch.column(c) for c in IDS},
-            "messages": batch.column("messages"),
+            **{c: batch.column(c) for c in (*IDS, *ANSWER_OF, "messages")},
             "reasoning": pa.array(reasoning, pa.string()),
             "response": pa.array(response, pa.string()),
             "input_ids": pa.ListArray.from_arrays(offsets, pa.array(ids)),

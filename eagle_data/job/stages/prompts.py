@@ -1,11 +1,13 @@
 """Rows -> chat messages -> validated, tokenized prompts (a `map_batches` stage).
 
 Stage contract: takes `row_id`, `source`, `raw`, `origin` (FILE:LINE or "", put before a
-skipped row's detail), `encoding_error` ("" or why the row is not UTF-8); makes `sample_id`, `messages` (the first
+skipped row's detail), `encoding_error` ("" or why the row is not UTF-8); makes per
+conversation (sampling.answers_per_prompt of them per usable row, job/variants.py)
+`sample_id` (the conversation id), `prompt_id`, `answer`, `variant`, `messages` (the first
 turn's prompt), `user_turns` (the user texts the target answers: one, or all of them under
-`prompt.turns: all`), `tokenized_prompt`, `num_prompt_tokens`, `reason` ("" when the row is
-usable) and `detail`.
-A row that cannot become a prompt is never an exception: it gets a reason.
+`prompt.turns: all`), `tokenized_prompt` (rendered as its variant says), `num_prompt_tokens`,
+`reason` ("" when the row is usable) and `detail`.
+A row that cannot become a prompt is never an exception: it gets a reason (one row).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pyarrow as pa
 
 from eagle_data.config import Config
 from eagle_data.job.stages.columns import Stage, columns
+from eagle_data.job.variants import DEFAULT, Assigner, Variant, conversation_ids, variants
 from eagle_data.model_files import control_token_pattern, load_tokenizer
 from eagle_data.storage.contract import PROMPTS_SCHEMA, SKIPPED_SCHEMA
 
@@ -126,30 +129,41 @@ def sample_id_of(messages: list[dict]) -> str:
 @dataclass(frozen=True)
 class PromptRenderer:
     """Renders conversations as the model sees them when it is to answer: the chat template
-    with the generation prompt, tokenized. Shared by the prompts stage and the later-turn
-    stage (turns.py); the tokenizer is loaded once per worker process (cached)."""
+    (with each conversation's variant's arguments) and the generation prompt, tokenized.
+    Shared by the prompts stage and the later-turn stage (turns.py); the tokenizer is
+    loaded once per worker process (cached)."""
 
     tokenizer_path: str
     trust_remote_code: bool
-    chat_template_kwargs: dict
-    max_prompt_tokens: int  # Config.max_prompt_tokens
+    variants: dict[str, Variant]  # job/variants.py
 
     @staticmethod
     def fields(cfg: Config) -> dict:
         """The renderer's fields from the config (what every subclass shares)."""
         return {"tokenizer_path": cfg.model.tokenizer_path, "trust_remote_code": cfg.model.trust_remote_code,
-                "chat_template_kwargs": cfg.prompt.chat_template_kwargs,
-                "max_prompt_tokens": cfg.max_prompt_tokens}
+                "variants": variants(cfg)}
 
-    def render(self, conversations: list[list[dict]]) -> list[tuple[list[int] | None, str, str]]:
-        """(ids, reason, detail) per conversation: reason "" when usable, `template_error`
-        (ids None) or `prompt_too_long` (ids kept, for the count)."""
+    def render(self, conversations: list[list[dict]], names: list[str]) -> list[tuple[list[int] | None, str, str]]:
+        """(ids, reason, detail) per conversation, rendered as its variant (`names`) says:
+        reason "" when usable, `template_error` (ids None) or `prompt_too_long` (ids kept,
+        for the count). Conversations whose variants render alike are tokenized together."""
+        groups: dict[tuple, list[int]] = {}
+        for i, name in enumerate(names):
+            groups.setdefault(self.variants[name].renders_as, []).append(i)
+        results: list = [None] * len(conversations)
+        for indices in groups.values():
+            variant = self.variants[names[indices[0]]]
+            for i, result in zip(indices, self._render([conversations[i] for i in indices], variant)):
+                results[i] = result
+        return results
+
+    def _render(self, conversations: list[list[dict]], variant: Variant) -> list[tuple[list[int] | None, str, str]]:
         tokenizer = load_tokenizer(self.tokenizer_path, self.trust_remote_code)
         texts, results = [], []
         for messages in conversations:
             try:
                 texts.append(tokenizer.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=True, **self.chat_template_kwargs))
+                    messages, tokenize=False, add_generation_prompt=True, **variant.chat_template_kwargs))
             except Exception as e:  # a chat template may raise on odd conversations
                 texts.append(None)
                 results.append((None, "template_error", f"{type(e).__name__}: {e}"))
@@ -158,11 +172,13 @@ class PromptRenderer:
         ok = [i for i, t in enumerate(texts) if t is not None]
         # The template renders the special tokens itself: none added on top.
         encoded = tokenizer([texts[i] for i in ok], add_special_tokens=False)["input_ids"] if ok else []
+        limit = variant.max_prompt_tokens
         for i, ids in zip(ok, encoded):
             results[i] = (ids, "", "")
-            if len(ids) > self.max_prompt_tokens:
-                results[i] = (ids, "prompt_too_long", f"{len(ids)} prompt tokens > {self.max_prompt_tokens} "
-                                                      "(engine.max_model_len - sampling.max_tokens)")
+            if len(ids) > limit:
+                why = "engine.max_model_len - sampling.max_tokens" if variant.name == DEFAULT else \
+                    f"engine.max_model_len - max_tokens of variant {variant.name!r}"
+                results[i] = (ids, "prompt_too_long", f"{len(ids)} prompt tokens > {limit} ({why})")
         return results
 
 
@@ -176,23 +192,27 @@ class PromptBuilder(PromptRenderer, Stage):
     reasoning_markers: tuple[str, ...] = ()
     turns: str = "first_user"  # prompt.turns
     max_turns: int | None = None  # prompt.max_turns
+    answers: int = 1  # sampling.answers_per_prompt
+    seed: int = 0  # sampling.seed: the variants' draw
 
     @classmethod
     def from_config(cls, cfg: Config) -> "PromptBuilder":
         return cls(**cls.fields(cfg), reasoning_markers=(cfg.model.reasoning_start, cfg.model.reasoning_end),
-                   turns=cfg.prompt.turns, max_turns=cfg.prompt.max_turns)
+                   turns=cfg.prompt.turns, max_turns=cfg.prompt.max_turns,
+                   answers=cfg.sampling.answers_per_prompt, seed=cfg.sampling.seed)
 
     def apply(self, batch: pa.Table) -> pa.Table:
+        """One row per dataset row that cannot become a prompt (answer 0, with its reason),
+        `answers` rows (conversations) per one that can; a row is used whole or skipped whole."""
         control = control_token_pattern(
             self.tokenizer_path, self.trust_remote_code, self.reasoning_markers
         )
-        rows, conversations = [], []
-        origins = []
+        assign = Assigner(self.variants, self.seed)
+        rows = []
         for row_id, source, raw, origin, encoding_error in zip(*(batch.column(c).to_pylist() for c in self.reads)):
-            out = {"row_id": row_id, "source": source, "raw": raw, "sample_id": "",
-                   "messages": None, "user_turns": None, "reason": "", "detail": "",
-                   "tokenized_prompt": None}
-            origins.append(origin)
+            base = {"row_id": row_id, "source": source, "raw": raw, "sample_id": "", "prompt_id": "",
+                    "answer": 0, "variant": "", "messages": None, "user_turns": None, "reason": "",
+                    "detail": "", "tokenized_prompt": None}
             try:
                 if encoding_error:
                     raise Skip("bad_encoding", encoding_error)
@@ -209,21 +229,27 @@ class PromptBuilder(PromptRenderer, Stage):
                     if found:
                         raise Skip("special_token_in_content",
                                    f"{role} text contains control token {found.group()!r}")
-                out["messages"], out["user_turns"] = messages, users[:self.max_turns]
-                out["sample_id"] = sample_id_of(identity)
             except Skip as s:
-                out["reason"], out["detail"] = s.reason, s.detail
-            rows.append(out)
-            conversations.append(out["messages"])
+                rows.append([{**base, "reason": s.reason, "detail": s.detail, "origin": origin}])
+                continue
+            prompt_id = sample_id_of(identity)
+            rows.append([{**base, "sample_id": conversation, "prompt_id": prompt_id, "answer": n,
+                          "variant": assign(conversation), "messages": messages,
+                          "user_turns": users[:self.max_turns], "origin": origin}
+                         for n, conversation in enumerate(conversation_ids(prompt_id, self.answers))])
 
-        ok = [i for i, m in enumerate(conversations) if m is not None]
-        for i, (ids, reason, detail) in zip(ok, self.render([conversations[i] for i in ok])):
-            rows[i].update(tokenized_prompt=ids, reason=reason, detail=detail)
-        for row, origin in zip(rows, origins):
-            if row["reason"] and origin:  # where the row is: "FILE:LINE: why"
-                row["detail"] = f"{origin}: {row['detail']}"
-            ids = row["tokenized_prompt"]
-            row["num_prompt_tokens"] = len(ids) if ids is not None else 0
-            if row["reason"]:
-                row["tokenized_prompt"] = row["user_turns"] = None
-        return pa.Table.from_pylist(rows, schema=PROMPT_SCHEMA)
+        flat = [c for group in rows for c in group if not c["reason"]]
+        for c, (ids, reason, detail) in zip(flat, self.render([c["messages"] for c in flat],
+                                                              [c["variant"] for c in flat])):
+            c.update(tokenized_prompt=ids, reason=reason, detail=detail)
+        out = []
+        for group in rows:
+            bad = next((c for c in group if c["reason"]), None)
+            if bad is not None:  # the dataset row, once, with the first reason
+                ids = bad["tokenized_prompt"]
+                out.append({**group[0], "sample_id": group[0]["prompt_id"], "reason": bad["reason"], "num_prompt_tokens": len(ids) if ids else 0,
+                            "detail": f"{bad['origin']}: {bad['detail']}" if bad["origin"] else bad["detail"],
+                            "answer": 0, "tokenized_prompt": None, "user_turns": None})
+                continue
+            out += [{**c, "num_prompt_tokens": len(c["tokenized_prompt"])} for c in group]
+        return pa.Table.from_pylist(out, schema=PROMPT_SCHEMA)

@@ -8,9 +8,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray
 
-from eagle_data.config import SamplingConfig
+from eagle_data.config import Config
 from eagle_data.job.stages.columns import Stage, columns
-from eagle_data.storage.contract import turn_sample_ids
+from eagle_data.job.variants import variants
+from eagle_data.storage.contract import SAMPLING_TYPE, turn_sample_ids
 
 
 class FirstTurn(Stage):
@@ -45,21 +46,23 @@ class Askable(Stage):
 
 
 class Requests(Stage):
-    """Each row's engine request: its sampling parameters with its own seed."""
+    """Each row's engine request: its variant's sampling parameters with its own seed, and
+    the exact values as the `sampling` column data/ records."""
 
-    reads = columns("sample_id", "tokenized_prompt")
-    makes = columns("sample_id", "tokenized_prompt", "sampling_params")
+    reads = columns("sample_id", "variant", "tokenized_prompt")
+    makes = columns("sample_id", "tokenized_prompt", "sampling_params", "sampling")
 
-    def __init__(self, sampling: dict, stop_ids: list[int]):
-        self.sampling, self.stop_ids = sampling, stop_ids
+    def __init__(self, sampling: dict[str, dict], seed: int, stop_ids: list[int]):
+        self.sampling, self.seed, self.stop_ids = sampling, seed, stop_ids  # sampling: engine_sampling()
 
     def apply(self, batch: pa.Table) -> pa.Table:
         params = [
-            {**self.sampling, "seed": row_seed(self.sampling["seed"], sid), "stop_token_ids": self.stop_ids,
+            {**self.sampling[variant], "seed": row_seed(self.seed, sid), "stop_token_ids": self.stop_ids,
              "detokenize": False}  # postprocess decodes; the engine need not
-            for sid in batch.column("sample_id").to_pylist()
+            for sid, variant in zip(batch.column("sample_id").to_pylist(), batch.column("variant").to_pylist())
         ]
-        return batch.append_column("sampling_params", pa.array(params))
+        recorded = pa.array([{k: p[k] for k in SAMPLING_TYPE.names} for p in params], SAMPLING_TYPE)
+        return batch.append_column("sampling_params", pa.array(params)).append_column("sampling", recorded)
 
 
 def row_seed(seed: int, sample_id: str) -> int:
@@ -69,5 +72,6 @@ def row_seed(seed: int, sample_id: str) -> int:
     return (seed * 1_000_003 + digest) % (2**31 - 1)
 
 
-def engine_sampling(s: SamplingConfig) -> dict:
-    return {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed}
+def engine_sampling(cfg: Config) -> dict[str, dict]:
+    """Each variant's sampling parameters for the engine (a row's seed is added per row)."""
+    return {name: dict(v.sampling) for name, v in variants(cfg).items()}

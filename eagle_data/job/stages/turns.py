@@ -10,8 +10,10 @@ as it does at inference. The answer text is the decoded generated tokens, so a l
 turn sees the earlier answer re-tokenized, exactly as a served model would.
 
 Stage contract (TurnBuilder): takes data/ rows of turn d-1 (`conversation_id`, `source`,
-`messages`, `reasoning`, `response`, `finish_reason`); makes `sample_id`,
-`conversation_id`, `turn`, `source`, `messages`, `tokenized_prompt` and `reason`/`detail`
+`prompt_id`, `answer`, `variant`, `messages`, `reasoning`, `response`, `finish_reason`);
+makes `sample_id`, `conversation_id`, `turn`, `source`, `prompt_id`, `answer`, `variant`
+(a conversation keeps its variant: its template arguments and sampling), `messages`,
+`tokenized_prompt` and `reason`/`detail`
 for turns that cannot be asked: the conversation stops there, recorded in stopped/.
 """
 
@@ -32,9 +34,10 @@ from eagle_data.storage.contract import DATA_SCHEMA, IDS, MESSAGE_TYPE, PROMPTS_
 from eagle_data.storage.shards import shard_files
 
 # What the stage makes: a turn's prompt, or why it cannot be asked (`reason` != "").
-TURN_SCHEMA = pa.schema([*(DATA_SCHEMA.field(n) for n in (*IDS, "messages")),
+TURN_SCHEMA = pa.schema([*(DATA_SCHEMA.field(n) for n in (*IDS, "prompt_id", "answer", "variant", "messages")),
                          PROMPTS_SCHEMA.field("tokenized_prompt"), *(STOPPED_SCHEMA.field(n) for n in ("reason", "detail"))])
-PREVIOUS_COLUMNS = ["conversation_id", "turn", "source", "messages", "reasoning", "response", "finish_reason"]
+PREVIOUS_COLUMNS = ["conversation_id", "turn", "source", "prompt_id", "answer", "variant", "messages",
+                    "reasoning", "response", "finish_reason"]
 
 
 def next_user_texts(fs, prompts_folder: str, turn: int) -> pa.Table:
@@ -104,12 +107,14 @@ class TurnBuilder(PromptRenderer, Stage):
             ])
         ok = [i for i, c in enumerate(conversations) if c is not None]
         prompts: list[list[int] | None] = [None] * n
-        for i, (ids, reason, detail) in zip(ok, self.render([conversations[i] for i in ok])):
+        names = batch.column("variant").to_pylist()
+        for i, (ids, reason, detail) in zip(ok, self.render([conversations[i] for i in ok], [names[i] for i in ok])):
             prompts[i] = None if reason else ids
             reasons[i], details[i] = reason, detail
         return pa.Table.from_arrays([
             sample_ids, batch.column("conversation_id"), pa.array([self.turn] * n, pa.int32()),
-            batch.column("source"), pa.array(conversations, MESSAGE_TYPE),
+            batch.column("source"), batch.column("prompt_id"), batch.column("answer"), batch.column("variant"),
+            pa.array(conversations, MESSAGE_TYPE),
             pa.array(prompts, pa.list_(pa.int32())), pa.array(reasons, pa.string()),
             pa.array(details, pa.string()),
         ], schema=TURN_SCHEMA)

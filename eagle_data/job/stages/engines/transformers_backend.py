@@ -55,8 +55,8 @@ class TransformersEngine(Stage):
         groups: dict[tuple, list[int]] = {}
         for i, row in enumerate(rows):
             params = row["sampling_params"]
-            key = (params["max_tokens"], params["temperature"], params["top_p"],
-                   tuple(params["stop_token_ids"]))
+            key = (params["max_tokens"], params["temperature"], params["top_p"], params["top_k"],
+                   params["min_p"], tuple(params["stop_token_ids"]))
             groups.setdefault(key, []).append(i)
         for indices in groups.values():
             try:
@@ -92,7 +92,8 @@ class TransformersEngine(Stage):
         gen_config = GenerationConfig(
             max_new_tokens=params["max_tokens"], do_sample=sample,
             temperature=params["temperature"] if sample else None,
-            top_p=params["top_p"] if sample else None, top_k=0 if sample else None,
+            top_p=params["top_p"] if sample else None, top_k=params["top_k"] if sample else None,
+            min_p=(params["min_p"] or None) if sample else None,
             eos_token_id=stop_ids, pad_token_id=self.pad_id,
         )
         if sample:

@@ -1,0 +1,81 @@
+"""Sampling variants and answers per prompt: which conversations a prompt becomes, and how
+each one is answered (docs/variants.md).
+
+A prompt (`prompt_id`, the hash of what the target is asked) becomes
+`sampling.answers_per_prompt` conversations; each conversation draws one variant by
+weight from a hash of its id and `sampling.seed`, so the assignment depends on nothing
+but the config and the data: the same on any machine, layout or resume. The prompts phase
+makes the assignment and renders each conversation with its variant's chat-template
+arguments; prompts/ records it, and every later step reads it from there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from bisect import bisect_right
+from dataclasses import dataclass
+from itertools import accumulate
+
+from eagle_data.config import Config
+
+DEFAULT = "default"  # the one variant of a config without sampling.variants
+ANSWER_SEPARATOR = "."  # <prompt_id>.<answer> when answers_per_prompt > 1
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p")
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    weight: float
+    sampling: dict  # SAMPLING_KEYS -> the value sent to the engine
+    chat_template_kwargs: dict  # prompt.chat_template_kwargs with the variant's over them
+    max_prompt_tokens: int  # engine.max_model_len - its max_tokens: the longest prompt that leaves room
+
+    @property
+    def renders_as(self) -> tuple:
+        """What decides how a conversation is rendered: variants equal here share one rendering."""
+        return tuple(sorted(self.chat_template_kwargs.items())), self.max_prompt_tokens
+
+
+def variants(cfg: Config) -> dict[str, Variant]:
+    """The config's variants by name (one, `default`, without sampling.variants)."""
+    s = cfg.sampling
+    base = {k: getattr(s, k) for k in SAMPLING_KEYS}
+    specs = s.variants or [None]
+    found = {}
+    for spec in specs:
+        sampling = {k: (getattr(spec, k) if spec is not None and getattr(spec, k) is not None else v)
+                    for k, v in base.items()}
+        kwargs = {**cfg.prompt.chat_template_kwargs, **((spec.chat_template_kwargs or {}) if spec else {})}
+        name = spec.name if spec is not None else DEFAULT
+        found[name] = Variant(name, spec.weight if spec is not None else 1.0, sampling, kwargs,
+                              cfg.engine.max_model_len - sampling["max_tokens"])
+    return found
+
+
+def longest_answer(cfg: Config) -> int:
+    """The largest max_tokens of any variant."""
+    return max(v.sampling["max_tokens"] for v in variants(cfg).values())
+
+
+def conversation_ids(prompt_id: str, answers: int) -> list[str]:
+    """A prompt's conversations: the prompt id itself for one answer, `<id>.<n>` for several."""
+    if answers == 1:
+        return [prompt_id]
+    return [f"{prompt_id}{ANSWER_SEPARATOR}{n}" for n in range(answers)]
+
+
+class Assigner:
+    """A conversation's variant: drawn by weight from blake2b(seed, conversation id)."""
+
+    def __init__(self, found: dict[str, Variant], seed: int):
+        self.names = list(found)
+        self.bounds = list(accumulate(v.weight for v in found.values()))
+        self.seed = seed
+
+    def __call__(self, conversation_id: str) -> str:
+        if len(self.names) == 1:
+            return self.names[0]
+        digest = hashlib.blake2b(f"{self.seed}:{conversation_id}".encode(), digest_size=8).digest()
+        u = int.from_bytes(digest, "big") / 2**64 * self.bounds[-1]
+        return self.names[min(bisect_right(self.bounds, u), len(self.names) - 1)]
