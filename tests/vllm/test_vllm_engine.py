@@ -296,8 +296,10 @@ def test_multi_turn_on_deepseek_r1_template(ray_local, tmp_path, babble_r1, capf
 
     out = tmp_path / "out"
     chats = write_jsonl(tmp_path / "chats.jsonl", conversations())
-    settings = job_settings(out, babble_r1, chats, preset=sampled(prompt__turns="all", prompt__max_turns=2,
-                                                                  engine__max_model_len=512))
+    # Two answers per prompt, each drawing one of two variants: sampled, or greedy and shorter.
+    settings = job_settings(out, babble_r1, chats, preset=sampled(
+        prompt__turns="all", prompt__max_turns=2, engine__max_model_len=512, sampling__answers_per_prompt=2,
+        sampling__variants=[{"name": "sampled"}, {"name": "greedy", "temperature": 0.0, "max_tokens": 12}]))
     started = time.monotonic()
     run(as_config(settings))
     seconds = time.monotonic() - started
@@ -319,6 +321,22 @@ def test_multi_turn_on_deepseek_r1_template(ray_local, tmp_path, babble_r1, capf
     for r in by_turn[1]:
         assert "DATASET ANSWER" not in json.dumps(r["messages"])
         assert r["messages"][-2]["content"] == firsts[r["conversation_id"]]["response"]
+        assert r["variant"] == firsts[r["conversation_id"]]["variant"]  # a conversation keeps its variant
+    # Each row was asked with its variant's values and its own seed, and says so.
+    from eagle_data.job.stages.requests import row_seed
+
+    values = {"sampled": (16, 1.0), "greedy": (12, 0.0)}
+    for r in rows:
+        assert (r["sampling"]["max_tokens"], r["sampling"]["temperature"]) == values[r["variant"]]
+        assert r["sampling"]["seed"] == row_seed(3, r["sample_id"]) and r["num_reasoning_tokens"] + \
+            r["num_response_tokens"] <= values[r["variant"]][0]
+    # Greedy on vLLM: a prompt's greedy first answers are one answer, whatever their seeds.
+    greedy = {}
+    for r in by_turn[0]:
+        if r["variant"] == "greedy":
+            greedy.setdefault(r["prompt_id"], set()).add(tuple(r["input_ids"]))
+    assert greedy and all(len(answers) == 1 for answers in greedy.values())
+    assert {r["variant"] for r in rows} == set(values)
     verify_ok(out)
     # One dataset per turn depth in one driver: Ray Data's stats actor must know each (no
     # `_StatsActor.update_execution_metrics` KeyError printed while they run).
