@@ -152,6 +152,17 @@ class SamplingConfig(_Section):
     temperature: float = Field(default=0.6, ge=0, description="sampling temperature")
     top_p: float = Field(default=0.95, gt=0, le=1, description="nucleus sampling: top-p")
     seed: int = Field(default=0, description="sampling seed; each sample's seed is derived from it")
+    logprobs: int = Field(
+        default=0, ge=0, le=20,
+        description="keep the target's top-k log-probabilities of every generated token (k ids, their "
+                    "log-probabilities and the sampled token's own, exactly as the engine returned them: "
+                    "log_softmax of the raw logits, before temperature and top-p): a soft-label teacher "
+                    "signal for distillation-style draft training, a per-token confidence for filtering "
+                    "(docs/formats.md, \"Log-probabilities\"). 0 = off; at most 20, vLLM's default `max_logprobs`")
+    logprobs_dtype: Literal["float32", "float16"] = Field(
+        default="float32",
+        description="how data/ stores the top-k log-probabilities (`sampling.logprobs`); the sampled "
+                    "token's own is always float32")
 
 
 class MaskConfig(_Section):

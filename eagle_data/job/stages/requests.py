@@ -70,4 +70,7 @@ def row_seed(seed: int, sample_id: str) -> int:
 
 
 def engine_sampling(s: SamplingConfig) -> dict:
-    return {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed}
+    params = {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed}
+    if s.logprobs:  # vLLM's SamplingParams.logprobs: the top-k of every generated token
+        params["logprobs"] = s.logprobs
+    return params
