@@ -84,6 +84,7 @@ DATA_SCHEMA = pa.schema([
     ("num_response_tokens", pa.int32()),
     ("finish_reason", pa.string()),  # stop | length
 ])
+LOGPROB_COLUMNS = ("top_logprob_ids", "top_logprobs", "token_logprobs")  # data_schema(k > 0) adds them
 LOGPROB_DTYPES = {"float32": pa.float32(), "float16": pa.float16()}
 
 

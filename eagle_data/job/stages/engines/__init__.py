@@ -32,14 +32,14 @@ import numpy as np
 import ray
 
 from eagle_data.config import Config
+from eagle_data.storage.contract import LOGPROB_COLUMNS
 
 # The classes whose Ray Data actors are engine replicas (vllm_backend's is a subclass of Ray's UDF).
 ENGINE_CLASSES = ("TransformersEngine", "TransformersHiddenStates", "VLLMEngine")
 
 log = logging.getLogger("eagle_data")
 
-LOGPROB_COLUMNS = ("top_logprob_ids", "top_logprobs", "token_logprobs")
-LOGPROB_DTYPES = ("<i4", "<f4", "<f4")  # how each column's bytes are read back
+LOGPROB_DTYPES = ("<i4", "<f4", "<f4")  # how each of LOGPROB_COLUMNS' bytes are read back
 
 
 def logprob_values(top_ids: np.ndarray, top_logprobs: np.ndarray, token_logprobs: np.ndarray) -> dict:
