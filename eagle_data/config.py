@@ -180,6 +180,17 @@ class SamplingConfig(_Section):
         default=1, ge=1, le=64,
         description="answers per prompt: each is its own conversation (sample_id `<prompt_id>.<n>` when > 1) "
                     "with its own seed and variant")
+    logprobs: int = Field(
+        default=0, ge=0, le=20,
+        description="keep the target's top-k log-probabilities of every generated token (k ids, their "
+                    "log-probabilities and the sampled token's own, exactly as the engine returned them: "
+                    "log_softmax of the raw logits, before temperature and top-p): a soft-label teacher "
+                    "signal for distillation-style draft training, a per-token confidence for filtering "
+                    "(docs/formats.md, \"Log-probabilities\"). 0 = off; at most 20, vLLM's default `max_logprobs`")
+    logprobs_dtype: Literal["float32", "float16"] = Field(
+        default="float32",
+        description="how data/ stores the top-k log-probabilities (`sampling.logprobs`); the sampled "
+                    "token's own is always float32")
 
     @model_validator(mode="after")
     def _check_variants(self) -> "SamplingConfig":

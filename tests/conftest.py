@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from support import build_tiny_model, extract_tokenizer, job_config, vllm_unavailable
+from support import SMALL_OUT_LOGPROBS, build_tiny_model, extract_tokenizer, job_config, vllm_unavailable
 
 
 @pytest.fixture(scope="session")
@@ -73,11 +73,11 @@ def ray_local():
 @pytest.fixture(scope="session")
 def small_out(ray_local, tiny_qwen3, tmp_path_factory) -> Path:
     """A real OUT made once for the modules that only read one (reader, export, vocab): the
-    job on 20 samples of the bundled sample, on the tiny model, 4 rows per shard. A test
-    that changes an OUT makes its own."""
+    job on 20 samples of the bundled sample, on the tiny model, 4 rows per shard, with the
+    top-3 log-probabilities (SMALL_OUT_LOGPROBS). A test that changes an OUT makes its own."""
     from eagle_data.job.phases.run import run
 
     out = tmp_path_factory.mktemp("small-out") / "out"
     run(job_config(out, tiny_qwen3, engine__batch_size=4, sampling__max_tokens=12, source__sample=20,
-                   output__rows_per_shard=4))
+                   output__rows_per_shard=4, sampling__logprobs=SMALL_OUT_LOGPROBS))
     return out

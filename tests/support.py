@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 SAMPLE = REPO / "data" / "sample" / "open-perfectblend-sample.jsonl"
+SMALL_OUT_LOGPROBS = 3  # the small_out fixture's sampling.logprobs (tests/conftest.py)
 
 
 def extract_tokenizer(name: str, dest: Path) -> Path:

@@ -28,6 +28,7 @@ import re
 import time
 import weakref
 
+import numpy as np
 import pyarrow.fs as pafs
 import ray
 
@@ -270,7 +271,18 @@ def engine_stats() -> list[dict]:
 # Ray's vLLM stage (ray.data.llm, Ray 2.60) and the vLLM it pins (0.29).
 
 def vllm_stage_udf():
-    """Ray's vLLM stage UDF with a shutdown that prints nothing when all went well.
+    """Ray's vLLM stage UDF with compact log-probabilities and a shutdown that prints nothing
+    when all went well.
+
+    Log-probabilities (a request with `logprobs` = k): Ray's `vLLMOutputData` turns vLLM's
+    per-token `{id: Logprob}` dicts into per-token dicts of dicts (`_convert_logprob_dict`,
+    then pydantic validation and `model_dump`), and Arrow cannot hold dicts with int keys, so
+    Ray Data pickles the whole row. Measured per generated token (docs/performance.md,
+    section 8), that costs many times what these columns need, so `generate_async` here is
+    Ray's (`vLLMEngineWrapper.generate_async`: the same request, semaphore and timing) except
+    that it asks vLLM for its flat container (`flat_logprobs`: a few lists per request, no
+    object per token), takes the k ids, log-probabilities and the sampled token's own out of
+    it as arrays (`flat_logprob_values`) and leaves Ray's `logprobs` field None.
 
     vLLM 0.29's `AsyncLLM.shutdown` stops the engine process before it cancels the task that
     reads the engine's outputs, and that task logs an `EngineDeadError` traceback; here it is
@@ -287,12 +299,31 @@ def vllm_stage_udf():
         def __init__(self, *args, **kwargs):
             multiprocessing.resource_tracker.ensure_running()
             super().__init__(*args, **kwargs)
+            self.llm.generate_async = self.generate_async  # called by Ray's _generate_with_error_handling
             self.stats = EngineStats.attach(self.llm.engine)
             self.shut = False
             # At the actor's exit vLLM's own exit hook (a weakref finalizer) may stop the
             # engine before `__del__` runs; atexit runs hooks last-registered first, so
             # this one comes before vLLM's.
             atexit.register(self.shut_down)
+
+        async def generate_async(self, row: dict) -> tuple:
+            from ray.llm._internal.batch.stages.vllm_engine_stage import vLLMOutputData
+
+            wrapper = self.llm
+            k = (row.get("sampling_params") or {}).get("logprobs") or 0
+            if k:
+                row["sampling_params"] = {**row["sampling_params"], "flat_logprobs": True}
+            request = await wrapper._prepare_llm_request(row)
+            started = time.perf_counter()
+            async with wrapper.semaphore:
+                output = await wrapper._generate_async(request)
+            took = time.perf_counter() - started
+            extra = {}
+            if k:
+                extra = flat_logprob_values(output.outputs[0], k)
+                output.outputs[0].logprobs = None  # Ray's per-token dicts are never built
+            return request, {**vLLMOutputData.from_vllm_engine_output(output).model_dump(), **extra}, took
 
         def shut_down(self) -> None:
             if getattr(self, "shut", True):
@@ -307,6 +338,28 @@ def vllm_stage_udf():
             self.shut_down()
 
     return VLLMEngine
+
+
+def flat_logprob_values(completion, k: int) -> dict:
+    """A vLLM 0.29 completion's log-probability columns (engines/__init__.py). Its
+    FlatLogprobs holds, per generated token, the sampled token's entry first and then the
+    top k with ranks 1..k (vllm/logprobs.py `append_logprobs_for_next_position`), always
+    k + 1 entries: the top k are entries 1..k, by rank, and the sampled token's own
+    log-probability is entry 0."""
+    from eagle_data.job.stages.engines import logprob_values
+
+    flat, n = completion.logprobs, len(completion.token_ids)
+    ids = np.asarray(flat.token_ids, np.int32)
+    if len(flat) != n or ids.size != n * (k + 1):
+        raise RuntimeError(f"vLLM returned {ids.size} log-probabilities over {len(flat)} positions for {n} "
+                           f"generated tokens, not {k} + 1 per token: is this vLLM 0.29?")
+    ids = ids.reshape(n, k + 1)
+    values = np.asarray(flat.logprobs, np.float32).reshape(n, k + 1)
+    ranks = np.asarray(flat.ranks, np.int64).reshape(n, k + 1)[:, 1:]
+    if n and not ((ranks == np.arange(1, k + 1)).all() and (ids[:, 0] == np.asarray(completion.token_ids)).all()):
+        raise RuntimeError("vLLM's flat log-probabilities are not laid out as in vLLM 0.29 "
+                           "(the sampled token, then the top k by rank)")
+    return logprob_values(ids[:, 1:], values[:, 1:], values[:, 0])
 
 
 class EngineStats:

@@ -26,6 +26,18 @@ that one sample's byte range (its first `max_len` rows' bytes under truncate), n
 whole shard, so memory stays one sample. A data/ row with no published hidden states (the
 phase did not run for it, failed for it, or its filters left it out) is left out of the
 index, and counted in `missing_hidden_states`.
+
+Log-probabilities (`logprobs=True`, for an OUT generated with `sampling.logprobs` = k): each
+item also has `top_logprob_ids` [tokens, k] int32, `top_logprobs` [tokens, k] float32 and
+`token_logprobs` [tokens] float32, aligned with `input_ids` like the labels they soften:
+row t is the target's distribution FOR token t (its top k ids by rank and their
+log-probabilities, and `input_ids[t]`'s own log-probability), computed at position t - 1
+from tokens 0..t-1. So row t is the soft label of the logits at position t - 1, exactly
+as `input_ids[t]` is their hard label: a trainer predicting token t+1 at position t uses
+`top_logprobs[1:]` next to `labels = input_ids[1:]` and `loss_mask[1:]`. Prompt rows
+(t < num_prompt_tokens: the engine gave no distribution there) are padding: ids 0,
+log-probabilities -inf, token_logprobs 0. data/ itself stores one entry per GENERATED token
+(no padding); under `overflow="truncate"` the rows are cut with input_ids.
 """
 
 from __future__ import annotations
@@ -40,7 +52,7 @@ import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
 from eagle_data.errors import EagleDataError, MissingInput
-from eagle_data.storage.contract import HIDDEN_STATES
+from eagle_data.storage.contract import HIDDEN_STATES, LOGPROB_COLUMNS
 from eagle_data.storage.folder import Output
 from eagle_data.storage.hidden_states import DTYPES, Index, ShardHeaderError
 from eagle_data.storage.shards import shard_files
@@ -136,7 +148,7 @@ class Samples:
     def __init__(self, out: str | Out, *, finish_reason=None, source=None, min_len=None,
                  max_len=None, overflow: str = "drop", columns: Sequence[str] = (),
                  rank: int = 0, world_size: int = 1, shuffle: bool = True, seed: int = 0,
-                 window: int = 4, filesystem=None, hidden_states: bool = False):
+                 window: int = 4, filesystem=None, hidden_states: bool = False, logprobs: bool = False):
         if overflow not in ("drop", "truncate"):
             raise ValueError("overflow must be 'drop' (filter out rows longer than max_len) "
                              "or 'truncate' (cut them to max_len)")
@@ -154,6 +166,7 @@ class Samples:
         self.hidden_states = hidden_states
         if hidden_states:
             self._open_hidden_states()
+        self.logprobs = self._logprobs_k() if logprobs else 0  # k
         if self.truncate:
             before = self._count(expr)
             expr = keeps_a_loss_token(max_len, self.out.manifest.config.get("mask", {}).get("train_on"), expr)
@@ -186,6 +199,14 @@ class Samples:
         self._hs_shards = sorted({e.shard for e in index.entries.values()})
         self._hs_shard_number = {s: i for i, s in enumerate(self._hs_shards)}
         self._hs_ids = index.entries  # until _build_index has looked every row up; then dropped
+
+    def _logprobs_k(self) -> int:
+        """k of the OUT's log-probability columns; an error if it has none."""
+        schema = self.out.dataset().schema if self.out.files else None
+        if schema is None or "top_logprob_ids" not in schema.names:
+            raise MissingInput(f"{self.out.root} has no log-probabilities in data/: generate with "
+                               "--set sampling.logprobs=K (1..20), or read without logprobs=True")
+        return schema.field("top_logprob_ids").type.value_type.list_size
 
     def _count(self, expr: pc.Expression | None) -> int:
         return sum(b.num_rows for b in self.out.batches(FILTER_COLUMNS, filter=expr))
@@ -281,7 +302,7 @@ class Samples:
 
     def sample(self, pos: int) -> dict:
         """The sample at index position `pos` (not a rank-local number)."""
-        lists, meta = self._row_group(int(self.block[pos]))
+        lists, meta, logprobs = self._row_group(int(self.block[pos]))
         r = int(self.row[pos])
         item = {}
         for name, (offsets, values) in lists.items():
@@ -292,22 +313,43 @@ class Samples:
         item["attention_mask"] = np.ones_like(item["input_ids"])
         if self.hidden_states:
             item["hidden_states"] = self.read_hidden_states(pos)
+        if logprobs is not None:
+            item.update(self._aligned_logprobs(logprobs, r, item["input_ids"].size))
         for name in self.columns:
             item[name] = meta.column(name)[r].as_py()
         return item
+
+    def _aligned_logprobs(self, logprobs: dict, r: int, n: int) -> dict:
+        """Row r's log-probabilities as arrays of its n (kept) input_ids' rows: the generated
+        tokens' entries at their own positions, padding on the prompt (module docstring)."""
+        k, prompt = self.logprobs, int(logprobs["num_prompt_tokens"][r])
+        fills = {"top_logprob_ids": (0, np.int32, (n, k)), "top_logprobs": (-np.inf, np.float32, (n, k)),
+                 "token_logprobs": (0, np.float32, (n,))}
+        aligned = {}
+        for name, (fill, dtype, shape) in fills.items():
+            offsets, values = logprobs[name]
+            width = k if len(shape) == 2 else 1
+            kept = max(0, min(n - prompt, offsets[r + 1] - offsets[r]))
+            out = np.full(shape, fill, dtype)
+            start = offsets[r] * width
+            out[prompt:prompt + kept] = values[start:start + kept * width].reshape(kept, *shape[1:])
+            aligned[name] = out
+        return aligned
 
     def _row_group(self, block: int):
         if block in self._cache:
             self._cache.move_to_end(block)
             return self._cache[block]
         f, g = self.blocks[block]
-        table = self.out.read_row_group(self.out.files[f], g, [*TOKEN_COLUMNS, *self.columns])
+        extra = [c for c in (*LOGPROB_COLUMNS, "num_prompt_tokens") if c not in self.columns] if self.logprobs else []
+        table = self.out.read_row_group(self.out.files[f], g, [*TOKEN_COLUMNS, *self.columns, *extra])
         # numpy views of the list columns: a sample is then a slice, not a Python list.
-        lists = {}
-        for name in TOKEN_COLUMNS:
-            arr = table.column(name).combine_chunks()
-            lists[name] = (arr.offsets.to_numpy(), arr.values.to_numpy(zero_copy_only=False))
-        entry = (lists, table.select(list(self.columns)))
+        lists = {name: _list_arrays(table.column(name)) for name in TOKEN_COLUMNS}
+        logprobs = None
+        if self.logprobs:
+            logprobs = {name: _list_arrays(table.column(name)) for name in LOGPROB_COLUMNS}
+            logprobs["num_prompt_tokens"] = table.column("num_prompt_tokens").to_numpy()
+        entry = (lists, table.select(list(self.columns)), logprobs)
         self._cache[block] = entry
         while len(self._cache) > self.window:
             self._cache.popitem(last=False)
@@ -322,3 +364,13 @@ class Samples:
         state = dict(self.__dict__)
         state["_cache"] = OrderedDict()
         return state
+
+
+def _list_arrays(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, flat values) of a list column; a list of fixed-size lists (the log-probability
+    columns, k values per token) gives its k values per entry in order."""
+    arr = column.combine_chunks()
+    values = arr.values
+    if isinstance(values, pa.FixedSizeListArray):
+        values = values.flatten()
+    return arr.offsets.to_numpy(), values.to_numpy(zero_copy_only=False)

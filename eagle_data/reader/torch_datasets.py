@@ -46,8 +46,10 @@ class OutIterableDataset(_TorchSamples, IterableDataset):
 
 def collate(batch: list[dict], pad_id: int, pad_to_multiple_of: int | None = None) -> dict:
     """Right-pad to the longest sample (rounded up to a multiple if asked): input_ids with
-    pad_id, loss_mask and attention_mask with 0, and `hidden_states` when present
-    ([batch, longest, layers, H], zeros, in its own dtype). Other keys are returned as lists."""
+    pad_id, loss_mask and attention_mask with 0, `hidden_states` when present
+    ([batch, longest, layers, H], zeros, in its own dtype), and the log-probabilities when
+    present as the reader pads a prompt (ids 0, log-probabilities -inf, token_logprobs 0).
+    Other keys are returned as lists."""
     longest = max(len(b["input_ids"]) for b in batch)
     if pad_to_multiple_of:
         longest = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
@@ -57,12 +59,14 @@ def collate(batch: list[dict], pad_id: int, pad_to_multiple_of: int | None = Non
         for i, b in enumerate(batch):
             padded[i, :len(b[name])] = b[name]
         out[name] = padded
-    if "hidden_states" in batch[0]:
-        first = batch[0]["hidden_states"]
-        padded = first.new_zeros((len(batch), longest, *first.shape[1:]))
-        for i, b in enumerate(batch):
-            padded[i, :len(b["hidden_states"])] = b["hidden_states"]
-        out["hidden_states"] = padded
+    for name, fill in (("hidden_states", 0), ("top_logprob_ids", 0), ("top_logprobs", float("-inf")),
+                       ("token_logprobs", 0)):
+        if name in batch[0]:
+            first = batch[0][name]
+            padded = first.new_full((len(batch), longest, *first.shape[1:]), fill)
+            for i, b in enumerate(batch):
+                padded[i, :len(b[name])] = b[name]
+            out[name] = padded
     for name in batch[0]:
         if name not in out:
             out[name] = [b[name] for b in batch]

@@ -6,7 +6,8 @@ section of docs/formats.md says the same (tests/test_layout.py checks that they 
     OUT/manifest.json   what made this OUT and what each phase and run produced (below)
     OUT/prompts/        one row per conversation to answer            PROMPTS_SCHEMA
     OUT/skipped/        dataset rows that cannot become a prompt      SKIPPED_SCHEMA
-    OUT/data/           ok rows: the target's exact tokens + mask     DATA_SCHEMA
+    OUT/data/           ok rows: the target's exact tokens + mask     DATA_SCHEMA (data_schema(k):
+                        + top-k log-probabilities of each generated token, sampling.logprobs = k)
     OUT/failed/         engine errors, one row per failed attempt     FAILED_SCHEMA
     OUT/stopped/        turns not asked: the conversation stopped     STOPPED_SCHEMA
     OUT/hidden_states/  the target's hidden states of data/ rows      storage/hidden_states.py
@@ -96,6 +97,24 @@ DATA_SCHEMA = pa.schema([
     ("num_response_tokens", pa.int32()),
     ("finish_reason", pa.string()),  # stop | length
 ])
+LOGPROB_COLUMNS = ("top_logprob_ids", "top_logprobs", "token_logprobs")  # data_schema(k > 0) adds them
+LOGPROB_DTYPES = {"float32": pa.float32(), "float16": pa.float16()}
+
+
+def data_schema(logprobs: int = 0, dtype: str = "float32") -> pa.Schema:
+    """data/'s schema: DATA_SCHEMA, plus with `logprobs` = k > 0 the target's top-k
+    log-probabilities of every generated token (one entry per generated token, in order:
+    num_reasoning_tokens + num_response_tokens of them; the k ids by rank, best first)."""
+    if not logprobs:
+        return DATA_SCHEMA
+    return pa.schema([
+        *DATA_SCHEMA,
+        ("top_logprob_ids", pa.list_(pa.list_(pa.int32(), logprobs))),
+        ("top_logprobs", pa.list_(pa.list_(LOGPROB_DTYPES[dtype], logprobs))),
+        ("token_logprobs", pa.list_(pa.float32())),  # the sampled token's own log-probability
+    ])
+
+
 FAILED_SCHEMA = pa.schema([*(DATA_SCHEMA.field(n) for n in IDS), (ERROR, pa.string()), ("run_id", pa.string())])
 STOPPED_SCHEMA = pa.schema([*(DATA_SCHEMA.field(n) for n in IDS), ("reason", pa.string()),
                             ("detail", pa.string()), ("run_id", pa.string())])

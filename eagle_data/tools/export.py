@@ -27,7 +27,9 @@ JSONL formats, matched against the peers' current readers (field names and types
   already masked (passthrough, no re-rendering) and loads local data only as .json/.jsonl
   (load_raw_dataset), hence JSONL, not Parquet. Its mask convention is ours (1 on target
   tokens, aligned with input_ids; src/speculators/models/eagle3/data.py shifts it by one).
-- jsonl: every data/ column, one sample per line.
+- jsonl: every data/ column, one sample per line; with the top-k log-probabilities
+  (sampling.logprobs) also `top_logprob_ids`, `top_logprobs` ([[...k] per generated token])
+  and `token_logprobs` as stored (one entry per generated token, not padded to input_ids).
 
 Offline (hidden-states) formats. OUT stores, per sample, [T, n_layers, H] at ascending vLLM
 layer ids (id k = the residual stream after k decoder layers; the last, L, the final state
@@ -124,7 +126,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
 from eagle_data.errors import EagleDataError, MissingInput
-from eagle_data.storage.contract import DATA_SCHEMA
+from eagle_data.storage.contract import DATA_SCHEMA, LOGPROB_COLUMNS
 from eagle_data.model_files import is_hub_id, model_config, resolve_model_path, text_config_value
 from eagle_data.reader.samples import Out, Samples, row_filter
 from eagle_data.storage.files import filesystem, write_atomically
@@ -170,6 +172,8 @@ def export(out_path: str, dest: str, fmt: str, finish_reason: Sequence[str] | No
     out = Out(out_path)
     if not out.files:
         raise MissingInput(f"{out_path} has no data/ shards to export")
+    if fmt == "jsonl":  # every column: the log-probabilities too, when the OUT has them
+        columns = (*columns, *(c for c in LOGPROB_COLUMNS if c in out.dataset().schema.names))
     finish_reason = finish_reason if finish_reason is not None else default_finish
     removed = filter_counts(out, finish_reason, source)
     fs, path = filesystem(dest)

@@ -5,6 +5,9 @@
 - data/, failed/ and stopped/ hold only conversations of prompts/;
 - every data/ row is consistent: len(loss_mask) == len(input_ids) ==
   num_prompt_tokens + num_reasoning_tokens + num_response_tokens, no loss on the prompt;
+  with top-k log-probabilities (sampling.logprobs), one entry per generated token in each
+  of their columns, the same k in every shard, ids within the model's vocabulary, and the
+  sampled tokens' log-probabilities finite and <= 0;
 - the prompts phase accounts for every selected row: prompts + skipped = selected, and
   every prompt has answers_per_prompt conversations in prompts/;
 - after a finished generate run, every turn that could be asked (the first, and each one
@@ -22,6 +25,7 @@ import json
 import zlib
 from collections import Counter
 
+import numpy as np
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
@@ -41,6 +45,8 @@ def verify(path: str) -> tuple[list[str], dict]:
     out = Output.existing(path)
     problems: list[str] = []
     ids: dict[str, Counter] = {}
+    logprob_k: set[int] = set()  # k of the data/ shards' log-probability columns (0: none)
+    vocab = out.manifest.tokenizer.get("model_vocab_size") or out.manifest.tokenizer.get("vocab_size")
     conversations: dict[str, set] = {}  # folder -> conversation_ids
     num_turns: dict[str, int] = {}  # conversation_id -> user turns to answer
     prompt_ids: Counter = Counter()  # prompt_id -> its conversations in prompts/
@@ -61,7 +67,10 @@ def verify(path: str) -> tuple[list[str], dict]:
                                      pc.list_value_length(table.column("user_turns")).to_pylist()))
             if folder == "data":
                 problems += _check_data_rows(f, table.select(DATA_CHECK_COLUMNS))
+                problems += _check_logprobs(f, table, vocab, logprob_k)
 
+    if len(logprob_k) > 1:
+        problems.append(f"data/ shards disagree on their top-k log-probabilities: k = {sorted(logprob_k)} (0 = none)")
     prompts = ids["prompts"]
     problems += [f"sample_id {s} appears {n} times in prompts/" for s, n in prompts.items() if n > 1]
     problems += [f"sample_id {s} appears {n} times in data/ (exactly-once broken)"
@@ -185,6 +194,28 @@ def unanswered(num_turns: dict[str, int], progress: SampleStatus, all_turns: boo
             if sample_id not in answered:
                 missing.add(sample_id)
     return missing
+
+
+def _check_logprobs(path: str, table, vocab: int | None, seen_k: set[int]) -> list[str]:
+    if "top_logprob_ids" not in table.column_names:
+        seen_k.add(0)
+        return []
+    seen_k.add(table.schema.field("top_logprob_ids").type.value_type.list_size)
+    generated = pc.add(table.column("num_reasoning_tokens"), table.column("num_response_tokens"))
+    bad = pc.or_(pc.or_(pc.not_equal(pc.list_value_length(table.column("top_logprob_ids")), generated),
+                        pc.not_equal(pc.list_value_length(table.column("top_logprobs")), generated)),
+                 pc.not_equal(pc.list_value_length(table.column("token_logprobs")), generated))
+    problems = [f"{path}: sample_id {s}: its log-probabilities are not one entry per generated token"
+                for s in table.filter(bad).column("sample_id").to_pylist()]
+    top_ids = pc.list_flatten(pc.list_flatten(table.column("top_logprob_ids")))
+    bounds = pc.min_max(top_ids)
+    low, high = bounds["min"].as_py(), bounds["max"].as_py()
+    if low is not None and (low < 0 or (vocab and high >= vocab)):
+        problems.append(f"{path}: top_logprob_ids outside the vocabulary [0, {vocab}): {low}..{high}")
+    own = pc.list_flatten(table.column("token_logprobs")).to_numpy(zero_copy_only=False)
+    if not (np.isfinite(own) & (own <= 0)).all():
+        problems.append(f"{path}: token_logprobs holds values that are not finite log-probabilities <= 0")
+    return problems
 
 
 def _check_data_rows(path: str, table) -> list[str]:

@@ -141,3 +141,45 @@ def test_error_rows_and_batches_mixing_lengths(qwen3_tokenizer_dir):
     for r, p, g in zip(ok, [prompt, prompt[:3], prompt], gens):
         check_exact(r, p, g)
     assert set(rows[0]) == set(OUT_SCHEMA.names)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_logprob_columns_become_fixed_size_lists_per_generated_token(qwen3_tokenizer_dir, dtype):
+    """The engine's per-row array bytes -> data/'s list<fixed_size_list<., k>> columns, one
+    entry per generated token, in a batch mixing lengths and an error row."""
+    import numpy as np
+
+    from eagle_data.job.stages.engines import logprob_values
+    from eagle_data.storage.contract import data_schema
+
+    d, k = qwen3_tokenizer_dir, 3
+    tokenizer = load_tokenizer(str(d))
+    special = special_tokens(tokenizer, "<think>", "</think>")
+    post = Postprocessor(str(d), False, special.eos_ids, special.reasoning_start_id, special.reasoning_end_id,
+                         "generated", logprobs=k, logprobs_dtype=dtype)
+    rng = np.random.default_rng(0)
+    gens = [encode(d, "<think>\na\n</think>\n\nb", eos=True), encode(d, "Short.", eos=True)]
+    arrays = [(rng.integers(0, 1000, (len(g), k)), -rng.random((len(g), k)) * 30, -rng.random(len(g)) * 30)
+              for g in gens]
+    ok = [{"prompt_token_ids": prompt_ids(d), "generated_tokens": g, "__inference_error__": "", **logprob_values(*a)}
+          for g, a in zip(gens, arrays)]
+    failed = {"prompt_token_ids": None, "generated_tokens": [], "__inference_error__": "ValueError: boom",
+              **dict.fromkeys(logprob_values(*arrays[0]))}
+    batch = pa.Table.from_pylist([{"sample_id": f"s{i}", "conversation_id": f"s{i}", "turn": 0, "source": "t", **answered(f"s{i}"),
+                                   "messages": QUESTION, **r} for i, r in enumerate([ok[0], failed, ok[1]])])
+    table = post(batch)
+    assert table.schema == post.schema and data_schema(k, dtype).names == table.schema.names[:-1]
+    rows = table.to_pylist()
+    assert [r["sample_id"] for r in rows if not r["error"]] == ["s0", "s2"]
+    for r, (ids, values, own) in zip([rows[0], rows[1]], arrays):
+        assert len(r["top_logprob_ids"]) == len(r["token_logprobs"]) == r["num_reasoning_tokens"] + r["num_response_tokens"]
+        assert r["top_logprob_ids"] == ids.tolist()
+        assert r["top_logprobs"] == values.astype(np.float32).astype(dtype).astype(np.float64).tolist()
+        assert r["token_logprobs"] == own.astype(np.float32).astype(np.float64).tolist()
+    failed_row = next(r for r in rows if r["error"])
+    assert failed_row["top_logprob_ids"] is None and failed_row["token_logprobs"] is None
+    # An engine row whose bytes do not fit its generated tokens is a wiring bug, named.
+    short = batch.slice(0, 1).set_column(batch.schema.get_field_index("token_logprobs"), "token_logprobs",
+                                         pa.array([b"\0\0\0\0"]))
+    with pytest.raises(ValueError, match="token_logprobs of sample s0: 4 bytes"):
+        post(short)

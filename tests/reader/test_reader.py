@@ -7,14 +7,17 @@ import functools
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.dataset as pads
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from support import data_rows, synthetic_row, write_out
-from eagle_data.storage.contract import DATA_SCHEMA
-from eagle_data.reader import Out, OutDataset, OutIterableDataset, collate
+from support import SMALL_OUT_LOGPROBS, data_rows, synthetic_row, write_out
+from eagle_data.errors import MissingInput
+from eagle_data.storage.contract import data_schema
+from eagle_data.reader import Out, OutDataset, OutIterableDataset, Samples, collate
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +179,9 @@ def test_data_reads_as_is_with_datasets_and_pyarrow(out, rows):
         assert r["input_ids"] == rows[r["sample_id"]]["input_ids"]
         assert r["messages"] == rows[r["sample_id"]]["messages"]
     table = pads.dataset(str(out / "data"), format="parquet").to_table()
-    assert table.schema.equals(DATA_SCHEMA) and table.num_rows == len(rows)
+    assert table.schema.names == data_schema(SMALL_OUT_LOGPROBS).names and table.num_rows == len(rows)
+    assert table.cast(data_schema(SMALL_OUT_LOGPROBS)).schema.equals(data_schema(SMALL_OUT_LOGPROBS))
+    assert hf.features["top_logprob_ids"].feature.length == SMALL_OUT_LOGPROBS
 
 
 def test_reads_through_an_fsspec_uri(out, rows):
@@ -193,3 +198,75 @@ def test_reads_through_an_fsspec_uri(out, rows):
         assert got == {k: r["input_ids"] for k, r in rows.items()}
     finally:
         mem.rm("/eagle-test", recursive=True)
+
+
+# --- log-probabilities (`logprobs=True`) ------------------------------------------------
+
+def test_logprobs_align_with_input_ids_on_a_real_out(out, rows):
+    """small_out kept the top-3: row t is the distribution for input_ids[t], so the sampled
+    token input_ids[t] has token_logprobs[t], which is its entry in the top 3 when it is
+    among them; prompt rows are padding."""
+    k = SMALL_OUT_LOGPROBS
+    seen_in_top = 0
+    for s in OutDataset(str(out), shuffle=False, logprobs=True, columns=["sample_id", "num_prompt_tokens"]):
+        r, n, p = rows[s["sample_id"]], len(s["input_ids"]), s["num_prompt_tokens"]
+        assert s["top_logprob_ids"].shape == (n, k) and s["top_logprob_ids"].dtype == torch.int32
+        assert s["top_logprobs"].shape == (n, k) and s["top_logprobs"].dtype == torch.float32
+        assert s["token_logprobs"].shape == (n,) and s["token_logprobs"].dtype == torch.float32
+        assert (s["top_logprob_ids"][:p] == 0).all() and torch.isneginf(s["top_logprobs"][:p]).all()
+        assert (s["token_logprobs"][:p] == 0).all()
+        assert s["top_logprob_ids"][p:].tolist() == r["top_logprob_ids"]
+        assert s["token_logprobs"][p:].tolist() == r["token_logprobs"]
+        for t in range(p, n):
+            top = s["top_logprob_ids"][t].tolist()
+            if s["input_ids"][t] in top:
+                seen_in_top += 1
+                assert s["top_logprobs"][t, top.index(s["input_ids"][t])] == s["token_logprobs"][t]
+            else:
+                assert s["token_logprobs"][t] <= s["top_logprobs"][t, -1]
+    assert seen_in_top
+
+
+def hand_built_out(root: Path, k: int = 2) -> tuple[Path, list[dict]]:
+    """Three samples (3 prompt + 3 generated tokens; 2 + 1; 4 + 2) whose log-probabilities
+    say where they are: top id 1000 * i + 10 * t + j, value -(t + j / 10), token -(t + 0.5)
+    at generated token t of sample i."""
+    import pyarrow.parquet as pq
+
+    rows = [synthetic_row(i, p, 1, g - 1, "stop", "s") for i, (p, g) in enumerate([(3, 3), (2, 1), (4, 2)])]
+    for i, r in enumerate(rows):
+        g = r["num_reasoning_tokens"] + r["num_response_tokens"]
+        r["top_logprob_ids"] = [[1000 * i + 10 * t + j for j in range(k)] for t in range(g)]
+        r["top_logprobs"] = [[-(t + j / 10) for j in range(k)] for t in range(g)]
+        r["token_logprobs"] = [-(t + 0.5) for t in range(g)]
+    write_out(root, rows, rows_per_shard=2)
+    for i, shard in enumerate(sorted((root / "data").glob("*.parquet"))):
+        pq.write_table(pa.Table.from_pylist(rows[2 * i:2 * i + 2], schema=data_schema(k)), shard)
+    return root, rows
+
+
+def test_logprobs_reader_pads_the_prompt_and_keeps_each_generated_tokens_row(tmp_path):
+    out, rows = hand_built_out(tmp_path / "out")
+    samples = Samples(str(out), shuffle=False, logprobs=True)
+    assert samples.logprobs == 2
+    for i, s in enumerate(samples):
+        p, g = rows[i]["num_prompt_tokens"], len(rows[i]["token_logprobs"])
+        assert s["top_logprob_ids"].tolist() == [[0, 0]] * p + [[1000 * i + 10 * t + j for j in range(2)]
+                                                                  for t in range(g)]
+        assert s["top_logprobs"].dtype == np.float32 and np.isneginf(s["top_logprobs"][:p]).all()
+        np.testing.assert_array_equal(s["top_logprobs"][p:], np.float32([[-(t + j / 10) for j in range(2)]
+                                                                         for t in range(g)]))
+        assert s["token_logprobs"].tolist() == [0] * p + [-(t + 0.5) for t in range(g)]
+    # Truncated with input_ids: sample 0 cut to 4 tokens keeps its first generated row.
+    cut = Samples(str(out), shuffle=False, logprobs=True, max_len=4, overflow="truncate").sample(0)
+    assert cut["top_logprob_ids"].tolist() == [[0, 0]] * 3 + [[0, 1]] and cut["token_logprobs"][-1] == -0.5
+    # collate pads like the prompt: ids 0, log-probabilities -inf, token 0.
+    batch = collate([OutDataset(str(out), shuffle=False, logprobs=True)[i] for i in (0, 1)], pad_id=0)
+    assert batch["top_logprob_ids"].shape == (2, 6, 2) and batch["top_logprob_ids"][1, 3:].eq(0).all()
+    assert torch.isneginf(batch["top_logprobs"][1, 3:]).all() and batch["token_logprobs"][1, 3:].eq(0).all()
+
+
+def test_logprobs_on_an_out_without_them_says_how_to_get_them(tmp_path):
+    out = write_out(tmp_path / "out", [synthetic_row(0, 2, 0, 1, "stop", "s")], rows_per_shard=1)
+    with pytest.raises(MissingInput, match="sampling.logprobs"):
+        Samples(str(out), logprobs=True)

@@ -11,10 +11,10 @@ from pathlib import Path
 import datasets
 import pytest
 
-from support import data_rows, synthetic_row, write_out
+from support import SMALL_OUT_LOGPROBS, data_rows, synthetic_row, write_out
 from eagle_data.__main__ import main
 from eagle_data.tools.export import FORMATS, add_cli, export, run_cli
-from eagle_data.storage.contract import DATA_SCHEMA
+from eagle_data.storage.contract import data_schema
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +128,7 @@ def test_jsonl_has_every_data_column(out, rows, tmp_path):
         lines = [json.loads(line) for line in f]
     assert len(lines) == len(rows)
     for line in lines:
-        assert list(line) == DATA_SCHEMA.names
+        assert list(line) == data_schema(SMALL_OUT_LOGPROBS).names  # the log-probabilities too
         assert line == rows[line["sample_id"]]
 
 

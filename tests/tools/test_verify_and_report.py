@@ -23,3 +23,26 @@ def test_the_report_counts_rows_finishes_and_tokens_from_the_shards(tmp_path):
     assert report["counts"]["ok"] == 6
     assert report["finish_reasons"] == {"length": 2, "stop": 4}
     assert set(report["by_source"]) == {"a", "b"}
+
+
+def test_verify_checks_the_logprob_columns(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from eagle_data.storage.contract import data_schema
+
+    rows = [synthetic_row(i, 2, 1, 1, "stop", "s") for i in range(3)]
+    for r in rows:
+        r.update(top_logprob_ids=[[1, 2], [3, 4]], top_logprobs=[[-0.1, -0.2], [-0.3, -0.4]], token_logprobs=[-0.1, -0.3])
+    rows[1]["token_logprobs"] = [-0.1]  # one entry short
+    rows[2]["top_logprob_ids"] = [[1, 2], [3, 1000]]  # the synthetic vocabulary has 1000 ids
+    rows[2]["token_logprobs"] = [0.5, float("nan")]
+    out = write_out(tmp_path / "out", rows, rows_per_shard=3)
+    [shard] = (out / "data").glob("*.parquet")
+    pq.write_table(pa.Table.from_pylist(rows, schema=data_schema(2)), shard)
+    problems, _ = verify(str(out))
+    logprob_problems = [p for p in problems if "log" in p]
+    assert len(logprob_problems) == 3, problems
+    assert "sample_id s0001: its log-probabilities are not one entry per generated token" in logprob_problems[0]
+    assert "top_logprob_ids outside the vocabulary [0, 1000): 1..1000" in logprob_problems[1]
+    assert "token_logprobs holds values that are not finite" in logprob_problems[2]

@@ -97,8 +97,15 @@ REFERENCE = textwrap.dedent("""
         prompts = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in spec["rows"]]
         params = [SamplingParams(**r["params"]) for r in spec["rows"]]
         outs = llm.generate(prompts, params, use_tqdm=False)
-        json.dump([{"token_ids": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason}
-                   for o in outs], open(sys.argv[2], "w"))
+
+        def top(o, k):  # per token, vLLM's entries of rank <= k by rank (its dict also holds the sampled token)
+            return [[(t, lp.logprob) for t, lp in sorted(d.items(), key=lambda e: e[1].rank) if lp.rank <= k]
+                    for d in o.outputs[0].logprobs or []]
+
+        json.dump([{"token_ids": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason,
+                    "top": top(o, r["params"].get("logprobs", 0)),
+                    "token_logprobs": [d[t].logprob for d, t in zip(o.outputs[0].logprobs or [], o.outputs[0].token_ids)]}
+                   for o, r in zip(outs, spec["rows"])], open(sys.argv[2], "w"))
 """)
 
 
@@ -169,6 +176,9 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
+LOGPROBS = 5  # the faulted run also keeps the top-5 log-probabilities, checked for exactness
+
+
 @pytest.fixture(scope="module")
 def faulted_run(ray_local, tmp_path_factory, babble_qwen3) -> dict:
     """The job on 32 samples with every fault at once; what happened, for the tests to check.
@@ -186,6 +196,7 @@ def faulted_run(ray_local, tmp_path_factory, babble_qwen3) -> dict:
     out = tmp / "out"
     settings = job_settings(out, babble_qwen3, preset=sampled(
         source__sample=32, output__rows_per_shard=2, output__flush_seconds=1, output__max_attempts=1,
+        sampling__logprobs=LOGPROBS,
         engine__batch_size=1, engine__max_concurrent_batches=1,
         engine__engine_kwargs={**VLLM["engine__engine_kwargs"], "max_num_seqs": 1}))
     run(as_config(settings), phase="prompts")
@@ -249,7 +260,12 @@ def test_faults_on_vllm(faulted_run):
 def test_data_rows_are_exactly_what_vllm_generates(faulted_run, babble_qwen3, tmp_path):
     """Every data/ row of the faulted run (answered one at a time across a replica restart
     and a driver kill, then in batches by the rerun) against vllm.LLM.generate on all the
-    same requests at once."""
+    same requests at once: the tokens, and the top-5 log-probabilities of every generated
+    token (ids by rank, values, the sampled token's own) bit for bit. The babbling model's
+    distribution has 10 tokens tied at p = 0.07 in ranks 3..12: which 3 of them are ranks
+    3..5 is torch.topk's order, the same in both runs."""
+    import numpy as np
+
     from eagle_data.job.stages.requests import row_seed
     from eagle_data.model_files import load_tokenizer
 
@@ -264,17 +280,27 @@ def test_data_rows_are_exactly_what_vllm_generates(faulted_run, babble_qwen3, tm
     stop_ids = list(manifest["phases"]["generate"]["tokenizer"]["eos_ids"])  # what the job asked for
     requests = [{"prompt": list(prompts[r["sample_id"]]["tokenized_prompt"]),
                  "params": {"max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "seed": row_seed(3, r["sample_id"]),
-                            "stop_token_ids": stop_ids, "detokenize": False}} for r in rows]
+                            "stop_token_ids": stop_ids, "detokenize": False, "logprobs": LOGPROBS}} for r in rows]
     reference = vllm_reference(tmp_path, babble_qwen3, requests)
     for row, req, ref in zip(rows, requests, reference):
         assert list(row["input_ids"]) == req["prompt"] + ref["token_ids"], row["sample_id"]
         assert row["finish_reason"] == ref["finish_reason"], row["sample_id"]
         assert list(row["loss_mask"]) == [0] * len(req["prompt"]) + [1] * len(ref["token_ids"])
+        assert row["top_logprob_ids"] == [[t for t, _ in top] for top in ref["top"]], row["sample_id"]
+        # Exact: vLLM's Python floats are float32 values, and data/ stores float32.
+        assert np.array_equal(np.asarray(row["top_logprobs"], np.float32),
+                              np.asarray([[v for _, v in top] for top in ref["top"]], np.float32)), row["sample_id"]
+        assert np.array_equal(np.asarray(row["token_logprobs"], np.float32),
+                              np.asarray(ref["token_logprobs"], np.float32)), row["sample_id"]
+    sampled_outside = sum(t not in ids for r in rows for t, ids in
+                          zip(r["input_ids"][r["num_prompt_tokens"]:], r["top_logprob_ids"]))
+    assert sampled_outside, "no sampled token outside the top 5: the k + 1 entry case went untested"
     finishes = {r["finish_reason"] for r in rows}
     assert finishes == {"stop", "length"}, finishes
     seen = check_reasoning(rows, tokenizer, set(stop_ids))
     assert seen["closed"] and seen["none"], seen  # the model opened and closed <think> itself
-    print(f"\nvLLM exactness: {len(rows)} rows, finishes {sorted(finishes)}, reasoning {seen}")
+    print(f"\nvLLM exactness: {len(rows)} rows, finishes {sorted(finishes)}, reasoning {seen}, top-{LOGPROBS} "
+          f"log-probabilities equal, {sampled_outside} sampled tokens outside the top {LOGPROBS}")
 
 
 # --- DeepSeek-R1 template + turns: all --------------------------------------------------
@@ -352,19 +378,25 @@ def test_greedy_parity_with_transformers_backend(ray_local, tmp_path, qwen3_toke
     the same argmax, except where two logits are closer than the two implementations'
     floating-point differences (different kernels and summation orders); after such a tie
     the continuations differ. The test bounds that: most rows identical, and every row
-    identical up to its first divergence, which must be at a near-tie."""
+    identical up to its first divergence, which must be at a near-tie. Both keep the top-3
+    log-probabilities: on the identical rows the same ids, and values equal up to those
+    floating-point differences."""
+    import numpy as np
+
     import torch
     from transformers import AutoModelForCausalLM
 
     from eagle_data.job.phases.run import run
 
     model = build_tiny_model(qwen3_tokenizer_dir, tmp_path / "tiny-h64", head_dim=64)
-    rows = {}
+    rows, logprobs = {}, {}
     for backend, extra in (("vllm", VLLM), ("transformers", dict(engine__backend="transformers", engine__batch_size=1))):
         out = tmp_path / backend
-        greedy = {**extra, "source__sample": 12, "sampling__temperature": 0.0, "sampling__max_tokens": 12}
+        greedy = {**extra, "source__sample": 12, "sampling__temperature": 0.0, "sampling__max_tokens": 12,
+                  "sampling__logprobs": 3}
         run(as_config(job_settings(out, model, preset=greedy)))
         rows[backend] = {r["sample_id"]: list(r["input_ids"]) for r in read(out, "data")}
+        logprobs[backend] = {r["sample_id"]: r for r in read(out, "data")}
     assert rows["vllm"].keys() == rows["transformers"].keys()
     same = [sid for sid in rows["vllm"] if rows["vllm"][sid] == rows["transformers"][sid]]
     hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
@@ -376,4 +408,12 @@ def test_greedy_parity_with_transformers_backend(ray_local, tmp_path, qwen3_toke
         gap = abs(float(logits[a[k]] - logits[b[k]]))
         assert gap < 1e-3, f"{sid}: diverged at token {k} with a logit gap of {gap}"
     assert len(same) >= 0.75 * len(rows["vllm"]), f"{len(same)}/{len(rows['vllm'])} identical"
-    print(f"\nbackend parity: {len(same)}/{len(rows['vllm'])} rows identical at temperature 0")
+    gap = 0.0
+    for sid in same:
+        a, b = logprobs["vllm"][sid], logprobs["transformers"][sid]
+        assert a["top_logprob_ids"] == b["top_logprob_ids"], sid
+        for name in ("top_logprobs", "token_logprobs"):
+            gap = max(gap, float(np.abs(np.asarray(a[name]) - np.asarray(b[name])).max()))
+    assert gap < 1e-5, gap  # measured 9.5e-07 (fp32, 10 identical rows of 12 tokens)
+    print(f"\nbackend parity: {len(same)}/{len(rows['vllm'])} rows identical at temperature 0, their top-3 "
+          f"log-probabilities within {gap:.1e}")

@@ -115,3 +115,45 @@ def test_transformers_engine_emits_the_vllm_stage_columns(tiny_qwen3):
     # Greedy decoding is deterministic, whatever else is in the batch.
     alone = engine(batch.slice(0, 1)).to_pylist()[0]
     assert alone["generated_tokens"] == rows[0]["generated_tokens"]
+
+
+def test_transformers_engine_logprobs_are_the_models_own(tiny_qwen3):
+    """sampling `logprobs` = k: per generated token, the top k of log_softmax(the model's
+    logits) and the sampled token's own, as a plain forward pass over prompt + generated
+    gives them (rows of different lengths, so left padding is in play), sampled at
+    temperature 1 (the values are the raw logits', whatever the temperature); an error row
+    has none."""
+    import numpy as np
+    import torch
+
+    from eagle_data.job.stages.engines import LOGPROB_COLUMNS
+
+    tokenizer = load_tokenizer(str(tiny_qwen3))
+    engine = TransformersEngine(str(tiny_qwen3), False, {}, pad_id=tokenizer.pad_token_id)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}],
+                                           add_generation_prompt=True, tokenize=True, return_dict=False)
+    k = 4
+    params = {"max_tokens": 6, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": 1, "logprobs": k,
+              "stop_token_ids": [tokenizer.eos_token_id], "detokenize": False}
+    batch = pa.Table.from_pylist([
+        {"sample_id": "a", "tokenized_prompt": prompt, "sampling_params": params},
+        {"sample_id": "b", "tokenized_prompt": prompt[:5], "sampling_params": params},
+        {"sample_id": "bad", "tokenized_prompt": [10**7], "sampling_params": params},
+    ])
+    bad, a = engine(batch.take([2, 0])).to_pylist()  # an error row first: the columns are still there
+    assert bad["__inference_error__"] and all(bad[c] is None for c in LOGPROB_COLUMNS)
+    assert all(isinstance(a[c], bytes) for c in LOGPROB_COLUMNS)
+    rows = engine(batch.slice(0, 2)).to_pylist()  # generated together, left-padded
+    for r in rows:
+        gen, n = r["generated_tokens"], len(r["prompt_token_ids"])
+        ids = np.frombuffer(r["top_logprob_ids"], "<i4").reshape(len(gen), k)
+        values = np.frombuffer(r["top_logprobs"], "<f4").reshape(len(gen), k)
+        own = np.frombuffer(r["token_logprobs"], "<f4")
+        with torch.no_grad():
+            logits = engine.model(torch.tensor([r["prompt_token_ids"] + gen])).logits[0, n - 1:-1]
+        expected = logits.log_softmax(-1, dtype=torch.float32)
+        top = torch.topk(expected, k, dim=-1)
+        assert ids.tolist() == top.indices.tolist(), r["sample_id"]
+        np.testing.assert_allclose(values, top.values.numpy(), rtol=0, atol=1e-5)
+        np.testing.assert_allclose(own, expected[torch.arange(len(gen)), gen].numpy(), rtol=0, atol=1e-5)
+        assert (values[:, :-1] >= values[:, 1:]).all() and (own <= values[:, 0] + 1e-6).all()

@@ -27,7 +27,7 @@ from eagle_data.job.progress import EngineWatch, Progress
 from eagle_data.job.ray_internals import actor_nodes, bound_queues, one_batch_per_block, read_parquet_in_small_tasks
 from eagle_data.job.stages.turns import PREVIOUS_COLUMNS, TurnBuilder, next_user_texts
 from eagle_data.model_files import SpecialTokens, generation_eos_ids, load_tokenizer, model_vocab_size, special_tokens
-from eagle_data.storage.contract import DATA_SCHEMA, ERROR, FAILED_SCHEMA, STOPPED_SCHEMA
+from eagle_data.storage.contract import ERROR, FAILED_SCHEMA, STOPPED_SCHEMA, data_schema
 from eagle_data.storage.folder import Output
 from eagle_data.storage.shards import ShardWriter, shard_files
 from eagle_data.storage.status import SampleStatus
@@ -44,8 +44,9 @@ def run_generate(cfg: Config, out: Output, engine=None) -> dict:
         raise MissingInput(f"{out.root} has no finished prompts phase: run with --phase prompts (or all) first")
     special, run, total, finished = start_run(cfg, out)
     shard = (cfg.output.rows_per_shard, cfg.output.flush_seconds)
+    data = data_schema(cfg.sampling.logprobs, cfg.sampling.logprobs_dtype)
     writers = {name: out.writer(name, schema, run["run_id"], *shard)
-               for name, schema in (("data", DATA_SCHEMA), ("failed", FAILED_SCHEMA), ("stopped", STOPPED_SCHEMA))}
+               for name, schema in (("data", data), ("failed", FAILED_SCHEMA), ("stopped", STOPPED_SCHEMA))}
     replicas = ReplicaNodes()
     progress = Progress(total=total, done_before=len(finished), todo=total - len(finished),
                         max_tokens=cfg.sampling.max_tokens, every_s=cfg.output.log_every_s,

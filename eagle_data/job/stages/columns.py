@@ -56,6 +56,9 @@ MEANING = {
     "num_reasoning_tokens": "generated tokens up to the end of reasoning",
     "num_response_tokens": "generated tokens after it",
     "finish_reason": "stop | length",
+    "top_logprob_ids": "per generated token, the target's k most likely ids by rank (sampling.logprobs = k)",
+    "top_logprobs": "their log-probabilities (log_softmax of the raw logits)",
+    "token_logprobs": "per generated token, the sampled token's own log-probability",
     "error": "the engine's error text (failed/ rows), or why a row's hidden states failed a check",
     "hidden_states_path": "the row's hidden-states file, written by the engine (safetensors: `hidden_states` "
                           "[S, n_layers, H], `token_ids` [S]), under OUT/.staging/",

@@ -9,6 +9,11 @@ the ids, source and error).
 `input_ids = prompt_token_ids + generated_tokens`, nothing re-tokenized. The reasoning
 boundary is the end-of-reasoning token id (looked up from the tokenizer by its string):
 reasoning tokens are the generated tokens up to and including it, response tokens the rest.
+
+With `logprobs` = k > 0 it also reads the engine's `top_logprob_ids`, `top_logprobs`,
+`token_logprobs` (one array's bytes per row, engines/__init__.py) and makes data/'s
+fixed-size list columns of them (storage/contract.py `data_schema`), from numpy views of
+the whole batch's bytes: no Python object per token.
 """
 
 from __future__ import annotations
@@ -20,16 +25,22 @@ import numpy as np
 import pyarrow as pa
 
 from eagle_data.config import Config
-from eagle_data.job.stages.columns import Stage, columns
+from eagle_data.job.stages.columns import Stage, columns, require
+from eagle_data.job.stages.engines import LOGPROB_COLUMNS, LOGPROB_DTYPES
 from eagle_data.model_files import SpecialTokens, load_tokenizer
 from eagle_data.job.ray_internals import ENGINE_ERROR
-from eagle_data.storage.contract import DATA_SCHEMA, ERROR, IDS
+from eagle_data.storage.contract import DATA_SCHEMA, ERROR, IDS, data_schema
 
 ANSWER_OF = ("prompt_id", "answer", "variant", "sampling")  # carried from prompts/ and the request
 
 # What the stage makes: data/'s columns and the error ("" on ok rows; a failed row keeps
 # only IDS and the error).
 OUT_SCHEMA = DATA_SCHEMA.append(pa.field(ERROR, pa.string()))
+
+
+def out_schema(logprobs: int = 0, dtype: str = "float32") -> pa.Schema:
+    """OUT_SCHEMA with data/'s log-probability columns when `logprobs` = k > 0."""
+    return data_schema(logprobs, dtype).append(pa.field(ERROR, pa.string())) if logprobs else OUT_SCHEMA
 
 
 def reasoning_split(prompt: np.ndarray, generated: np.ndarray,
@@ -82,12 +93,19 @@ class Postprocessor(Stage):
     reasoning_start_id: int | None
     reasoning_end_id: int | None
     train_on: str  # "generated" | "response"
+    logprobs: int = 0  # k: the engine's top-k log-probabilities become data/ columns
+    logprobs_dtype: str = "float32"
 
     @classmethod
     def from_config(cls, cfg: Config, special: SpecialTokens) -> "Postprocessor":
         return cls(tokenizer_path=cfg.model.tokenizer_path, trust_remote_code=cfg.model.trust_remote_code,
                    eos_ids=special.eos_ids, reasoning_start_id=special.reasoning_start_id,
-                   reasoning_end_id=special.reasoning_end_id, train_on=cfg.mask.train_on)
+                   reasoning_end_id=special.reasoning_end_id, train_on=cfg.mask.train_on,
+                   logprobs=cfg.sampling.logprobs, logprobs_dtype=cfg.sampling.logprobs_dtype)
+
+    @property
+    def schema(self) -> pa.Schema:
+        return out_schema(self.logprobs, self.logprobs_dtype)
 
     def apply(self, batch: pa.Table) -> pa.Table:
         errors = batch.column(ENGINE_ERROR).to_pylist()
@@ -103,8 +121,8 @@ class Postprocessor(Stage):
                 ERROR: failed.column(ENGINE_ERROR),
             }))
         if not parts:
-            return OUT_SCHEMA.empty_table()
-        return pa.concat_tables([_conform(t) for t in parts])
+            return self.schema.empty_table()
+        return pa.concat_tables([_conform(t, self.schema) for t in parts])
 
     def _ok_rows(self, batch: pa.Table) -> pa.Table:
         tokenizer = load_tokenizer(self.tokenizer_path, self.trust_remote_code)
@@ -163,18 +181,54 @@ class Postprocessor(Stage):
             "num_response_tokens": pa.array((g_len - n_reasoning).astype(np.int32)),
             "finish_reason": pa.array(finish.tolist(), pa.string()),
             ERROR: pa.array([""] * n, pa.string()),
+            **(self._logprob_columns(batch, g_off) if self.logprobs else {}),
         })
+
+    def _logprob_columns(self, batch: pa.Table, g_off: np.ndarray) -> dict:
+        """data/'s log-probability columns, one entry per generated token (g_off: the
+        generated tokens' offsets), from the engine's per-row array bytes."""
+        require("stage Postprocessor (sampling.logprobs)", batch, LOGPROB_COLUMNS)
+        k, tokens = self.logprobs, np.diff(g_off)
+        offsets = pa.array(g_off.astype(np.int32))
+        made = {}
+        for name, dtype in zip(LOGPROB_COLUMNS, LOGPROB_DTYPES):
+            width = 1 if name == "token_logprobs" else k
+            byte_off, data = _binary_parts(batch.column(name))
+            lengths = np.diff(byte_off)
+            if not np.array_equal(lengths, tokens * width * 4):
+                row = int(np.flatnonzero(lengths != tokens * width * 4)[0])
+                raise ValueError(f"engine column {name} of sample {batch.column('sample_id')[row]}: {lengths[row]} "
+                                 f"bytes for {tokens[row]} generated tokens x {width} (sampling.logprobs = {k})")
+            values = data.view(dtype) if data.ctypes.data % 4 == 0 else data.copy().view(dtype)
+            if name == "top_logprobs" and self.logprobs_dtype == "float16":
+                values = values.astype(np.float16)
+            values = pa.array(values)
+            made[name] = pa.ListArray.from_arrays(offsets, values if width == 1 else
+                                                  pa.FixedSizeListArray.from_arrays(values, k))
+        return made
 
 
 def _decode(tokenizer, span: np.ndarray) -> str:
     return tokenizer.decode(span, skip_special_tokens=False, clean_up_tokenization_spaces=None).strip()
 
 
-def _conform(table: pa.Table) -> pa.Table:
-    """Fill the columns a part lacks with nulls and cast to OUT_SCHEMA."""
+def _binary_parts(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(byte offsets from 0, the bytes as uint8) of a binary column with no nulls."""
+    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if arr.null_count:
+        raise ValueError("an ok row of the engine's output has no log-probabilities (null)")
+    arr = arr.cast(pa.large_binary())
+    _, offsets, data = arr.buffers()
+    offsets = np.frombuffer(offsets, np.int64)[arr.offset:arr.offset + len(arr) + 1]
+    data = np.frombuffer(data, np.uint8) if data is not None else np.empty(0, np.uint8)
+    return offsets - offsets[0], data[offsets[0]:offsets[-1]]
+
+
+def _conform(table: pa.Table, schema: pa.Schema = OUT_SCHEMA) -> pa.Table:
+    """Fill the columns a part lacks with nulls and cast to `schema`."""
     columns = [
         table.column(f.name).cast(f.type) if f.name in table.column_names
         else pa.nulls(table.num_rows, f.type)
-        for f in OUT_SCHEMA
+        for f in schema
     ]
-    return pa.Table.from_arrays(columns, schema=OUT_SCHEMA)
+    return pa.Table.from_arrays(columns, schema=schema)

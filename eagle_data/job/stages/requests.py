@@ -74,4 +74,5 @@ def row_seed(seed: int, sample_id: str) -> int:
 
 def engine_sampling(cfg: Config) -> dict[str, dict]:
     """Each variant's sampling parameters for the engine (a row's seed is added per row)."""
-    return {name: dict(v.sampling) for name, v in variants(cfg).items()}
+    logprobs = {"logprobs": cfg.sampling.logprobs} if cfg.sampling.logprobs else {}  # vLLM: top-k per token
+    return {name: {**v.sampling, **logprobs} for name, v in variants(cfg).items()}

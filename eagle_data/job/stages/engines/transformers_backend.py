@@ -1,7 +1,10 @@
 """The small-model backend: a Ray actor pool running transformers `generate` on CPU (or GPU).
 
 Same contract as Ray's vLLM stage (see engines/__init__.py), so everything after the
-engine is shared and exercised by tests and the demo.
+engine is shared and exercised by tests and the demo. Log-probabilities (`logprobs` = k in
+the sampling params) are vLLM's `raw_logprobs`, computed as vLLM's sampler does:
+log_softmax in float32 of `generate`'s raw logits (`output_logits`, before the temperature
+and top-p warpers), torch.topk for the top k, and the sampled token's own entry.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import ray
 
 from eagle_data.config import Config
 from eagle_data.job.stages.columns import Stage, columns
+from eagle_data.job.stages.engines import LOGPROB_COLUMNS, logprob_values
 from eagle_data.job.ray_internals import ENGINE_ERROR, VLLM_OUTPUT_DEFAULTS
 from eagle_data.model_files import pretrained_args
 
@@ -66,7 +70,10 @@ class TransformersEngine(Stage):
             for i, out in zip(indices, outputs):
                 results[i] = out
         carried = [{k: v for k, v in row.items() if k not in CONSUMED} for row in rows]
-        return pa.Table.from_pylist([{**c, **r} for c, r in zip(carried, results)])
+        # Every row has the log-probability columns (null on an error row): from_pylist takes
+        # its columns from the first row.
+        logprobs = dict.fromkeys(LOGPROB_COLUMNS) if rows and rows[0]["sampling_params"].get("logprobs") else {}
+        return pa.Table.from_pylist([{**c, **logprobs, **r} for c, r in zip(carried, results)])
 
     def _generate_one(self, row: dict) -> dict:
         try:
@@ -96,21 +103,42 @@ class TransformersEngine(Stage):
             min_p=(params["min_p"] or None) if sample else None,
             eos_token_id=stop_ids, pad_token_id=self.pad_id,
         )
+        k = params.get("logprobs") or 0  # one run-wide setting: the same for every row
         if sample:
             # Seeded per batch: a row's sample depends on the rows batched with it.
             torch.manual_seed(params["seed"])
         with torch.no_grad():
             out = self.model.generate(
                 input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
-                generation_config=gen_config,
+                generation_config=gen_config, return_dict_in_generate=True, output_logits=bool(k),
             )
+            generated = out.sequences[:, width:]
+            if k:
+                top_ids, top_logprobs, sampled = top_logprobs_of(torch, out.logits, generated, k)
         results = []
         stops = set(stop_ids)
-        for prompt, row_out in zip(prompts, out[:, width:].tolist()):
+        for i, (prompt, row_out) in enumerate(zip(prompts, generated.tolist())):
             # Rows that finished early are padded after their stop token: cut there.
             end = next((j + 1 for j, t in enumerate(row_out) if t in stops), len(row_out))
             results.append(engine_output(prompt, row_out[:end]))
+            if k:
+                results[-1].update(logprob_values(top_ids[i, :end], top_logprobs[i, :end], sampled[i, :end]))
         return results
+
+
+def top_logprobs_of(torch, logits: tuple, generated, k: int) -> tuple:
+    """(top ids [rows, steps, k], their log-probabilities, the generated token's own [rows,
+    steps]) as numpy arrays, from generate's raw logits (one [rows, vocab] tensor per step),
+    one step at a time as vLLM's sampler computes them: compute_logprobs (log_softmax in
+    float32), then gather_logprobs (torch.topk, and the sampled token's entry)."""
+    ids, values, own = [], [], []
+    for step, step_logits in enumerate(logits):
+        logprobs = step_logits.log_softmax(dim=-1, dtype=torch.float32)
+        top = torch.topk(logprobs, k, dim=-1)
+        ids.append(top.indices)
+        values.append(top.values)
+        own.append(logprobs.gather(-1, generated[:, step:step + 1]).squeeze(-1))
+    return tuple(torch.stack(t, dim=1).cpu().numpy() for t in (ids, values, own))
 
 
 def engine_output(prompt: list[int] | None = None, generated: list[int] = (), error: str = "") -> dict:
