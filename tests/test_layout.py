@@ -7,7 +7,7 @@ import ast
 import re
 
 from support import REPO
-from eagle_data.storage.contract import SCHEMAS
+from eagle_data.storage.contract import SCHEMAS, data_schema
 
 # Lower number = lower layer; a module may import from its own layer or lower ones.
 LAYERS = [
@@ -73,6 +73,8 @@ def test_formats_output_section_matches_the_contract():
     for folder, schema in SCHEMAS.items():
         columns = re.sub(r"\([^)]*\)", "", listed[folder])  # (int32), (stop | length), (turns: all)
         assert [c.strip() for c in columns.split(",")] == schema.names, folder
+    # data/'s optional columns (data_schema(k > 0)) are named in its entry too.
+    assert [c for c in data_schema(1).names if c not in listed["data"]] == []
 
 
 def test_storage_knows_no_config():

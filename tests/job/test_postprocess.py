@@ -172,7 +172,8 @@ def test_logprob_columns_become_fixed_size_lists_per_generated_token(qwen3_token
     rows = table.to_pylist()
     assert [r["sample_id"] for r in rows if not r["error"]] == ["s0", "s2"]
     for r, (ids, values, own) in zip([rows[0], rows[1]], arrays):
-        assert len(r["top_logprob_ids"]) == len(r["token_logprobs"]) == r["num_reasoning_tokens"] + r["num_response_tokens"]
+        generated = r["num_reasoning_tokens"] + r["num_response_tokens"]
+        assert len(r["top_logprob_ids"]) == len(r["token_logprobs"]) == generated
         assert r["top_logprob_ids"] == ids.tolist()
         assert r["top_logprobs"] == values.astype(np.float32).astype(dtype).astype(np.float64).tolist()
         assert r["token_logprobs"] == own.astype(np.float32).astype(np.float64).tolist()

@@ -33,7 +33,8 @@ def test_verify_checks_the_logprob_columns(tmp_path):
 
     rows = [synthetic_row(i, 2, 1, 1, "stop", "s") for i in range(3)]
     for r in rows:
-        r.update(top_logprob_ids=[[1, 2], [3, 4]], top_logprobs=[[-0.1, -0.2], [-0.3, -0.4]], token_logprobs=[-0.1, -0.3])
+        r.update(top_logprob_ids=[[1, 2], [3, 4]], top_logprobs=[[-0.1, -0.2], [-0.3, -0.4]],
+                 token_logprobs=[-0.1, -0.3])
     rows[1]["token_logprobs"] = [-0.1]  # one entry short
     rows[2]["top_logprob_ids"] = [[1, 2], [3, 1000]]  # the synthetic vocabulary has 1000 ids
     rows[2]["token_logprobs"] = [0.5, float("nan")]

@@ -102,10 +102,10 @@ REFERENCE = textwrap.dedent("""
             return [[(t, lp.logprob) for t, lp in sorted(d.items(), key=lambda e: e[1].rank) if lp.rank <= k]
                     for d in o.outputs[0].logprobs or []]
 
-        json.dump([{"token_ids": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason,
+        json.dump([{"token_ids": list(c.token_ids), "finish_reason": c.finish_reason,
                     "top": top(o, r["params"].get("logprobs", 0)),
-                    "token_logprobs": [d[t].logprob for d, t in zip(o.outputs[0].logprobs or [], o.outputs[0].token_ids)]}
-                   for o, r in zip(outs, spec["rows"])], open(sys.argv[2], "w"))
+                    "token_logprobs": [d[t].logprob for d, t in zip(c.logprobs or [], c.token_ids)]}
+                   for o, r in zip(outs, spec["rows"]) for c in [o.outputs[0]]], open(sys.argv[2], "w"))
 """)
 
 

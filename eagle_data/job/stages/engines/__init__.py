@@ -14,8 +14,9 @@ float32 (the sampled token's own, which is one of the top k or not). Each column
 value per row: the array's bytes (little-endian, C order; `logprob_values`), which the
 postprocess stage turns into data/'s fixed-size lists without a Python object per token.
 Bytes, not list<list<...>>: Ray's processor passes every row through Python (its
-postprocess `map`), where nested lists cost a Python object per value, about 10x the bytes
-(benchmarks/postprocess_throughput.py --logprobs, docs/performance.md, section 8). vLLM's
+postprocess `map`), where nested lists cost a Python object per value: 5-12 us per
+generated token at k = 1..20 against 0.2-0.4 us for bytes (benchmarks/
+postprocess_throughput.py --logprobs, docs/performance.md, section 8). vLLM's
 own `logprobs` column (Ray's list of per-token dicts) stays null: ray_internals.py takes the
 values from vLLM's output directly. The values are vLLM's default `logprobs_mode`,
 `raw_logprobs`: log_softmax of the model's raw logits in float32, before temperature,
@@ -45,7 +46,8 @@ LOGPROB_DTYPES = ("<i4", "<f4", "<f4")  # how each of LOGPROB_COLUMNS' bytes are
 def logprob_values(top_ids: np.ndarray, top_logprobs: np.ndarray, token_logprobs: np.ndarray) -> dict:
     """One row's log-probability columns as the engine stage emits them (module docstring)."""
     arrays = (top_ids, top_logprobs, token_logprobs)
-    return {name: np.ascontiguousarray(a, dtype).tobytes() for name, a, dtype in zip(LOGPROB_COLUMNS, arrays, LOGPROB_DTYPES)}
+    return {name: np.ascontiguousarray(a, dtype).tobytes()
+            for name, a, dtype in zip(LOGPROB_COLUMNS, arrays, LOGPROB_DTYPES)}
 
 
 def apply_engine(ds: ray.data.Dataset, cfg: Config, pad_id: int) -> ray.data.Dataset:
