@@ -29,7 +29,7 @@ def write_out(root: Path, rows: int, tokens: int, rows_per_shard: int) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from eagle_data.storage.contract import DATA_SCHEMA
+    from eagle_data.storage.contract import DATA_SCHEMA, MANIFEST_VERSION, SAMPLING_TYPE
     from eagle_data.storage.files import filesystem, write_json
 
     rng = np.random.default_rng(0)
@@ -48,6 +48,9 @@ def write_out(root: Path, rows: int, tokens: int, rows_per_shard: int) -> None:
         table = pa.table({
             "sample_id": ids_list, "conversation_id": ids_list, "turn": np.zeros(n, np.int32),
             "source": [f"src{i % 5}" for i in range(n)],
+            "prompt_id": ids_list, "answer": np.zeros(n, np.int32), "variant": ["default"] * n,
+            "sampling": pa.array([{"max_tokens": 8192, "temperature": 0.6, "top_p": 0.95, "top_k": 0,
+                                   "min_p": 0.0, "seed": 0}] * n, SAMPLING_TYPE),
             "messages": [[{"role": "user", "content": f"question {s}"}] for s in ids_list],
             "reasoning": [""] * n,
             "response": [f"answer {s}" for s in ids_list],
@@ -60,7 +63,7 @@ def write_out(root: Path, rows: int, tokens: int, rows_per_shard: int) -> None:
         }).cast(DATA_SCHEMA)
         pq.write_table(table, root / "data" / f"part-{start // rows_per_shard:05d}.parquet")
     fs, path = filesystem(str(root))
-    write_json(fs, f"{path}/manifest.json", {"schema_version": 2, "phases": {"generate": {"tokenizer": {
+    write_json(fs, f"{path}/manifest.json", {"schema_version": MANIFEST_VERSION, "phases": {"generate": {"tokenizer": {
         "path": "synthetic", "vocab_size": 150_000, "eos_ids": [2], "pad_id": 0,
         "reasoning_start_id": None, "reasoning_end_id": None}}}})
 

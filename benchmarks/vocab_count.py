@@ -41,6 +41,8 @@ def write_out(root: Path, rows: int, tokens: int, prompt: int, rows_per_shard: i
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from eagle_data.storage.contract import MANIFEST_VERSION
+
     rng = np.random.default_rng(0)
     perm = rng.permutation(VOCAB)  # frequent ids spread over the vocabulary, not 0, 1, 2...
     (root / "data").mkdir(parents=True, exist_ok=True)
@@ -63,7 +65,7 @@ def write_out(root: Path, rows: int, tokens: int, prompt: int, rows_per_shard: i
         pq.write_table(table, root / "data" / f"part-{start // rows_per_shard:05d}.parquet",
                        row_group_size=row_group_rows)
     (root / "manifest.json").write_text(json.dumps(
-        {"schema_version": 2, "phases": {"generate": {"tokenizer": {"model_vocab_size": VOCAB}}}}))
+        {"schema_version": MANIFEST_VERSION, "phases": {"generate": {"tokenizer": {"model_vocab_size": VOCAB}}}}))
 
 
 def count_arrow(out: str) -> np.ndarray:
