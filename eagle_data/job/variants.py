@@ -16,7 +16,7 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from itertools import accumulate
 
-from eagle_data.config import Config
+from eagle_data.config import Config, VariantConfig
 
 DEFAULT = "default"  # the one variant of a config without sampling.variants
 ANSWER_SEPARATOR = "."  # <prompt_id>.<answer> when answers_per_prompt > 1
@@ -40,22 +40,13 @@ class Variant:
 def variants(cfg: Config) -> dict[str, Variant]:
     """The config's variants by name (one, `default`, without sampling.variants)."""
     s = cfg.sampling
-    base = {k: getattr(s, k) for k in SAMPLING_KEYS}
-    specs = s.variants or [None]
     found = {}
-    for spec in specs:
-        sampling = {k: (getattr(spec, k) if spec is not None and getattr(spec, k) is not None else v)
-                    for k, v in base.items()}
-        kwargs = {**cfg.prompt.chat_template_kwargs, **((spec.chat_template_kwargs or {}) if spec else {})}
-        name = spec.name if spec is not None else DEFAULT
-        found[name] = Variant(name, spec.weight if spec is not None else 1.0, sampling, kwargs,
-                              cfg.engine.max_model_len - sampling["max_tokens"])
+    for spec in s.variants or [VariantConfig(name=DEFAULT)]:
+        sampling = {k: getattr(s, k) if getattr(spec, k) is None else getattr(spec, k) for k in SAMPLING_KEYS}
+        kwargs = {**cfg.prompt.chat_template_kwargs, **(spec.chat_template_kwargs or {})}
+        found[spec.name] = Variant(spec.name, spec.weight, sampling, kwargs,
+                                   cfg.engine.max_model_len - sampling["max_tokens"])
     return found
-
-
-def longest_answer(cfg: Config) -> int:
-    """The largest max_tokens of any variant."""
-    return max(v.sampling["max_tokens"] for v in variants(cfg).values())
 
 
 def conversation_ids(prompt_id: str, answers: int) -> list[str]:

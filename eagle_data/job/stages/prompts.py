@@ -247,7 +247,8 @@ class PromptBuilder(PromptRenderer, Stage):
             bad = next((c for c in group if c["reason"]), None)
             if bad is not None:  # the dataset row, once, with the first reason
                 ids = bad["tokenized_prompt"]
-                out.append({**group[0], "sample_id": group[0]["prompt_id"], "reason": bad["reason"], "num_prompt_tokens": len(ids) if ids else 0,
+                out.append({**group[0], "sample_id": group[0]["prompt_id"], "reason": bad["reason"],
+                            "num_prompt_tokens": len(ids) if ids else 0,
                             "detail": f"{bad['origin']}: {bad['detail']}" if bad["origin"] else bad["detail"],
                             "answer": 0, "tokenized_prompt": None, "user_turns": None})
                 continue
