@@ -7,8 +7,15 @@ are read one Parquet row group at a time, and at most `window` row groups are he
 OUT of any size iterates in bounded memory (about `window` x one row group).
 
 Order and sharding: an epoch's order is a function of (index, seed, epoch) only, so every
-rank computes the same one; rank r takes the r-th contiguous slice of it (the slices
-partition the samples: each is seen exactly once per epoch; sizes differ by at most one).
+rank computes the same one; rank r takes the r-th contiguous slice of it, and every slice
+has the same size (`rank_slice`): a DDP loop with a collective per batch would otherwise
+block forever on the ranks that still have a batch. As torch's DistributedSampler: by
+default the order is padded by repeating it from its start to ceil(N / world) per rank
+(every sample seen, the padding repeats the first ones; world > N still gives each rank
+one); `drop_last=True` cuts its tail to floor(N / world) per rank (none seen twice; an
+error when N < world, an epoch of nothing). N is the index's size, after every filter (lengths,
+overflow, no loss token, missing hidden states): all are decided here, before the split,
+never at read time, so no rank's count can change while it iterates.
 Shuffling is two-level so that reads stay sequential: row groups are permuted, then rows
 are permuted within each group of `window` consecutive row groups. All ranks must see the
 same shard list: read an OUT whose generate phase finished (not one still being written).
@@ -51,7 +58,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
-from eagle_data.errors import EagleDataError, MissingInput
+from eagle_data.errors import ConfigError, EagleDataError, MissingInput
 from eagle_data.storage.contract import HIDDEN_STATES, LOGPROB_COLUMNS
 from eagle_data.storage.folder import Output
 from eagle_data.storage.hidden_states import DTYPES, Index, ShardHeaderError
@@ -147,7 +154,7 @@ class Samples:
 
     def __init__(self, out: str | Out, *, finish_reason=None, source=None, min_len=None,
                  max_len=None, overflow: str = "drop", columns: Sequence[str] = (),
-                 rank: int = 0, world_size: int = 1, shuffle: bool = True, seed: int = 0,
+                 rank: int = 0, world_size: int = 1, drop_last: bool = False, shuffle: bool = True, seed: int = 0,
                  window: int = 4, filesystem=None, hidden_states: bool = False, logprobs: bool = False):
         if overflow not in ("drop", "truncate"):
             raise ValueError("overflow must be 'drop' (filter out rows longer than max_len) "
@@ -158,7 +165,7 @@ class Samples:
         self.columns = tuple(c for c in columns if c not in (*TOKEN_COLUMNS, "attention_mask"))
         self.max_len = max_len
         self.truncate = overflow == "truncate" and max_len is not None
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
         self.shuffle, self.seed, self.window = shuffle, seed, max(1, window)
         expr = row_filter(finish_reason, source, min_len, None if self.truncate else max_len)
         self.dropped_no_loss = 0  # truncate: samples cut before their first loss token
@@ -295,7 +302,7 @@ class Samples:
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
-        self.order = np.array_split(self.epoch_order(epoch), self.world_size)[self.rank]
+        self.order = rank_slice(self.epoch_order(epoch), self.rank, self.world_size, self.drop_last)
 
     def __len__(self) -> int:
         return len(self.order)
@@ -364,6 +371,20 @@ class Samples:
         state = dict(self.__dict__)
         state["_cache"] = OrderedDict()
         return state
+
+
+def rank_slice(order: np.ndarray, rank: int, world_size: int, drop_last: bool) -> np.ndarray:
+    """Rank `rank`'s contiguous slice of an epoch order, the same size on every rank: the
+    order padded by repeating it from its start to ceil(N / world) per rank, or under
+    drop_last cut to floor(N / world) per rank (module docstring)."""
+    n = order.size
+    per = n // world_size if drop_last else -(-n // world_size)
+    if drop_last and n < world_size:
+        raise ConfigError(f"drop_last=True with {n} samples (after filters) over world_size={world_size} "
+                          "ranks gives every rank none: use drop_last=False (pads by repeating samples), "
+                          "fewer ranks, or filters that keep more samples")
+    # np.resize repeats the order from its start (as many times as world > N needs).
+    return np.resize(order, per * world_size)[rank * per:(rank + 1) * per]
 
 
 def _list_arrays(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:

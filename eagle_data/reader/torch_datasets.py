@@ -18,7 +18,8 @@ class _TorchSamples(Samples):
 
 
 class OutDataset(_TorchSamples, Dataset):
-    """Map-style: item i is the i-th sample of this rank's slice of the epoch order.
+    """Map-style: item i is the i-th sample of this rank's slice of the epoch order, whose
+    length is the same on every rank (padded, or cut under drop_last: reader/samples.py).
 
     Use it with a DataLoader without shuffle or sampler (the order is already shuffled and
     sharded) and call set_epoch(e) before each epoch (with persistent_workers, recreate the
@@ -31,9 +32,12 @@ class OutDataset(_TorchSamples, Dataset):
 
 
 class OutIterableDataset(_TorchSamples, IterableDataset):
-    """Iterable: streams this rank's slice of the epoch order; DataLoader workers split it
-    further into contiguous parts, so each reads only its own row groups. Call set_epoch(e)
-    before each epoch (with persistent_workers, recreate the DataLoader instead)."""
+    """Iterable: streams this rank's slice of the epoch order (the same length on every
+    rank); DataLoader workers split it further into contiguous parts, so each reads only its
+    own row groups. Each worker batches its own part, so a rank's batch count depends only on
+    its length, batch_size and num_workers: give every rank the same two and they take the
+    same number of steps. Call set_epoch(e) before each epoch (with persistent_workers,
+    recreate the DataLoader instead)."""
 
     def __iter__(self) -> Iterator[dict]:
         order = self.order

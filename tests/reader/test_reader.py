@@ -83,18 +83,26 @@ def test_collate_pads_ids_with_the_manifest_pad_id_and_masks_with_zero(out):
 
 
 @pytest.mark.parametrize("kind", [OutDataset, OutIterableDataset])
-def test_ranks_partition_the_samples_and_shuffle_is_deterministic(out, rows, kind):
+def test_ranks_share_the_samples_equally_and_shuffle_is_deterministic(out, rows, kind):
     cols = ["sample_id"]
-    for world in (1, 2, 3):
+    for world in (1, 2, 3):  # 20 samples: 3 ranks pad to 7 each (tests/reader/test_reader_ranks.py)
         for epoch in (0, 1):
-            parts = []
-            for rank in range(world):
-                ds = kind(str(out), rank=rank, world_size=world, seed=7, columns=cols, window=2)
-                ds.set_epoch(epoch)
-                parts.append(ids_of(ds))
-            flat = [i for p in parts for i in p]
-            assert sorted(flat) == sorted(rows)  # union = all, and no sample twice
-            assert max(map(len, parts)) - min(map(len, parts)) <= 1
+            for drop_last in (False, True):
+                parts = []
+                for rank in range(world):
+                    ds = kind(str(out), rank=rank, world_size=world, drop_last=drop_last, seed=7,
+                              columns=cols, window=2)
+                    ds.set_epoch(epoch)
+                    parts.append(ids_of(ds))
+                flat = [i for p in parts for i in p]
+                per = len(rows) // world if drop_last else -(-len(rows) // world)
+                assert [len(p) for p in parts] == [per] * world
+                if drop_last:
+                    assert len(set(flat)) == len(flat) and set(flat) <= set(rows)  # no sample twice
+                else:
+                    assert set(flat) == set(rows)  # union = all
+                if len(rows) % world == 0:
+                    assert sorted(flat) == sorted(rows)  # an even split: no padding, nothing dropped
     # Same (seed, epoch) -> same order from a fresh reader; another seed or epoch -> another.
     first = ids_of(kind(str(out), seed=7, columns=cols))
     assert ids_of(kind(str(out), seed=7, columns=cols)) == first

@@ -181,6 +181,11 @@ def test_samples_without_states_are_left_out_and_counted(out, tmp_path, rows):
     ds = Samples(str(copy), shuffle=False, hidden_states=True, columns=["sample_id"])
     assert gone and ds.missing_hidden_states == len(gone)
     assert len(ds) == len(rows) - 3 and not {s["sample_id"] for s in ds} & set(gone)
+    # Left out before the rank split: the 9 left over 4 ranks are 3 each (padded), all of them.
+    parts = [[s["sample_id"] for s in Samples(str(copy), rank=r, world_size=4, hidden_states=True,
+                                              columns=["sample_id"])] for r in range(4)]
+    assert len(ds) % 4 and [len(p) for p in parts] == [-(-len(ds) // 4)] * 4
+    assert {i for p in parts for i in p} == {s["sample_id"] for s in ds}
     # Without hidden_states every row is there.
     assert len(Samples(str(copy))) == len(rows)
     for shard in shards[1:]:
