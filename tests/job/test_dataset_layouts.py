@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import random
 
 import pyarrow as pa
@@ -13,7 +14,7 @@ import pytest
 import yaml
 
 from support import attached, job_cli, job_config, job_settings, read, sharegpt, write_jsonl
-from eagle_data.errors import EmptyResult, MissingInput, UnsupportedDataset
+from eagle_data.errors import EagleDataError, EmptyResult, MissingInput, UnsupportedDataset
 from eagle_data.job.phases.run import run
 
 PROMPTS = dict(sampling__max_tokens=256, output__rows_per_shard=16)  # the model: a tokenizer folder
@@ -266,3 +267,104 @@ def test_the_entry_point_exits_3_on_zero_prompts(ray_local, tmp_path, qwen3_toke
     allowed = job_cli(config, "--phase", "prompts", "--allow-empty", env=attached(ray_local))
     assert allowed.returncode == 0, allowed.stderr[-2000:]
     assert "0 prompts" in allowed.stdout
+
+
+# --- every file once, whatever the spelling (locate, before Ray starts) ----------------------
+
+def located(dataset, out=None, **source):
+    from eagle_data.config import SourceConfig
+    from eagle_data.job.stages.source import locate
+
+    cfg = SourceConfig(dataset=str(dataset), **source)
+    return locate(cfg) if out is None else locate(cfg, str(out))
+
+
+def dataset_tree(tmp_path):
+    """data/a.jsonl, data/sub/b.jsonl, a symlinked folder data/linked -> ../elsewhere
+    (c.jsonl), a link back up the tree (data/sub/up -> ..) and a file reached twice
+    (data/again.jsonl -> a.jsonl)."""
+    data = tmp_path / "data"
+    (data / "sub").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    for path in (data / "a.jsonl", data / "sub" / "b.jsonl", tmp_path / "elsewhere" / "c.jsonl"):
+        write_jsonl(path, good_rows(2, path.stem))
+    (data / "linked").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (data / "sub" / "up").symlink_to("..", target_is_directory=True)
+    (data / "again.jsonl").symlink_to("a.jsonl")
+    return data
+
+
+def test_every_spelling_of_a_folder_reads_each_file_once(tmp_path):
+    data = dataset_tree(tmp_path)
+    want = sorted(str(p.resolve()) for p in (data / "a.jsonl", data / "sub" / "b.jsonl",
+                                             tmp_path / "elsewhere" / "c.jsonl"))
+    for spelling in (data, f"{data}/**", f"{data}/*", f"{data}/**/*.jsonl", f"{tmp_path}/*/**"):
+        layout = located(spelling)
+        assert sorted(os.path.realpath(p) for p in layout.paths) == want, spelling
+        assert len(layout.paths) == len(want), spelling
+
+
+def test_a_file_name_with_glob_characters_is_that_file(tmp_path):
+    write_jsonl(tmp_path / "train[1].jsonl", good_rows(1))
+    write_jsonl(tmp_path / "train1.jsonl", good_rows(2))
+    assert located(tmp_path / "train[1].jsonl").paths == (str(tmp_path / "train[1].jsonl"),)
+    (tmp_path / "train1.jsonl").unlink()
+    assert located(tmp_path / "train[1].jsonl").paths == (str(tmp_path / "train[1].jsonl"),)
+    (tmp_path / "run[7]").mkdir()  # a folder too
+    write_jsonl(tmp_path / "run[7]" / "rows.jsonl", good_rows(1))
+    assert located(tmp_path / "run[7]").paths == (str(tmp_path / "run[7]" / "rows.jsonl"),)
+
+
+def test_dangling_links_and_special_files_are_refused_at_start_naming_them(tmp_path, qwen3_tokenizer_dir):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_jsonl(folder / "ok.jsonl", good_rows(2))
+    (folder / "gone.jsonl").symlink_to(tmp_path / "deleted.jsonl")
+    with pytest.raises(MissingInput, match=r"data/gone\.jsonl is a dangling symlink \(to '.*deleted\.jsonl'\)"):
+        located(folder)
+    (folder / "gone.jsonl").unlink()
+    os.mkfifo(folder / "pipe.jsonl")
+    with pytest.raises(UnsupportedDataset, match=r"data/pipe\.jsonl is a FIFO \(named pipe\), not a regular file"):
+        located(folder)
+    with pytest.raises(UnsupportedDataset, match=r"pipe\.jsonl is a FIFO"):
+        located(f"{folder}/*.jsonl")
+    # Through the job: refused before the manifest records a run (and before Ray starts).
+    out = tmp_path / "out"
+    with pytest.raises(UnsupportedDataset, match=r"pipe\.jsonl is a FIFO"):
+        run(job_config(out, qwen3_tokenizer_dir, folder, preset=PROMPTS), phase="prompts")
+    assert not (out / "manifest.json").exists()
+
+
+def test_an_unreadable_parquet_file_is_refused_at_start_naming_it(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    pq.write_table(pa.Table.from_pylist(good_rows(3)), folder / "a.parquet")
+    (folder / "b.parquet").write_bytes((folder / "a.parquet").read_bytes()[:-20])  # footer cut off
+    with pytest.raises(UnsupportedDataset, match=r"data/b\.parquet cannot be read: "):
+        located(folder)
+
+
+def test_out_and_a_dataset_folder_may_not_contain_each_other(tmp_path):
+    data = dataset_tree(tmp_path)
+    for out in (data / "out", data / "sub" / "up" / "out"):  # inside it, also through a link
+        for spelling in (data, f"{data}/**"):
+            with pytest.raises(EagleDataError, match=r"output.path .*/out is inside the dataset folder .*data"):
+                located(spelling, out)
+    with pytest.raises(EagleDataError, match=r"output.path .* is inside the dataset folder .*elsewhere"):
+        located(data, tmp_path / "elsewhere" / "out")  # inside a folder a symlink leads to
+    with pytest.raises(EagleDataError, match=r"source.dataset .*a\.jsonl is inside output.path .*data"):
+        located(data / "a.jsonl", data)  # the dataset inside OUT
+    with pytest.raises(EagleDataError, match=r"is inside output.path"):
+        located(data, tmp_path)
+    assert located(data / "a.jsonl", data.parent / "out").paths  # a file beside OUT is fine
+    assert located(f"{data}/*.jsonl", data / "out").paths  # so is OUT beside the files a glob names
+
+
+def test_a_missing_local_path_is_not_a_hub_id(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no data/ folder here
+    for missing in ("data/train.jsonl", "train.jsonl", "./data", "~/no-such-eagle-data", "rows.parquet",
+                    "org/rows.jsonl.gz", "a/b/c"):
+        with pytest.raises(MissingInput, match=r"does not exist \(no such file or folder\)"):
+            located(missing)
+    for hub_id in ("mlabonne/open-perfectblend", "teknium/OpenHermes-2.5", "squad"):
+        assert located(hub_id).kind == "hub"

@@ -14,20 +14,23 @@ jsonl (plain or .gz), parquet, a `.json` file holding one JSON array of records,
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import gzip
 import hashlib
 import json
 import logging
 import os
+import stat
 from dataclasses import dataclass
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import ray
 
 from eagle_data.config import SourceConfig
 from eagle_data.model_files import is_hub_id
-from eagle_data.errors import MissingInput, UnsupportedDataset
+from eagle_data.errors import EagleDataError, MissingInput, UnsupportedDataset
 from eagle_data.job.stages.columns import Stage, columns
 
 log = logging.getLogger("eagle_data")
@@ -43,41 +46,56 @@ RAW_SCHEMA = pa.schema([("row_id", pa.string()), ("source", pa.string()), ("raw"
 @dataclass(frozen=True)
 class Layout:
     """Where the rows are: `hub` (paths empty), `files` (jsonl/json/parquet files) or
-    `saved` (one datasets.save_to_disk folder, its split or None for a plain Dataset)."""
+    `saved` (one datasets.save_to_disk folder, its split or None for a plain Dataset).
+    `folders`: the real paths of the folders read whole (OUT may not be inside one)."""
 
     kind: str
     paths: tuple[str, ...] = ()
     split: str | None = None
+    folders: tuple[str, ...] = ()
 
 
-def locate(cfg: SourceConfig) -> Layout:
-    """The dataset's layout, checked: a local path exists and holds only supported files
-    (hidden files and *.md docs in a folder are ignored), else an error naming the file."""
+# Suffixes that make a missing source.dataset a local path, not a hub id (hub ids such as
+# `teknium/OpenHermes-2.5` may hold a dot, so not any suffix counts).
+LOCAL_SUFFIXES = JSON_SUFFIXES + PARQUET_SUFFIXES + (
+    ".gz", ".arrow", ".csv", ".tsv", ".txt", ".zip", ".bz2", ".xz", ".zst", ".tar", ".pq")
+
+
+def locate(cfg: SourceConfig, out: str | None = None) -> Layout:
+    """The dataset's layout, checked: a local path exists and holds only supported regular
+    files (hidden files and *.md docs in a folder are ignored), each once, else an error
+    naming the file. `out`: OUT's local path; a dataset and OUT may not contain each other."""
     dataset = cfg.dataset
-    if glob.has_magic(dataset):
-        matched = sorted(glob.glob(dataset, recursive=True))
+    path = os.path.expanduser(dataset)
+    folders: list[str] = []
+    if os.path.lexists(path):  # an existing path is that path, even with glob characters in it
+        if os.path.isdir(path):
+            saved = _saved_layout(path, cfg.split)
+            if saved is not None:
+                _check_apart(dataset, (), saved.paths, out)
+                return saved
+            files = _folder_files(dataset, path, folders)
+        else:
+            files = [path]
+    elif glob.has_magic(dataset):
+        matched = _glob(path)
         if not matched:
             raise MissingInput(f"source.dataset {dataset!r} matches no files")
         files = []
-        for path in matched:
-            files += _folder_files(dataset, path) if os.path.isdir(path) else (
-                [] if _ignored(path) else [path])
-    elif os.path.isdir(dataset):
-        saved = _saved_layout(dataset, cfg.split)
-        if saved is not None:
-            return saved
-        files = _folder_files(dataset, dataset)
-    elif os.path.isfile(dataset):
-        files = [dataset]
-    elif not is_hub_id(dataset):  # a local path (./x, /x, a/b/c, or under a local folder)
-        raise MissingInput(f"source.dataset {dataset!r} does not exist")
-    else:
+        for match in matched:
+            files += _folder_files(dataset, match, folders) if os.path.isdir(match) else (
+                [] if _ignored(match) else [match])
+    elif is_hub_id(dataset) and not dataset.lower().endswith(LOCAL_SUFFIXES):
         return Layout("hub")
+    else:  # ./x, /x, ~/x, a/b/c, x.jsonl, or under a local folder
+        raise MissingInput(f"source.dataset {dataset!r} does not exist (no such file or folder)")
+    files = _unique(files)
+    _check_apart(dataset, files, folders, out)
     if not files:
         raise MissingInput(f"source.dataset {dataset!r} holds no data files ({SUPPORTED})")
-    for path in files:
-        _check_file(dataset, path)
-    return Layout("files", tuple(os.path.abspath(f) for f in files))
+    for file in files:
+        _check_file(dataset, file)
+    return Layout("files", tuple(files), folders=tuple(dict.fromkeys(folders)))
 
 
 def _ignored(path: str) -> bool:
@@ -86,29 +104,143 @@ def _ignored(path: str) -> bool:
     return name.startswith(".") or name.lower().endswith(".md")
 
 
-def _folder_files(dataset: str, folder: str) -> list[str]:
+def _walk(folder: str):
+    """os.walk following symlinked folders, each real folder once (a link back up the tree
+    is not a loop), hidden folders (.git, .cache, ...) left out, in sorted order."""
+    seen = set()
+    for root, dirs, names in os.walk(folder, followlinks=True):
+        st = os.stat(root)
+        if (st.st_dev, st.st_ino) in seen:  # reached again through a symlink
+            dirs[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        yield root, dirs, sorted(names)
+
+
+def _folder_files(dataset: str, folder: str, folders: list[str]) -> list[str]:
+    """The files under `folder`; the real path of every folder walked is added to `folders`."""
     files = []
-    for root, dirs, names in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # .git, .cache, ...
+    for root, _, names in _walk(folder):
+        folders.append(os.path.realpath(root))
         if _is_saved(root):  # (a dataset folder that is one itself never gets here)
             raise UnsupportedDataset(
                 f"source.dataset {dataset!r}: {root} is a datasets.save_to_disk folder; "
                 "set source.dataset to that folder itself")
-        files += [os.path.join(root, n) for n in sorted(names) if not _ignored(n)]
+        files += [os.path.join(root, n) for n in names if not _ignored(n)]
     return files
 
 
-def _check_file(dataset: str, path: str) -> None:
-    lower = path.lower()
-    if lower.endswith(JSON_SUFFIXES + PARQUET_SUFFIXES):
+def _glob(pattern: str) -> list[str]:
+    """The paths a glob matches, sorted. Python's `**` follows symlinked folders without
+    end (a link back up the tree: 40 levels deep, then ELOOP), so a pattern with `**` is
+    matched on _walk's tree instead; a matched folder is read whole, below it nothing
+    more is matched."""
+    parts = pattern.split(os.sep)
+    if "**" not in parts:
+        return sorted(glob.glob(pattern))
+    fixed = next(i for i, part in enumerate(parts) if glob.has_magic(part))
+    top, rest = os.sep.join(parts[:fixed]) or (os.sep if pattern.startswith(os.sep) else "."), parts[fixed:]
+    matched = []
+    if not os.path.isdir(top):
+        return matched
+    for root, dirs, names in _walk(top):
+        rel = [] if root == top else os.path.relpath(root, top).split(os.sep)
+        if _matches(rel, rest):
+            matched.append(root)
+            dirs[:] = []
+            continue
+        matched += [os.path.join(root, n) for n in names if _matches(rel + [n], rest)]
+    return matched
+
+
+def _matches(names: list[str], pattern: list[str]) -> bool:
+    """Glob's rules per path component: `**` is any number of them; a wildcard does not
+    match a hidden name."""
+    if not pattern:
+        return not names
+    if pattern[0] == "**":
+        return any(_matches(names[i:], pattern[1:]) for i in range(len(names) + 1))
+    if not names or (names[0].startswith(".") and not pattern[0].startswith(".")):
+        return False
+    return fnmatch.fnmatchcase(names[0], pattern[0]) and _matches(names[1:], pattern[1:])
+
+
+def _unique(files: list[str]) -> list[str]:
+    """Each file once, however many spellings (a glob's `**` and the folder it expands, a
+    symlink) reach it: the first path found for each real file, absolute. A dangling link
+    is kept (by its own path) for _check_file to name."""
+    unique, seen = [], set()
+    for file in files:
+        try:
+            st = os.stat(file)
+            key = (st.st_dev, st.st_ino)
+        except OSError:
+            key = os.path.abspath(file)
+        if key not in seen:
+            seen.add(key)
+            unique.append(os.path.abspath(file))
+    return unique
+
+
+def _inside(path: str, folder: str) -> bool:
+    return os.path.commonpath([path, folder]) == folder
+
+
+def _check_apart(dataset: str, files, folders, out: str | None) -> None:
+    """A dataset inside OUT would be deleted by --fresh or read back as output; an OUT
+    inside a dataset folder would be read as dataset files on the next run."""
+    if out is None:
         return
-    if lower.endswith(".arrow"):
-        hint = "read a datasets.save_to_disk folder by naming the folder itself"
-    else:
-        hint = f"supported: {SUPPORTED}"
-    named = "" if os.path.abspath(path) == os.path.abspath(dataset) else f"{dataset!r}: "
-    raise UnsupportedDataset(f"source.dataset {named}{path}: unsupported file type "
-                             f"{os.path.splitext(path)[1] or '(no suffix)'!r}; {hint}")
+    out = os.path.realpath(out)
+    for path in [*files, *folders]:
+        real = os.path.realpath(path)
+        if _inside(real, out):
+            raise EagleDataError(f"source.dataset {path} is inside output.path {out}: "
+                                 "keep the dataset outside OUT")
+    for folder in folders:
+        if _inside(out, folder):
+            raise EagleDataError(f"output.path {out} is inside the dataset folder {folder} "
+                                 f"(source.dataset {dataset!r}): keep OUT outside the dataset")
+
+
+def _check_file(dataset: str, path: str) -> None:
+    """A regular, readable file of a supported type (a FIFO would block the read, a
+    dangling link fail it after Ray starts); a parquet file's footer is read here."""
+    named = "" if os.path.abspath(path) == os.path.abspath(os.path.expanduser(dataset)) else f"{dataset!r}: "
+    where = f"source.dataset {named}{path}"
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        if os.path.islink(path):
+            raise MissingInput(f"{where} is a dangling symlink (to {os.readlink(path)!r})") from None
+        raise MissingInput(f"{where} cannot be read ({e.strerror})") from None
+    if not stat.S_ISREG(mode):
+        raise UnsupportedDataset(f"{where} is a {_kind(mode)}, not a regular file")
+    lower = path.lower()
+    if not lower.endswith(JSON_SUFFIXES + PARQUET_SUFFIXES):
+        if lower.endswith(".arrow"):
+            hint = "read a datasets.save_to_disk folder by naming the folder itself"
+        else:
+            hint = f"supported: {SUPPORTED}"
+        raise UnsupportedDataset(f"{where}: unsupported file type "
+                                 f"{os.path.splitext(path)[1] or '(no suffix)'!r}; {hint}")
+    try:
+        if lower.endswith(PARQUET_SUFFIXES):
+            pq.read_metadata(path)
+        else:
+            open(path, "rb").close()
+    except (OSError, pa.ArrowException) as e:
+        raise UnsupportedDataset(f"{where} cannot be read: {e}") from None
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "FIFO (named pipe)"), (stat.S_ISSOCK, "socket"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+                       (stat.S_ISDIR, "folder")):
+        if test(mode):
+            return name
+    return "special file"
 
 
 def _is_saved(folder: str) -> bool:
