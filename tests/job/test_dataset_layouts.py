@@ -368,3 +368,87 @@ def test_a_missing_local_path_is_not_a_hub_id(tmp_path, monkeypatch):
             located(missing)
     for hub_id in ("mlabonne/open-perfectblend", "teknium/OpenHermes-2.5", "squad"):
         assert located(hub_id).kind == "hub"
+
+
+# --- a damaged file: the rows before the damage, and one bad_file row naming it -------------
+
+def rows_text(n):
+    """n distinct jsonl lines that compress poorly (so a cut file still holds whole lines)."""
+    rng = random.Random(3)
+    return [json.dumps(sharegpt(f"q{i} " + "".join(rng.choice("abcdefghij ") for _ in range(300)), "gz"))
+            for i in range(n)]
+
+
+def test_a_truncated_or_corrupt_gzip_keeps_every_line_before_the_damage(tmp_path):
+    from eagle_data.job.stages.source import file_rows
+
+    lines = rows_text(40)
+    whole = gzip.compress("\n".join(lines).encode() + b"\n")
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(whole[:len(whole) // 2])
+    *kept, broken = file_rows(str(cut))
+    assert 5 < len(kept) < 40 and [r[2] for r in kept] == lines[:len(kept)]  # complete lines, in order
+    assert broken[3] == f"{cut}:{len(kept) + 1}"  # origin: the line the cut went through
+    assert broken[4].startswith(f"bad_file: truncated gzip file: the compressed stream ends after {len(whole) // 2} "
+                                f"bytes, before its end marker; the {len(kept)} rows before line {len(kept) + 1} are kept")
+    assert lines[len(kept)].startswith(broken[2])  # the cut line's beginning, as its raw text
+
+    corrupt = tmp_path / "corrupt.jsonl.gz"
+    damaged = bytearray(whole)
+    damaged[len(whole) // 2:len(whole) // 2 + 64] = bytes(64)  # zeroed bytes inside a deflate block
+    corrupt.write_bytes(bytes(damaged))
+    *kept, broken = file_rows(str(corrupt))
+    assert [r[2] for r in kept] == lines[:len(kept)] and broken[4].startswith("bad_file: ")
+    assert broken[3] == f"{corrupt}:{len(kept) + 1}"
+
+    # Two gzip members one after the other (cat a.gz b.gz) are one file, nothing broken.
+    members = tmp_path / "members.jsonl.gz"
+    members.write_bytes(gzip.compress("\n".join(lines[:3]).encode() + b"\n") + gzip.compress(lines[3].encode()))
+    assert [r[2] for r in file_rows(str(members))] == lines[:4]
+
+
+def test_a_damaged_parquet_row_group_keeps_the_groups_before_it(tmp_path):
+    from eagle_data.job.stages.source import file_rows
+
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.Table.from_pylist(good_rows(10)), path, row_group_size=5, compression="none")
+    chunk = pq.read_metadata(path).row_group(1).column(0)
+    data = bytearray(path.read_bytes())
+    data[chunk.data_page_offset:chunk.data_page_offset + 16] = b"\xff" * 16  # the page header
+    path.write_bytes(bytes(data))
+    *kept, broken = file_rows(str(path))
+    assert len(kept) == 5 and broken[3] == str(path)
+    assert broken[4].startswith("bad_file: row group 1 cannot be read (") and broken[4].endswith(
+        "the 5 rows before it are kept")
+
+
+def test_parquet_files_with_different_string_types_are_read_each_on_its_own(ray_local, tmp_path):
+    from support import read_layout
+    from eagle_data.config import SourceConfig
+
+    folder = tmp_path / "pq"
+    folder.mkdir()
+    rows = good_rows(6)
+    plain = pa.Table.from_pylist(rows)
+    source = plain.schema.get_field_index("source")
+    for name, kind in (("a", pa.string()), ("b", pa.dictionary(pa.int32(), pa.string())), ("c", pa.large_string())):
+        table = plain.set_column(source, "source", plain.column("source").cast(kind))
+        pq.write_table(table, folder / f"{name}.parquet")
+    assert pq.read_schema(folder / "b.parquet").field("source").type != pa.string()  # (not unified on write)
+    read = read_layout(SourceConfig(), str(folder), None).take_all()
+    assert len(read) == 18 and all(r["read_error"] == "" for r in read)
+    assert sorted(r["source"] for r in read) == sorted([r["source"] for r in rows] * 3)
+
+
+@pytest.mark.slow
+def test_a_truncated_gzip_in_the_job_keeps_the_rows_before_the_cut_and_names_the_file(
+        ray_local, tmp_path, qwen3_tokenizer_dir):
+    lines = rows_text(40)
+    whole = gzip.compress("\n".join(lines).encode() + b"\n")
+    path = tmp_path / "rows.jsonl.gz"
+    path.write_bytes(whole[:len(whole) // 2])
+    counts, prompts, [s] = prompts_run(tmp_path, qwen3_tokenizer_dir, path)
+    assert counts["prompts"] == len(prompts) > 5 and counts["skipped_by_reason"] == {"bad_file": 1}
+    assert s["detail"].startswith(f"{path}:{len(prompts) + 1}: truncated gzip file"), s["detail"]
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["phases"]["prompts"]["status"] == "complete"

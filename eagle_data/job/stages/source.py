@@ -1,11 +1,13 @@
 """Reading the chat dataset (the sample is picked in job/stages/sample.py).
 
 Every row becomes `row_id` (hash of its content), `source`, `raw` (the row as JSON text),
-`origin` ("FILE:LINE" for jsonl and JSON array files, "" otherwise) and `encoding_error`
-("" or why the line is not valid UTF-8). Keeping the row as text until the prompts stage
-parses it means a malformed row (wrong types, missing keys, a line that is not JSON or not
-UTF-8) cannot break Arrow's schema inference or crash a reader: it reaches the prompts
-stage and is skipped there with a reason that names its file and line.
+`origin` ("FILE:LINE" for jsonl and JSON array files, "" otherwise) and `read_error`
+("" or `REASON: why`: `bad_encoding`, a line that is not valid UTF-8, or `bad_file`, the
+part of a damaged file from where it cannot be read on). Keeping the row as text until the
+prompts stage parses it means a malformed row (wrong types, missing keys, a line that is
+not JSON or not UTF-8) cannot break Arrow's schema inference or crash a reader: it reaches
+the prompts stage and is skipped there with a reason that names its file and line. Each
+file is read on its own (no schema shared between files).
 
 Supported layouts (`locate` checks them before Ray starts and refuses anything else):
 jsonl (plain or .gz), parquet, a `.json` file holding one JSON array of records, a
@@ -16,12 +18,12 @@ from __future__ import annotations
 
 import fnmatch
 import glob
-import gzip
 import hashlib
 import json
 import logging
 import os
 import stat
+import zlib
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -40,7 +42,7 @@ PARQUET_SUFFIXES = (".parquet",)
 SUPPORTED = ("jsonl (or .jsonl.gz), parquet, a .json array of records, a datasets.save_to_disk "
              "folder, or a hub dataset id")
 RAW_SCHEMA = pa.schema([("row_id", pa.string()), ("source", pa.string()), ("raw", pa.string()),
-                        ("origin", pa.string()), ("encoding_error", pa.string())])
+                        ("origin", pa.string()), ("read_error", pa.string())])
 
 
 @dataclass(frozen=True)
@@ -288,17 +290,12 @@ def read_source(cfg: SourceConfig) -> ray.data.Dataset:
         # asking the hub whether the dataset's name is a public dataset (a network round
         # trip, or retries when there is no network, for a folder on disk).
         return ray.data.from_arrow(hf.with_format("arrow")[:]).map_batches(TableToRaw(), batch_format="pyarrow")
-    parquet = [f for f in layout.paths if f.lower().endswith(PARQUET_SUFFIXES)]
-    json_files = [f for f in layout.paths if f.lower().endswith(JSON_SUFFIXES)]
-    parts = []
-    if parquet:
-        parts.append(ray.data.read_parquet(parquet).map_batches(TableToRaw(), batch_format="pyarrow"))
-    if json_files:
-        # Bytes, not ray.data.read_text: one line that is not UTF-8 must become a skipped
-        # row naming its file and line, not a UnicodeDecodeError that fails the read.
-        parts.append(ray.data.read_binary_files(json_files, include_paths=True)
-                     .map_batches(FilesToRaw(), batch_format="pyarrow", batch_size=1))
-    return parts[0] if len(parts) == 1 else parts[0].union(*parts[1:])
+    # One read task per file, each file read on its own: no schema is unified across files
+    # (a `source` column that is string in one parquet file and dictionary in another is
+    # fine: every row becomes JSON text), and a file damaged part way through keeps the rows
+    # before the damage and gives one bad_file row naming it, instead of a failed Ray task.
+    return (ray.data.from_items([{"path": p} for p in layout.paths], override_num_blocks=len(layout.paths))
+            .map_batches(FilesToRaw(), batch_format="pyarrow", batch_size=1))
 
 
 def _row_id(raw: str) -> str:
@@ -334,33 +331,96 @@ class TableToRaw(Stage):
     makes = RAW
 
     def apply(self, table: pa.Table) -> pa.Table:
-        rows = []
-        for row in table.to_pylist():
-            raw = _json_text(row)
-            rows.append((_row_id(raw), _source_of(row), raw, "", ""))
-        return _raw_table(rows)
+        return _raw_table(table_rows(table))
+
+
+def table_rows(table: pa.Table) -> list[tuple]:
+    rows = []
+    for row in table.to_pylist():
+        raw = _json_text(row)
+        rows.append((_row_id(raw), _source_of(row), raw, "", ""))
+    return rows
 
 
 class FilesToRaw(Stage):
-    """jsonl / JSON array files (one per row: path, bytes) -> raw rows."""
+    """Dataset files (jsonl, JSON array, parquet; one path per row) -> raw rows."""
 
-    reads = columns("path", "bytes")
+    reads = columns("path")
     makes = RAW
 
     def apply(self, batch: pa.Table) -> pa.Table:
-        return files_to_raw(batch)
+        return _raw_table([row for path in batch.column("path").to_pylist() for row in file_rows(path)])
 
 
-def files_to_raw(batch: pa.Table) -> pa.Table:
-    rows = []
-    for path, data in zip(batch.column("path").to_pylist(), batch.column("bytes").to_pylist()):
-        if data[:2] == b"\x1f\x8b":  # still gzip-compressed (Ray decompresses by suffix)
-            data = gzip.decompress(data)
-        if data[:3] == b"\xef\xbb\xbf":  # a UTF-8 byte order mark
-            data = data[3:]
-        is_array = path.lower().endswith((".json", ".json.gz")) and data.lstrip()[:1] == b"["
-        rows += array_rows(path, data) if is_array else line_rows(path, data)
-    return _raw_table(rows)
+def file_rows(path: str) -> list[tuple]:
+    """A file's raw rows; where the file cannot be read on, the rows before and one
+    bad_file row that names the file and where it broke."""
+    if path.lower().endswith(PARQUET_SUFFIXES):
+        return parquet_rows(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        return [bad_file_row(path, f"cannot be read ({e.strerror or e})")]
+    broken = ""
+    if data[:2] == b"\x1f\x8b":  # gzip-compressed, whatever the suffix
+        data, broken = gunzip(data)
+    if data[:3] == b"\xef\xbb\xbf":  # a UTF-8 byte order mark
+        data = data[3:]
+    is_array = path.lower().endswith((".json", ".json.gz")) and data.lstrip()[:1] == b"["
+    if not broken:
+        return array_rows(path, data) if is_array else line_rows(path, data)
+    if is_array:  # the records before the cut, then a bad_json row for the rest
+        return array_rows(path, data) + [bad_file_row(path, broken)]
+    complete = data[:data.rfind(b"\n") + 1]  # a line the cut went through is not a row
+    line = complete.count(b"\n") + 1
+    rows = line_rows(path, complete)
+    return rows + [bad_file_row(f"{path}:{line}", f"{broken}; the {len(rows)} rows before line {line} are kept",
+                                data[len(complete):])]
+
+
+def gunzip(data: bytes) -> tuple[bytes, str]:
+    """(the text, "" or why the compressed stream stops early). Decompressed a chunk at a
+    time so that a cut or corrupt stream keeps the text before the damage; several gzip
+    members one after the other (as `cat a.gz b.gz` makes) are one text."""
+    out, pos, chunk = [], 0, 1 << 20
+    while pos < len(data):
+        d = zlib.decompressobj(wbits=31)
+        while not d.eof and pos < len(data):
+            piece = data[pos:pos + chunk]
+            try:
+                out.append(d.decompress(piece))
+            except zlib.error as e:
+                return b"".join(out), f"corrupt gzip data ({e}) after {pos} compressed bytes"
+            pos += len(piece)
+        if not d.eof:
+            return b"".join(out), (f"truncated gzip file: the compressed stream ends after {len(data)} bytes, "
+                                   "before its end marker")
+        pos -= len(d.unused_data)  # the next member (or trailing bytes) starts here
+        if not data[pos:].strip(b"\x00"):  # trailing zero padding (tape, some writers)
+            break
+    return b"".join(out), ""
+
+
+def parquet_rows(path: str) -> list[tuple]:
+    """A parquet file's rows, one row group at a time, with the file's own schema."""
+    rows, group = [], 0
+    try:
+        parquet = pq.ParquetFile(path)
+        for group in range(parquet.num_row_groups):
+            rows += table_rows(parquet.read_row_group(group))
+    except (OSError, pa.ArrowException) as e:
+        rows.append(bad_file_row(path, f"row group {group} cannot be read ({e}); "
+                                       f"the {len(rows)} rows before it are kept"))
+    return rows
+
+
+def bad_file_row(origin: str, why: str, tail: bytes = b"") -> tuple:
+    """One skipped row for the part of a file that cannot be read; `tail`: the bytes of the
+    line that was cut, as the row's raw text."""
+    raw = tail.decode("utf-8", errors="backslashreplace")
+    log.warning("%s: %s", origin, why)
+    return (_row_id(f"{origin}\n{raw}"), "", raw, origin, f"bad_file: {why}")
 
 
 def line_rows(path: str, data: bytes) -> list[tuple]:
@@ -372,7 +432,7 @@ def line_rows(path: str, data: bytes) -> list[tuple]:
             text, error = line.decode("utf-8").strip(), ""
         except UnicodeDecodeError as e:
             text = line.decode("utf-8", errors="backslashreplace").strip()
-            error = f"not UTF-8: byte 0x{line[e.start]:02x} at column {e.start + 1}"
+            error = f"bad_encoding: not UTF-8: byte 0x{line[e.start]:02x} at column {e.start + 1}"
         if not text:
             continue  # blank lines are not rows
         source = ""
@@ -414,7 +474,7 @@ def array_rows(path: str, data: bytes) -> list[tuple]:
             raw, error = _json_text(record), ""
         except UnicodeEncodeError as e:
             raw = chunk.encode("utf-8", errors="surrogateescape").decode("utf-8", errors="backslashreplace")
-            error = f"not UTF-8: byte 0x{ord(chunk[e.start]) - 0xDC00:02x}"
+            error = f"bad_encoding: not UTF-8: byte 0x{ord(chunk[e.start]) - 0xDC00:02x}"
         rows.append((_row_id(raw), "" if error else _source_of(record), raw, origin, error))
         line += text.count("\n", start, end)
         pos = _skip_space(text, end)
