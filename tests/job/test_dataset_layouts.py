@@ -452,3 +452,17 @@ def test_a_truncated_gzip_in_the_job_keeps_the_rows_before_the_cut_and_names_the
     assert s["detail"].startswith(f"{path}:{len(prompts) + 1}: truncated gzip file"), s["detail"]
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["phases"]["prompts"]["status"] == "complete"
+
+
+def test_a_damaged_save_to_disk_folder_is_an_error_naming_it(tmp_path):
+    import datasets
+
+    from eagle_data.config import SourceConfig
+    from eagle_data.job.stages.source import read_source
+
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list(good_rows(40)).save_to_disk(str(saved))
+    [arrow] = saved.glob("*.arrow")
+    arrow.write_bytes(arrow.read_bytes()[:arrow.stat().st_size // 2])
+    with pytest.raises(UnsupportedDataset, match=r"the datasets.save_to_disk folder .*saved cannot be read \(OSError: "):
+        read_source(SourceConfig(dataset=str(saved)))

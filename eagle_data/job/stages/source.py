@@ -283,13 +283,18 @@ def read_source(cfg: SourceConfig) -> ray.data.Dataset:
     if layout.kind == "saved":
         import datasets
 
-        hf = datasets.load_from_disk(layout.paths[0])
-        if layout.split is not None:
-            hf = hf[layout.split]
+        try:
+            hf = datasets.load_from_disk(layout.paths[0])
+            if layout.split is not None:
+                hf = hf[layout.split]
+            table = hf.with_format("arrow")[:]
+        except (OSError, ValueError, pa.ArrowException) as e:  # a damaged or cut .arrow file
+            raise UnsupportedDataset(f"source.dataset {cfg.dataset!r}: the datasets.save_to_disk folder "
+                                     f"{layout.paths[0]} cannot be read ({type(e).__name__}: {e})") from None
         # What ray.data.from_huggingface does for a local Dataset, without its first step:
         # asking the hub whether the dataset's name is a public dataset (a network round
         # trip, or retries when there is no network, for a folder on disk).
-        return ray.data.from_arrow(hf.with_format("arrow")[:]).map_batches(TableToRaw(), batch_format="pyarrow")
+        return ray.data.from_arrow(table).map_batches(TableToRaw(), batch_format="pyarrow")
     # One read task per file, each file read on its own: no schema is unified across files
     # (a `source` column that is string in one parquet file and dictionary in another is
     # fine: every row becomes JSON text), and a file damaged part way through keeps the rows
