@@ -298,7 +298,7 @@ def test_every_spelling_of_a_folder_reads_each_file_once(tmp_path):
     data = dataset_tree(tmp_path)
     want = sorted(str(p.resolve()) for p in (data / "a.jsonl", data / "sub" / "b.jsonl",
                                              tmp_path / "elsewhere" / "c.jsonl"))
-    for spelling in (data, f"{data}/**", f"{data}/*", f"{data}/**/*.jsonl", f"{tmp_path}/*/**"):
+    for spelling in (data, f"{data}/**", f"{data}/**/", f"{data}/*", f"{data}/**/*.jsonl", f"{tmp_path}/*/**"):
         layout = located(spelling)
         assert sorted(os.path.realpath(p) for p in layout.paths) == want, spelling
         assert len(layout.paths) == len(want), spelling

@@ -48,13 +48,11 @@ RAW_SCHEMA = pa.schema([("row_id", pa.string()), ("source", pa.string()), ("raw"
 @dataclass(frozen=True)
 class Layout:
     """Where the rows are: `hub` (paths empty), `files` (jsonl/json/parquet files) or
-    `saved` (one datasets.save_to_disk folder, its split or None for a plain Dataset).
-    `folders`: the real paths of the folders read whole (OUT may not be inside one)."""
+    `saved` (one datasets.save_to_disk folder, its split or None for a plain Dataset)."""
 
     kind: str
     paths: tuple[str, ...] = ()
     split: str | None = None
-    folders: tuple[str, ...] = ()
 
 
 # Suffixes that make a missing source.dataset a local path, not a hub id (hub ids such as
@@ -69,7 +67,7 @@ def locate(cfg: SourceConfig, out: str | None = None) -> Layout:
     naming the file. `out`: OUT's local path; a dataset and OUT may not contain each other."""
     dataset = cfg.dataset
     path = os.path.expanduser(dataset)
-    folders: list[str] = []
+    folders: list[str] = []  # the folders read whole: OUT may not be inside one
     if os.path.lexists(path):  # an existing path is that path, even with glob characters in it
         if os.path.isdir(path):
             saved = _saved_layout(path, cfg.split)
@@ -97,7 +95,7 @@ def locate(cfg: SourceConfig, out: str | None = None) -> Layout:
         raise MissingInput(f"source.dataset {dataset!r} holds no data files ({SUPPORTED})")
     for file in files:
         _check_file(dataset, file)
-    return Layout("files", tuple(files), folders=tuple(dict.fromkeys(folders)))
+    return Layout("files", tuple(files))
 
 
 def _ignored(path: str) -> bool:
@@ -121,10 +119,10 @@ def _walk(folder: str):
 
 
 def _folder_files(dataset: str, folder: str, folders: list[str]) -> list[str]:
-    """The files under `folder`; the real path of every folder walked is added to `folders`."""
+    """The files under `folder`; every folder walked is added to `folders`."""
     files = []
     for root, _, names in _walk(folder):
-        folders.append(os.path.realpath(root))
+        folders.append(root)
         if _is_saved(root):  # (a dataset folder that is one itself never gets here)
             raise UnsupportedDataset(
                 f"source.dataset {dataset!r}: {root} is a datasets.save_to_disk folder; "
@@ -134,15 +132,16 @@ def _folder_files(dataset: str, folder: str, folders: list[str]) -> list[str]:
 
 
 def _glob(pattern: str) -> list[str]:
-    """The paths a glob matches, sorted. Python's `**` follows symlinked folders without
+    """The paths a glob matches. Python's `**` follows symlinked folders without
     end (a link back up the tree: 40 levels deep, then ELOOP), so a pattern with `**` is
     matched on _walk's tree instead; a matched folder is read whole, below it nothing
     more is matched."""
-    parts = pattern.split(os.sep)
+    parts = pattern.rstrip(os.sep).split(os.sep)  # (`DIR/**/` matches the folders: read whole)
     if "**" not in parts:
         return sorted(glob.glob(pattern))
     fixed = next(i for i, part in enumerate(parts) if glob.has_magic(part))
-    top, rest = os.sep.join(parts[:fixed]) or (os.sep if pattern.startswith(os.sep) else "."), parts[fixed:]
+    top = os.sep.join(parts[:fixed]) or (os.sep if pattern.startswith(os.sep) else ".")
+    rest = [part for part in parts[fixed:] if part not in ("", ".")]  # a//b, a/./b
     matched = []
     if not os.path.isdir(top):
         return matched
@@ -191,16 +190,16 @@ def _inside(path: str, folder: str) -> bool:
 
 def _check_apart(dataset: str, files, folders, out: str | None) -> None:
     """A dataset inside OUT would be deleted by --fresh or read back as output; an OUT
-    inside a dataset folder would be read as dataset files on the next run."""
+    inside a dataset folder would be read as dataset files on the next run. Real paths:
+    a symlink does not hide either."""
     if out is None:
         return
     out = os.path.realpath(out)
     for path in [*files, *folders]:
-        real = os.path.realpath(path)
-        if _inside(real, out):
+        if _inside(os.path.realpath(path), out):
             raise EagleDataError(f"source.dataset {path} is inside output.path {out}: "
                                  "keep the dataset outside OUT")
-    for folder in folders:
+    for folder in dict.fromkeys(os.path.realpath(f) for f in folders):
         if _inside(out, folder):
             raise EagleDataError(f"output.path {out} is inside the dataset folder {folder} "
                                  f"(source.dataset {dataset!r}): keep OUT outside the dataset")
