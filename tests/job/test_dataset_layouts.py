@@ -344,8 +344,12 @@ def test_an_unreadable_parquet_file_is_refused_at_start_naming_it(tmp_path):
         located(folder)
 
 
-def test_out_and_a_dataset_folder_may_not_contain_each_other(tmp_path):
+def test_out_and_a_dataset_folder_may_not_contain_each_other(tmp_path, qwen3_tokenizer_dir):
     data = dataset_tree(tmp_path)
+    # Through the job: refused on the first run already, and OUT is not created.
+    with pytest.raises(EagleDataError, match=r"output.path .*data/out is inside the dataset folder .*data "):
+        run(job_config(data / "out", qwen3_tokenizer_dir, data, preset=PROMPTS), phase="prompts")
+    assert not (data / "out").exists()
     for out in (data / "out", data / "sub" / "up" / "out"):  # inside it, also through a link
         for spelling in (data, f"{data}/**"):
             with pytest.raises(EagleDataError, match=r"output.path .*/out is inside the dataset folder .*data"):

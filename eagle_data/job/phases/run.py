@@ -46,6 +46,10 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow
     hidden = phase == "hidden_states" or (phase == "all" and cfg.hidden_states.enabled)
     out = open_output(cfg.output.path)
     out.check_ours()  # before anything is written, moved or deleted there
+    # Exists, supported files only, and apart from OUT (neither inside the other): checked
+    # before check_writable creates OUT, which must not appear inside a dataset folder.
+    local_out = out.root if isinstance(out.fs, pafs.LocalFileSystem) else None
+    layout = locate(cfg.source, local_out) if phase in ("prompts", "all") else None
     out.check_writable()
     if not fresh:
         if phase != "hidden_states":
@@ -54,9 +58,6 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow
             out.manifest.check_generate_config(generate_config(cfg))
         if hidden:
             out.manifest.check_hidden_states_config(hidden_states_config(cfg))
-    # Exists, supported files only, and apart from OUT (neither inside the other).
-    local_out = out.root if isinstance(out.fs, pafs.LocalFileSystem) else None
-    layout = locate(cfg.source, local_out) if phase in ("prompts", "all") else None
     check_hub(cfg, uses_hub_dataset=layout is not None and layout.kind == "hub")
     check_model_files(cfg, need_weights=phase != "prompts")
     with lock(out):

@@ -195,14 +195,14 @@ def _check_apart(dataset: str, files, folders, out: str | None) -> None:
     if out is None:
         return
     out = os.path.realpath(out)
-    for path in [*files, *folders]:
-        if _inside(os.path.realpath(path), out):
-            raise EagleDataError(f"source.dataset {path} is inside output.path {out}: "
-                                 "keep the dataset outside OUT")
     for folder in dict.fromkeys(os.path.realpath(f) for f in folders):
         if _inside(out, folder):
             raise EagleDataError(f"output.path {out} is inside the dataset folder {folder} "
                                  f"(source.dataset {dataset!r}): keep OUT outside the dataset")
+    for path in [*files, *folders]:
+        if _inside(os.path.realpath(path), out):
+            raise EagleDataError(f"source.dataset {path} is inside output.path {out}: "
+                                 "keep the dataset outside OUT")
 
 
 def _check_file(dataset: str, path: str) -> None:
