@@ -411,19 +411,20 @@ def test_a_truncated_or_corrupt_gzip_keeps_every_line_before_the_damage(tmp_path
     assert [r[2] for r in file_rows(str(members))] == lines[:4]
 
 
-def test_a_damaged_parquet_row_group_keeps_the_groups_before_it(tmp_path):
+def test_a_damaged_parquet_row_group_is_one_bad_file_row_the_others_are_read(tmp_path):
     from eagle_data.job.stages.source import file_rows
 
     path = tmp_path / "rows.parquet"
-    pq.write_table(pa.Table.from_pylist(good_rows(10)), path, row_group_size=5, compression="none")
+    pq.write_table(pa.Table.from_pylist(good_rows(15)), path, row_group_size=5, compression="none")
     chunk = pq.read_metadata(path).row_group(1).column(0)
     data = bytearray(path.read_bytes())
     data[chunk.data_page_offset:chunk.data_page_offset + 16] = b"\xff" * 16  # the page header
     path.write_bytes(bytes(data))
-    *kept, broken = file_rows(str(path))
-    assert len(kept) == 5 and broken[3] == str(path)
+    before, [broken], after = (file_rows(str(path), group) for group in range(3))
+    assert len(before) == len(after) == 5 and all(r[4] == "" for r in before + after)
+    assert broken[3] == str(path)
     assert broken[4].startswith("bad_file: row group 1 cannot be read (") and broken[4].endswith(
-        "the 5 rows before it are kept")
+        "the file's other row groups are read")
 
 
 def test_parquet_files_with_different_string_types_are_read_each_on_its_own(ray_local, tmp_path):

@@ -28,6 +28,7 @@ MEANING = {
     "origin": "FILE:LINE of a jsonl row (for skip details)",
     "read_error": "'REASON: why' a row could not be read: bad_encoding (not UTF-8) or bad_file ('' when it could)",
     "path": "a dataset file's path",
+    "row_group": "the row group of a parquet dataset file a read task reads (0 for other files)",
     "score": "a row's seeded sample score",
     "rows": "rows of one source in a block",
     "scores": "a source's smallest sample scores in a block",

@@ -294,12 +294,24 @@ def read_source(cfg: SourceConfig) -> ray.data.Dataset:
         # asking the hub whether the dataset's name is a public dataset (a network round
         # trip, or retries when there is no network, for a folder on disk).
         return ray.data.from_arrow(table).map_batches(TableToRaw(), batch_format="pyarrow")
-    # One read task per file, each file read on its own: no schema is unified across files
-    # (a `source` column that is string in one parquet file and dictionary in another is
-    # fine: every row becomes JSON text), and a file damaged part way through keeps the rows
-    # before the damage and gives one bad_file row naming it, instead of a failed Ray task.
-    return (ray.data.from_items([{"path": p} for p in layout.paths], override_num_blocks=len(layout.paths))
+    # One read task per file (per row group of a parquet file: a task's memory stays one
+    # row group's), each read on its own: no schema is unified across files (a `source`
+    # column that is string in one parquet file and dictionary in another is fine: every
+    # row becomes JSON text), and a file damaged part way through keeps the rows before the
+    # damage and gives one bad_file row naming it, instead of a failed Ray task.
+    parts = [{"path": path, "row_group": group} for path in layout.paths for group in _row_groups(path)]
+    return (ray.data.from_items(parts, override_num_blocks=max(1, len(parts)))
             .map_batches(FilesToRaw(), batch_format="pyarrow", batch_size=1))
+
+
+def _row_groups(path: str) -> range:
+    """The parts a file is read in: its row groups (parquet), or the whole file."""
+    if not path.lower().endswith(PARQUET_SUFFIXES):
+        return range(1)
+    try:
+        return range(pq.read_metadata(path).num_row_groups)
+    except (OSError, pa.ArrowException) as e:  # (its footer was read at start: changed since)
+        raise UnsupportedDataset(f"source.dataset {path} cannot be read: {e}") from None
 
 
 def _row_id(raw: str) -> str:
@@ -347,20 +359,21 @@ def table_rows(table: pa.Table) -> list[tuple]:
 
 
 class FilesToRaw(Stage):
-    """Dataset files (jsonl, JSON array, parquet; one path per row) -> raw rows."""
+    """Dataset files (jsonl, JSON array, parquet; one file or row group per row) -> raw rows."""
 
-    reads = columns("path")
+    reads = columns("path", "row_group")
     makes = RAW
 
     def apply(self, batch: pa.Table) -> pa.Table:
-        return _raw_table([row for path in batch.column("path").to_pylist() for row in file_rows(path)])
+        parts = zip(batch.column("path").to_pylist(), batch.column("row_group").to_pylist())
+        return _raw_table([row for path, group in parts for row in file_rows(path, group)])
 
 
-def file_rows(path: str) -> list[tuple]:
-    """A file's raw rows; where the file cannot be read on, the rows before and one
-    bad_file row that names the file and where it broke."""
+def file_rows(path: str, row_group: int = 0) -> list[tuple]:
+    """A file's raw rows (a parquet file's: those of `row_group`); where the file cannot be
+    read on, the rows before and one bad_file row that names the file and where it broke."""
     if path.lower().endswith(PARQUET_SUFFIXES):
-        return parquet_rows(path)
+        return parquet_rows(path, row_group)
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -406,17 +419,13 @@ def gunzip(data: bytes) -> tuple[bytes, str]:
     return b"".join(out), ""
 
 
-def parquet_rows(path: str) -> list[tuple]:
-    """A parquet file's rows, one row group at a time, with the file's own schema."""
-    rows, group = [], 0
+def parquet_rows(path: str, group: int) -> list[tuple]:
+    """One row group's rows, with the file's own schema; a damaged group is one bad_file row."""
     try:
         parquet = pq.ParquetFile(path)
-        for group in range(parquet.num_row_groups):
-            rows += table_rows(parquet.read_row_group(group))
+        return table_rows(parquet.read_row_group(group))
     except (OSError, pa.ArrowException) as e:
-        rows.append(bad_file_row(path, f"row group {group} cannot be read ({e}); "
-                                       f"the {len(rows)} rows before it are kept"))
-    return rows
+        return [bad_file_row(path, f"row group {group} cannot be read ({e}); the file's other row groups are read")]
 
 
 def bad_file_row(origin: str, why: str, tail: bytes = b"") -> tuple:
