@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import random
 
 import pyarrow as pa
@@ -13,7 +14,7 @@ import pytest
 import yaml
 
 from support import attached, job_cli, job_config, job_settings, read, sharegpt, write_jsonl
-from eagle_data.errors import EmptyResult, MissingInput, UnsupportedDataset
+from eagle_data.errors import EagleDataError, EmptyResult, MissingInput, UnsupportedDataset
 from eagle_data.job.phases.run import run
 
 PROMPTS = dict(sampling__max_tokens=256, output__rows_per_shard=16)  # the model: a tokenizer folder
@@ -266,3 +267,207 @@ def test_the_entry_point_exits_3_on_zero_prompts(ray_local, tmp_path, qwen3_toke
     allowed = job_cli(config, "--phase", "prompts", "--allow-empty", env=attached(ray_local))
     assert allowed.returncode == 0, allowed.stderr[-2000:]
     assert "0 prompts" in allowed.stdout
+
+
+# --- every file once, whatever the spelling (locate, before Ray starts) ----------------------
+
+def located(dataset, out=None, **source):
+    from eagle_data.config import SourceConfig
+    from eagle_data.job.stages.source import locate
+
+    cfg = SourceConfig(dataset=str(dataset), **source)
+    return locate(cfg) if out is None else locate(cfg, str(out))
+
+
+def dataset_tree(tmp_path):
+    """data/a.jsonl, data/sub/b.jsonl, a symlinked folder data/linked -> ../elsewhere
+    (c.jsonl), a link back up the tree (data/sub/up -> ..) and a file reached twice
+    (data/again.jsonl -> a.jsonl)."""
+    data = tmp_path / "data"
+    (data / "sub").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    for path in (data / "a.jsonl", data / "sub" / "b.jsonl", tmp_path / "elsewhere" / "c.jsonl"):
+        write_jsonl(path, good_rows(2, path.stem))
+    (data / "linked").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (data / "sub" / "up").symlink_to("..", target_is_directory=True)
+    (data / "again.jsonl").symlink_to("a.jsonl")
+    return data
+
+
+def test_every_spelling_of_a_folder_reads_each_file_once(tmp_path):
+    data = dataset_tree(tmp_path)
+    want = sorted(str(p.resolve()) for p in (data / "a.jsonl", data / "sub" / "b.jsonl",
+                                             tmp_path / "elsewhere" / "c.jsonl"))
+    for spelling in (data, f"{data}/**", f"{data}/**/", f"{data}/*", f"{data}/**/*.jsonl", f"{tmp_path}/*/**"):
+        layout = located(spelling)
+        assert sorted(os.path.realpath(p) for p in layout.paths) == want, spelling
+        assert len(layout.paths) == len(want), spelling
+
+
+def test_a_file_name_with_glob_characters_is_that_file(tmp_path):
+    write_jsonl(tmp_path / "train[1].jsonl", good_rows(1))
+    write_jsonl(tmp_path / "train1.jsonl", good_rows(2))
+    assert located(tmp_path / "train[1].jsonl").paths == (str(tmp_path / "train[1].jsonl"),)
+    (tmp_path / "train1.jsonl").unlink()
+    assert located(tmp_path / "train[1].jsonl").paths == (str(tmp_path / "train[1].jsonl"),)
+    (tmp_path / "run[7]").mkdir()  # a folder too
+    write_jsonl(tmp_path / "run[7]" / "rows.jsonl", good_rows(1))
+    assert located(tmp_path / "run[7]").paths == (str(tmp_path / "run[7]" / "rows.jsonl"),)
+
+
+def test_dangling_links_and_special_files_are_refused_at_start_naming_them(tmp_path, qwen3_tokenizer_dir):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_jsonl(folder / "ok.jsonl", good_rows(2))
+    (folder / "gone.jsonl").symlink_to(tmp_path / "deleted.jsonl")
+    with pytest.raises(MissingInput, match=r"data/gone\.jsonl is a dangling symlink \(to '.*deleted\.jsonl'\)"):
+        located(folder)
+    (folder / "gone.jsonl").unlink()
+    os.mkfifo(folder / "pipe.jsonl")
+    with pytest.raises(UnsupportedDataset, match=r"data/pipe\.jsonl is a FIFO \(named pipe\), not a regular file"):
+        located(folder)
+    with pytest.raises(UnsupportedDataset, match=r"pipe\.jsonl is a FIFO"):
+        located(f"{folder}/*.jsonl")
+    # Through the job: refused before the manifest records a run (and before Ray starts).
+    out = tmp_path / "out"
+    with pytest.raises(UnsupportedDataset, match=r"pipe\.jsonl is a FIFO"):
+        run(job_config(out, qwen3_tokenizer_dir, folder, preset=PROMPTS), phase="prompts")
+    assert not (out / "manifest.json").exists()
+
+
+def test_an_unreadable_parquet_file_is_refused_at_start_naming_it(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    pq.write_table(pa.Table.from_pylist(good_rows(3)), folder / "a.parquet")
+    (folder / "b.parquet").write_bytes((folder / "a.parquet").read_bytes()[:-20])  # footer cut off
+    with pytest.raises(UnsupportedDataset, match=r"data/b\.parquet cannot be read: "):
+        located(folder)
+
+
+def test_out_and_a_dataset_folder_may_not_contain_each_other(tmp_path, qwen3_tokenizer_dir):
+    data = dataset_tree(tmp_path)
+    # Through the job: refused on the first run already, and OUT is not created.
+    with pytest.raises(EagleDataError, match=r"output.path .*data/out is inside the dataset folder .*data "):
+        run(job_config(data / "out", qwen3_tokenizer_dir, data, preset=PROMPTS), phase="prompts")
+    assert not (data / "out").exists()
+    for out in (data / "out", data / "sub" / "up" / "out"):  # inside it, also through a link
+        for spelling in (data, f"{data}/**"):
+            with pytest.raises(EagleDataError, match=r"output.path .*/out is inside the dataset folder .*data"):
+                located(spelling, out)
+    with pytest.raises(EagleDataError, match=r"output.path .* is inside the dataset folder .*elsewhere"):
+        located(data, tmp_path / "elsewhere" / "out")  # inside a folder a symlink leads to
+    with pytest.raises(EagleDataError, match=r"source.dataset .*a\.jsonl is inside output.path .*data"):
+        located(data / "a.jsonl", data)  # the dataset inside OUT
+    with pytest.raises(EagleDataError, match=r"is inside output.path"):
+        located(data, tmp_path)
+    assert located(data / "a.jsonl", data.parent / "out").paths  # a file beside OUT is fine
+    assert located(f"{data}/*.jsonl", data / "out").paths  # so is OUT beside the files a glob names
+
+
+def test_a_missing_local_path_is_not_a_hub_id(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no data/ folder here
+    for missing in ("data/train.jsonl", "train.jsonl", "./data", "~/no-such-eagle-data", "rows.parquet",
+                    "org/rows.jsonl.gz", "a/b/c"):
+        with pytest.raises(MissingInput, match=r"does not exist \(no such file or folder\)"):
+            located(missing)
+    for hub_id in ("mlabonne/open-perfectblend", "teknium/OpenHermes-2.5", "squad"):
+        assert located(hub_id).kind == "hub"
+
+
+# --- a damaged file: the rows before the damage, and one bad_file row naming it -------------
+
+def rows_text(n):
+    """n distinct jsonl lines that compress poorly (so a cut file still holds whole lines)."""
+    rng = random.Random(3)
+    return [json.dumps(sharegpt(f"q{i} " + "".join(rng.choice("abcdefghij ") for _ in range(300)), "gz"))
+            for i in range(n)]
+
+
+def test_a_truncated_or_corrupt_gzip_keeps_every_line_before_the_damage(tmp_path):
+    from eagle_data.job.stages.source import file_rows
+
+    lines = rows_text(40)
+    whole = gzip.compress("\n".join(lines).encode() + b"\n")
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(whole[:len(whole) // 2])
+    *kept, broken = file_rows(str(cut))
+    assert 5 < len(kept) < 40 and [r[2] for r in kept] == lines[:len(kept)]  # complete lines, in order
+    assert broken[3] == f"{cut}:{len(kept) + 1}"  # origin: the line the cut went through
+    assert broken[4].startswith(f"bad_file: truncated gzip file: the compressed stream ends after {len(whole) // 2} "
+                                f"bytes, before its end marker; the {len(kept)} rows before line {len(kept) + 1} are kept")
+    assert lines[len(kept)].startswith(broken[2])  # the cut line's beginning, as its raw text
+
+    corrupt = tmp_path / "corrupt.jsonl.gz"
+    damaged = bytearray(whole)
+    damaged[len(whole) // 2:len(whole) // 2 + 64] = bytes(64)  # zeroed bytes inside a deflate block
+    corrupt.write_bytes(bytes(damaged))
+    *kept, broken = file_rows(str(corrupt))
+    assert [r[2] for r in kept] == lines[:len(kept)] and broken[4].startswith("bad_file: ")
+    assert broken[3] == f"{corrupt}:{len(kept) + 1}"
+
+    # Two gzip members one after the other (cat a.gz b.gz) are one file, nothing broken.
+    members = tmp_path / "members.jsonl.gz"
+    members.write_bytes(gzip.compress("\n".join(lines[:3]).encode() + b"\n") + gzip.compress(lines[3].encode()))
+    assert [r[2] for r in file_rows(str(members))] == lines[:4]
+
+
+def test_a_damaged_parquet_row_group_is_one_bad_file_row_the_others_are_read(tmp_path):
+    from eagle_data.job.stages.source import file_rows
+
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.Table.from_pylist(good_rows(15)), path, row_group_size=5, compression="none")
+    chunk = pq.read_metadata(path).row_group(1).column(0)
+    data = bytearray(path.read_bytes())
+    data[chunk.data_page_offset:chunk.data_page_offset + 16] = b"\xff" * 16  # the page header
+    path.write_bytes(bytes(data))
+    before, [broken], after = (file_rows(str(path), group) for group in range(3))
+    assert len(before) == len(after) == 5 and all(r[4] == "" for r in before + after)
+    assert broken[3] == str(path)
+    assert broken[4].startswith("bad_file: row group 1 cannot be read (") and broken[4].endswith(
+        "the file's other row groups are read")
+
+
+def test_parquet_files_with_different_string_types_are_read_each_on_its_own(ray_local, tmp_path):
+    from support import read_layout
+    from eagle_data.config import SourceConfig
+
+    folder = tmp_path / "pq"
+    folder.mkdir()
+    rows = good_rows(6)
+    plain = pa.Table.from_pylist(rows)
+    source = plain.schema.get_field_index("source")
+    for name, kind in (("a", pa.string()), ("b", pa.dictionary(pa.int32(), pa.string())), ("c", pa.large_string())):
+        table = plain.set_column(source, "source", plain.column("source").cast(kind))
+        pq.write_table(table, folder / f"{name}.parquet")
+    assert pq.read_schema(folder / "b.parquet").field("source").type != pa.string()  # (not unified on write)
+    read = read_layout(SourceConfig(), str(folder), None).take_all()
+    assert len(read) == 18 and all(r["read_error"] == "" for r in read)
+    assert sorted(r["source"] for r in read) == sorted([r["source"] for r in rows] * 3)
+
+
+@pytest.mark.slow
+def test_a_truncated_gzip_in_the_job_keeps_the_rows_before_the_cut_and_names_the_file(
+        ray_local, tmp_path, qwen3_tokenizer_dir):
+    lines = rows_text(40)
+    whole = gzip.compress("\n".join(lines).encode() + b"\n")
+    path = tmp_path / "rows.jsonl.gz"
+    path.write_bytes(whole[:len(whole) // 2])
+    counts, prompts, [s] = prompts_run(tmp_path, qwen3_tokenizer_dir, path)
+    assert counts["prompts"] == len(prompts) > 5 and counts["skipped_by_reason"] == {"bad_file": 1}
+    assert s["detail"].startswith(f"{path}:{len(prompts) + 1}: truncated gzip file"), s["detail"]
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["phases"]["prompts"]["status"] == "complete"
+
+
+def test_a_damaged_save_to_disk_folder_is_an_error_naming_it(tmp_path):
+    import datasets
+
+    from eagle_data.config import SourceConfig
+    from eagle_data.job.stages.source import read_source
+
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list(good_rows(40)).save_to_disk(str(saved))
+    [arrow] = saved.glob("*.arrow")
+    arrow.write_bytes(arrow.read_bytes()[:arrow.stat().st_size // 2])
+    with pytest.raises(UnsupportedDataset, match=r"the datasets.save_to_disk folder .*saved cannot be read \(OSError: "):
+        read_source(SourceConfig(dataset=str(saved)))

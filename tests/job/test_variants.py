@@ -69,7 +69,7 @@ def test_the_draw_depends_on_the_id_and_the_seed_only_and_follows_the_weights(tm
 def raw_batch(rows: list) -> pa.Table:
     return pa.table({"row_id": [f"r{i}" for i in range(len(rows))], "source": ["s"] * len(rows),
                      "raw": [json.dumps(r) if not isinstance(r, str) else r for r in rows],
-                     "origin": [""] * len(rows), "encoding_error": [""] * len(rows)})
+                     "origin": [""] * len(rows), "read_error": [""] * len(rows)})
 
 
 def test_a_prompt_becomes_k_conversations_each_rendered_as_its_variant_says(tmp_path, qwen3_tokenizer_dir):

@@ -15,7 +15,7 @@ import pyarrow.fs as pafs
 import ray
 
 from eagle_data.config import Config
-from eagle_data.errors import EagleDataError, EmptyResult, MissingInput, NotWritable
+from eagle_data.errors import EmptyResult, MissingInput, NotWritable
 from eagle_data.job.stages.engines import ENGINE_CLASSES
 from eagle_data.job.fingerprints import generate_config, hidden_states_config, prompt_config
 from eagle_data.job.phases.generate import run_generate
@@ -46,6 +46,10 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow
     hidden = phase == "hidden_states" or (phase == "all" and cfg.hidden_states.enabled)
     out = open_output(cfg.output.path)
     out.check_ours()  # before anything is written, moved or deleted there
+    # Exists, supported files only, and apart from OUT (neither inside the other): checked
+    # before check_writable creates OUT, which must not appear inside a dataset folder.
+    local_out = out.root if isinstance(out.fs, pafs.LocalFileSystem) else None
+    layout = locate(cfg.source, local_out) if phase in ("prompts", "all") else None
     out.check_writable()
     if not fresh:
         if phase != "hidden_states":
@@ -54,10 +58,8 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow
             out.manifest.check_generate_config(generate_config(cfg))
         if hidden:
             out.manifest.check_hidden_states_config(hidden_states_config(cfg))
-    layout = locate(cfg.source) if phase in ("prompts", "all") else None  # exists, supported files only
     check_hub(cfg, uses_hub_dataset=layout is not None and layout.kind == "hub")
     check_model_files(cfg, need_weights=phase != "prompts")
-    check_dataset_outside(layout.paths if layout else (), out)
     with lock(out):
         if fresh:
             log.warning("--fresh: deleting what earlier runs wrote in %s", out.root)
@@ -131,15 +133,6 @@ def open_output(path: str) -> Output:
     except (OSError, ValueError, ImportError, pa.ArrowException) as e:
         raise NotWritable(f"output.path {path!r} cannot be opened ({e}); check the URI and "
                           "credentials, or choose a local folder") from None
-
-
-def check_dataset_outside(files: tuple[str, ...], out: Output) -> None:
-    """A dataset inside OUT would be deleted by --fresh or read back as output."""
-    if files and isinstance(out.fs, pafs.LocalFileSystem):
-        inside = [f for f in files if os.path.commonpath([os.path.abspath(f), out.root]) == out.root]
-        if inside:
-            raise EagleDataError(f"source.dataset {inside[0]} is inside output.path {out.root}: "
-                                 "keep the dataset outside OUT")
 
 
 def check_model_files(cfg: Config, need_weights: bool) -> None:

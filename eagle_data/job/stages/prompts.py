@@ -1,7 +1,7 @@
 """Rows -> chat messages -> validated, tokenized prompts (a `map_batches` stage).
 
 Stage contract: takes `row_id`, `source`, `raw`, `origin` (FILE:LINE or "", put before a
-skipped row's detail), `encoding_error` ("" or why the row is not UTF-8); makes per
+skipped row's detail), `read_error` ("" or `REASON: why` the row could not be read); makes per
 conversation (sampling.answers_per_prompt of them per usable row, job/variants.py)
 `sample_id` (the conversation id), `prompt_id`, `answer`, `variant`, `messages` (the first
 turn's prompt), `user_turns` (the user texts the target answers: one, or all of them under
@@ -186,7 +186,7 @@ class PromptRenderer:
 class PromptBuilder(PromptRenderer, Stage):
     """The prompts stage."""
 
-    reads: ClassVar = columns("row_id", "source", "raw", "origin", "encoding_error")
+    reads: ClassVar = columns("row_id", "source", "raw", "origin", "read_error")
     makes: ClassVar = columns(*PROMPT_SCHEMA.names)
 
     reasoning_markers: tuple[str, ...] = ()
@@ -209,13 +209,13 @@ class PromptBuilder(PromptRenderer, Stage):
         )
         assign = Assigner(self.variants, self.seed)
         rows = []
-        for row_id, source, raw, origin, encoding_error in zip(*(batch.column(c).to_pylist() for c in self.reads)):
+        for row_id, source, raw, origin, read_error in zip(*(batch.column(c).to_pylist() for c in self.reads)):
             base = {"row_id": row_id, "source": source, "raw": raw, "sample_id": "", "prompt_id": "",
                     "answer": 0, "variant": "", "messages": None, "user_turns": None, "reason": "",
                     "detail": "", "tokenized_prompt": None}
             try:
-                if encoding_error:
-                    raise Skip("bad_encoding", encoding_error)
+                if read_error:  # bad_encoding or bad_file (job/stages/source.py)
+                    raise Skip(*read_error.split(": ", 1))
                 turns = parse_turns(raw)
                 if self.turns == "all":
                     messages, users = conversation_messages(turns)

@@ -1,11 +1,13 @@
 """Reading the chat dataset (the sample is picked in job/stages/sample.py).
 
 Every row becomes `row_id` (hash of its content), `source`, `raw` (the row as JSON text),
-`origin` ("FILE:LINE" for jsonl and JSON array files, "" otherwise) and `encoding_error`
-("" or why the line is not valid UTF-8). Keeping the row as text until the prompts stage
-parses it means a malformed row (wrong types, missing keys, a line that is not JSON or not
-UTF-8) cannot break Arrow's schema inference or crash a reader: it reaches the prompts
-stage and is skipped there with a reason that names its file and line.
+`origin` ("FILE:LINE" for jsonl and JSON array files, "" otherwise) and `read_error`
+("" or `REASON: why`: `bad_encoding`, a line that is not valid UTF-8, or `bad_file`, the
+part of a damaged file from where it cannot be read on). Keeping the row as text until the
+prompts stage parses it means a malformed row (wrong types, missing keys, a line that is
+not JSON or not UTF-8) cannot break Arrow's schema inference or crash a reader: it reaches
+the prompts stage and is skipped there with a reason that names its file and line. Each
+file is read on its own (no schema shared between files).
 
 Supported layouts (`locate` checks them before Ray starts and refuses anything else):
 jsonl (plain or .gz), parquet, a `.json` file holding one JSON array of records, a
@@ -14,20 +16,23 @@ jsonl (plain or .gz), parquet, a `.json` file holding one JSON array of records,
 
 from __future__ import annotations
 
+import fnmatch
 import glob
-import gzip
 import hashlib
 import json
 import logging
 import os
+import stat
+import zlib
 from dataclasses import dataclass
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import ray
 
 from eagle_data.config import SourceConfig
 from eagle_data.model_files import is_hub_id
-from eagle_data.errors import MissingInput, UnsupportedDataset
+from eagle_data.errors import EagleDataError, MissingInput, UnsupportedDataset
 from eagle_data.job.stages.columns import Stage, columns
 
 log = logging.getLogger("eagle_data")
@@ -37,7 +42,7 @@ PARQUET_SUFFIXES = (".parquet",)
 SUPPORTED = ("jsonl (or .jsonl.gz), parquet, a .json array of records, a datasets.save_to_disk "
              "folder, or a hub dataset id")
 RAW_SCHEMA = pa.schema([("row_id", pa.string()), ("source", pa.string()), ("raw", pa.string()),
-                        ("origin", pa.string()), ("encoding_error", pa.string())])
+                        ("origin", pa.string()), ("read_error", pa.string())])
 
 
 @dataclass(frozen=True)
@@ -50,34 +55,47 @@ class Layout:
     split: str | None = None
 
 
-def locate(cfg: SourceConfig) -> Layout:
-    """The dataset's layout, checked: a local path exists and holds only supported files
-    (hidden files and *.md docs in a folder are ignored), else an error naming the file."""
+# Suffixes that make a missing source.dataset a local path, not a hub id (hub ids such as
+# `teknium/OpenHermes-2.5` may hold a dot, so not any suffix counts).
+LOCAL_SUFFIXES = JSON_SUFFIXES + PARQUET_SUFFIXES + (
+    ".gz", ".arrow", ".csv", ".tsv", ".txt", ".zip", ".bz2", ".xz", ".zst", ".tar", ".pq")
+
+
+def locate(cfg: SourceConfig, out: str | None = None) -> Layout:
+    """The dataset's layout, checked: a local path exists and holds only supported regular
+    files (hidden files and *.md docs in a folder are ignored), each once, else an error
+    naming the file. `out`: OUT's local path; a dataset and OUT may not contain each other."""
     dataset = cfg.dataset
-    if glob.has_magic(dataset):
-        matched = sorted(glob.glob(dataset, recursive=True))
+    path = os.path.expanduser(dataset)
+    folders: list[str] = []  # the folders read whole: OUT may not be inside one
+    if os.path.lexists(path):  # an existing path is that path, even with glob characters in it
+        if os.path.isdir(path):
+            saved = _saved_layout(path, cfg.split)
+            if saved is not None:
+                _check_apart(dataset, (), saved.paths, out)
+                return saved
+            files = _folder_files(dataset, path, folders)
+        else:
+            files = [path]
+    elif glob.has_magic(dataset):
+        matched = _glob(path)
         if not matched:
             raise MissingInput(f"source.dataset {dataset!r} matches no files")
         files = []
-        for path in matched:
-            files += _folder_files(dataset, path) if os.path.isdir(path) else (
-                [] if _ignored(path) else [path])
-    elif os.path.isdir(dataset):
-        saved = _saved_layout(dataset, cfg.split)
-        if saved is not None:
-            return saved
-        files = _folder_files(dataset, dataset)
-    elif os.path.isfile(dataset):
-        files = [dataset]
-    elif not is_hub_id(dataset):  # a local path (./x, /x, a/b/c, or under a local folder)
-        raise MissingInput(f"source.dataset {dataset!r} does not exist")
-    else:
+        for match in matched:
+            files += _folder_files(dataset, match, folders) if os.path.isdir(match) else (
+                [] if _ignored(match) else [match])
+    elif is_hub_id(dataset) and not dataset.lower().endswith(LOCAL_SUFFIXES):
         return Layout("hub")
+    else:  # ./x, /x, ~/x, a/b/c, x.jsonl, or under a local folder
+        raise MissingInput(f"source.dataset {dataset!r} does not exist (no such file or folder)")
+    files = _unique(files)
+    _check_apart(dataset, files, folders, out)
     if not files:
         raise MissingInput(f"source.dataset {dataset!r} holds no data files ({SUPPORTED})")
-    for path in files:
-        _check_file(dataset, path)
-    return Layout("files", tuple(os.path.abspath(f) for f in files))
+    for file in files:
+        _check_file(dataset, file)
+    return Layout("files", tuple(files))
 
 
 def _ignored(path: str) -> bool:
@@ -86,29 +104,144 @@ def _ignored(path: str) -> bool:
     return name.startswith(".") or name.lower().endswith(".md")
 
 
-def _folder_files(dataset: str, folder: str) -> list[str]:
+def _walk(folder: str):
+    """os.walk following symlinked folders, each real folder once (a link back up the tree
+    is not a loop), hidden folders (.git, .cache, ...) left out, in sorted order."""
+    seen = set()
+    for root, dirs, names in os.walk(folder, followlinks=True):
+        st = os.stat(root)
+        if (st.st_dev, st.st_ino) in seen:  # reached again through a symlink
+            dirs[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        yield root, dirs, sorted(names)
+
+
+def _folder_files(dataset: str, folder: str, folders: list[str]) -> list[str]:
+    """The files under `folder`; every folder walked is added to `folders`."""
     files = []
-    for root, dirs, names in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # .git, .cache, ...
+    for root, _, names in _walk(folder):
+        folders.append(root)
         if _is_saved(root):  # (a dataset folder that is one itself never gets here)
             raise UnsupportedDataset(
                 f"source.dataset {dataset!r}: {root} is a datasets.save_to_disk folder; "
                 "set source.dataset to that folder itself")
-        files += [os.path.join(root, n) for n in sorted(names) if not _ignored(n)]
+        files += [os.path.join(root, n) for n in names if not _ignored(n)]
     return files
 
 
-def _check_file(dataset: str, path: str) -> None:
-    lower = path.lower()
-    if lower.endswith(JSON_SUFFIXES + PARQUET_SUFFIXES):
+def _glob(pattern: str) -> list[str]:
+    """The paths a glob matches. Python's `**` follows symlinked folders without
+    end (a link back up the tree: 40 levels deep, then ELOOP), so a pattern with `**` is
+    matched on _walk's tree instead; a matched folder is read whole, below it nothing
+    more is matched."""
+    parts = pattern.rstrip(os.sep).split(os.sep)  # (`DIR/**/` matches the folders: read whole)
+    if "**" not in parts:
+        return sorted(glob.glob(pattern))
+    fixed = next(i for i, part in enumerate(parts) if glob.has_magic(part))
+    top = os.sep.join(parts[:fixed]) or (os.sep if pattern.startswith(os.sep) else ".")
+    rest = [part for part in parts[fixed:] if part not in ("", ".")]  # a//b, a/./b
+    matched = []
+    if not os.path.isdir(top):
+        return matched
+    for root, dirs, names in _walk(top):
+        rel = [] if root == top else os.path.relpath(root, top).split(os.sep)
+        if _matches(rel, rest):
+            matched.append(root)
+            dirs[:] = []
+            continue
+        matched += [os.path.join(root, n) for n in names if _matches(rel + [n], rest)]
+    return matched
+
+
+def _matches(names: list[str], pattern: list[str]) -> bool:
+    """Glob's rules per path component: `**` is any number of them; a wildcard does not
+    match a hidden name."""
+    if not pattern:
+        return not names
+    if pattern[0] == "**":
+        return any(_matches(names[i:], pattern[1:]) for i in range(len(names) + 1))
+    if not names or (names[0].startswith(".") and not pattern[0].startswith(".")):
+        return False
+    return fnmatch.fnmatchcase(names[0], pattern[0]) and _matches(names[1:], pattern[1:])
+
+
+def _unique(files: list[str]) -> list[str]:
+    """Each file once, however many spellings (a glob's `**` and the folder it expands, a
+    symlink) reach it: the first path found for each real file, absolute. A dangling link
+    is kept (by its own path) for _check_file to name."""
+    unique, seen = [], set()
+    for file in files:
+        try:
+            st = os.stat(file)
+            key = (st.st_dev, st.st_ino)
+        except OSError:
+            key = os.path.abspath(file)
+        if key not in seen:
+            seen.add(key)
+            unique.append(os.path.abspath(file))
+    return unique
+
+
+def _inside(path: str, folder: str) -> bool:
+    return os.path.commonpath([path, folder]) == folder
+
+
+def _check_apart(dataset: str, files, folders, out: str | None) -> None:
+    """A dataset inside OUT would be deleted by --fresh or read back as output; an OUT
+    inside a dataset folder would be read as dataset files on the next run. Real paths:
+    a symlink does not hide either."""
+    if out is None:
         return
-    if lower.endswith(".arrow"):
-        hint = "read a datasets.save_to_disk folder by naming the folder itself"
-    else:
-        hint = f"supported: {SUPPORTED}"
-    named = "" if os.path.abspath(path) == os.path.abspath(dataset) else f"{dataset!r}: "
-    raise UnsupportedDataset(f"source.dataset {named}{path}: unsupported file type "
-                             f"{os.path.splitext(path)[1] or '(no suffix)'!r}; {hint}")
+    out = os.path.realpath(out)
+    for folder in dict.fromkeys(os.path.realpath(f) for f in folders):
+        if _inside(out, folder):
+            raise EagleDataError(f"output.path {out} is inside the dataset folder {folder} "
+                                 f"(source.dataset {dataset!r}): keep OUT outside the dataset")
+    for path in [*files, *folders]:
+        if _inside(os.path.realpath(path), out):
+            raise EagleDataError(f"source.dataset {path} is inside output.path {out}: "
+                                 "keep the dataset outside OUT")
+
+
+def _check_file(dataset: str, path: str) -> None:
+    """A regular, readable file of a supported type (a FIFO would block the read, a
+    dangling link fail it after Ray starts); a parquet file's footer is read here."""
+    named = "" if os.path.abspath(path) == os.path.abspath(os.path.expanduser(dataset)) else f"{dataset!r}: "
+    where = f"source.dataset {named}{path}"
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        if os.path.islink(path):
+            raise MissingInput(f"{where} is a dangling symlink (to {os.readlink(path)!r})") from None
+        raise MissingInput(f"{where} cannot be read ({e.strerror})") from None
+    if not stat.S_ISREG(mode):
+        raise UnsupportedDataset(f"{where} is a {_kind(mode)}, not a regular file")
+    lower = path.lower()
+    if not lower.endswith(JSON_SUFFIXES + PARQUET_SUFFIXES):
+        if lower.endswith(".arrow"):
+            hint = "read a datasets.save_to_disk folder by naming the folder itself"
+        else:
+            hint = f"supported: {SUPPORTED}"
+        raise UnsupportedDataset(f"{where}: unsupported file type "
+                                 f"{os.path.splitext(path)[1] or '(no suffix)'!r}; {hint}")
+    try:
+        if lower.endswith(PARQUET_SUFFIXES):
+            pq.read_metadata(path)
+        else:
+            open(path, "rb").close()
+    except (OSError, pa.ArrowException) as e:
+        raise UnsupportedDataset(f"{where} cannot be read: {e}") from None
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "FIFO (named pipe)"), (stat.S_ISSOCK, "socket"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+                       (stat.S_ISDIR, "folder")):
+        if test(mode):
+            return name
+    return "special file"
 
 
 def _is_saved(folder: str) -> bool:
@@ -149,24 +282,36 @@ def read_source(cfg: SourceConfig) -> ray.data.Dataset:
     if layout.kind == "saved":
         import datasets
 
-        hf = datasets.load_from_disk(layout.paths[0])
-        if layout.split is not None:
-            hf = hf[layout.split]
+        try:
+            hf = datasets.load_from_disk(layout.paths[0])
+            if layout.split is not None:
+                hf = hf[layout.split]
+            table = hf.with_format("arrow")[:]
+        except (OSError, ValueError, pa.ArrowException) as e:  # a damaged or cut .arrow file
+            raise UnsupportedDataset(f"source.dataset {cfg.dataset!r}: the datasets.save_to_disk folder "
+                                     f"{layout.paths[0]} cannot be read ({type(e).__name__}: {e})") from None
         # What ray.data.from_huggingface does for a local Dataset, without its first step:
         # asking the hub whether the dataset's name is a public dataset (a network round
         # trip, or retries when there is no network, for a folder on disk).
-        return ray.data.from_arrow(hf.with_format("arrow")[:]).map_batches(TableToRaw(), batch_format="pyarrow")
-    parquet = [f for f in layout.paths if f.lower().endswith(PARQUET_SUFFIXES)]
-    json_files = [f for f in layout.paths if f.lower().endswith(JSON_SUFFIXES)]
-    parts = []
-    if parquet:
-        parts.append(ray.data.read_parquet(parquet).map_batches(TableToRaw(), batch_format="pyarrow"))
-    if json_files:
-        # Bytes, not ray.data.read_text: one line that is not UTF-8 must become a skipped
-        # row naming its file and line, not a UnicodeDecodeError that fails the read.
-        parts.append(ray.data.read_binary_files(json_files, include_paths=True)
-                     .map_batches(FilesToRaw(), batch_format="pyarrow", batch_size=1))
-    return parts[0] if len(parts) == 1 else parts[0].union(*parts[1:])
+        return ray.data.from_arrow(table).map_batches(TableToRaw(), batch_format="pyarrow")
+    # One read task per file (per row group of a parquet file: a task's memory stays one
+    # row group's), each read on its own: no schema is unified across files (a `source`
+    # column that is string in one parquet file and dictionary in another is fine: every
+    # row becomes JSON text), and a file damaged part way through keeps the rows before the
+    # damage and gives one bad_file row naming it, instead of a failed Ray task.
+    parts = [{"path": path, "row_group": group} for path in layout.paths for group in _row_groups(path)]
+    return (ray.data.from_items(parts, override_num_blocks=max(1, len(parts)))
+            .map_batches(FilesToRaw(), batch_format="pyarrow", batch_size=1))
+
+
+def _row_groups(path: str) -> range:
+    """The parts a file is read in: its row groups (parquet), or the whole file."""
+    if not path.lower().endswith(PARQUET_SUFFIXES):
+        return range(1)
+    try:
+        return range(pq.read_metadata(path).num_row_groups)
+    except (OSError, pa.ArrowException) as e:  # (its footer was read at start: changed since)
+        raise UnsupportedDataset(f"source.dataset {path} cannot be read: {e}") from None
 
 
 def _row_id(raw: str) -> str:
@@ -202,33 +347,93 @@ class TableToRaw(Stage):
     makes = RAW
 
     def apply(self, table: pa.Table) -> pa.Table:
-        rows = []
-        for row in table.to_pylist():
-            raw = _json_text(row)
-            rows.append((_row_id(raw), _source_of(row), raw, "", ""))
-        return _raw_table(rows)
+        return _raw_table(table_rows(table))
+
+
+def table_rows(table: pa.Table) -> list[tuple]:
+    rows = []
+    for row in table.to_pylist():
+        raw = _json_text(row)
+        rows.append((_row_id(raw), _source_of(row), raw, "", ""))
+    return rows
 
 
 class FilesToRaw(Stage):
-    """jsonl / JSON array files (one per row: path, bytes) -> raw rows."""
+    """Dataset files (jsonl, JSON array, parquet; one file or row group per row) -> raw rows."""
 
-    reads = columns("path", "bytes")
+    reads = columns("path", "row_group")
     makes = RAW
 
     def apply(self, batch: pa.Table) -> pa.Table:
-        return files_to_raw(batch)
+        parts = zip(batch.column("path").to_pylist(), batch.column("row_group").to_pylist())
+        return _raw_table([row for path, group in parts for row in file_rows(path, group)])
 
 
-def files_to_raw(batch: pa.Table) -> pa.Table:
-    rows = []
-    for path, data in zip(batch.column("path").to_pylist(), batch.column("bytes").to_pylist()):
-        if data[:2] == b"\x1f\x8b":  # still gzip-compressed (Ray decompresses by suffix)
-            data = gzip.decompress(data)
-        if data[:3] == b"\xef\xbb\xbf":  # a UTF-8 byte order mark
-            data = data[3:]
-        is_array = path.lower().endswith((".json", ".json.gz")) and data.lstrip()[:1] == b"["
-        rows += array_rows(path, data) if is_array else line_rows(path, data)
-    return _raw_table(rows)
+def file_rows(path: str, row_group: int = 0) -> list[tuple]:
+    """A file's raw rows (a parquet file's: those of `row_group`); where the file cannot be
+    read on, the rows before and one bad_file row that names the file and where it broke."""
+    if path.lower().endswith(PARQUET_SUFFIXES):
+        return parquet_rows(path, row_group)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        return [bad_file_row(path, f"cannot be read ({e.strerror or e})")]
+    broken = ""
+    if data[:2] == b"\x1f\x8b":  # gzip-compressed, whatever the suffix
+        data, broken = gunzip(data)
+    if data[:3] == b"\xef\xbb\xbf":  # a UTF-8 byte order mark
+        data = data[3:]
+    is_array = path.lower().endswith((".json", ".json.gz")) and data.lstrip()[:1] == b"["
+    if not broken:
+        return array_rows(path, data) if is_array else line_rows(path, data)
+    if is_array:  # the records before the cut, then a bad_json row for the rest
+        return array_rows(path, data) + [bad_file_row(path, broken)]
+    complete = data[:data.rfind(b"\n") + 1]  # a line the cut went through is not a row
+    line = complete.count(b"\n") + 1
+    rows = line_rows(path, complete)
+    return rows + [bad_file_row(f"{path}:{line}", f"{broken}; the {len(rows)} rows before line {line} are kept",
+                                data[len(complete):])]
+
+
+def gunzip(data: bytes) -> tuple[bytes, str]:
+    """(the text, "" or why the compressed stream stops early). Decompressed a chunk at a
+    time so that a cut or corrupt stream keeps the text before the damage; several gzip
+    members one after the other (as `cat a.gz b.gz` makes) are one text."""
+    out, pos, chunk = [], 0, 1 << 20
+    while pos < len(data):
+        d = zlib.decompressobj(wbits=31)
+        while not d.eof and pos < len(data):
+            piece = data[pos:pos + chunk]
+            try:
+                out.append(d.decompress(piece))
+            except zlib.error as e:
+                return b"".join(out), f"corrupt gzip data ({e}) after {pos} compressed bytes"
+            pos += len(piece)
+        if not d.eof:
+            return b"".join(out), (f"truncated gzip file: the compressed stream ends after {len(data)} bytes, "
+                                   "before its end marker")
+        pos -= len(d.unused_data)  # the next member (or trailing bytes) starts here
+        if not data[pos:].strip(b"\x00"):  # trailing zero padding (tape, some writers)
+            break
+    return b"".join(out), ""
+
+
+def parquet_rows(path: str, group: int) -> list[tuple]:
+    """One row group's rows, with the file's own schema; a damaged group is one bad_file row."""
+    try:
+        parquet = pq.ParquetFile(path)
+        return table_rows(parquet.read_row_group(group))
+    except (OSError, pa.ArrowException) as e:
+        return [bad_file_row(path, f"row group {group} cannot be read ({e}); the file's other row groups are read")]
+
+
+def bad_file_row(origin: str, why: str, tail: bytes = b"") -> tuple:
+    """One skipped row for the part of a file that cannot be read; `tail`: the bytes of the
+    line that was cut, as the row's raw text."""
+    raw = tail.decode("utf-8", errors="backslashreplace")
+    log.warning("%s: %s", origin, why)
+    return (_row_id(f"{origin}\n{raw}"), "", raw, origin, f"bad_file: {why}")
 
 
 def line_rows(path: str, data: bytes) -> list[tuple]:
@@ -240,7 +445,7 @@ def line_rows(path: str, data: bytes) -> list[tuple]:
             text, error = line.decode("utf-8").strip(), ""
         except UnicodeDecodeError as e:
             text = line.decode("utf-8", errors="backslashreplace").strip()
-            error = f"not UTF-8: byte 0x{line[e.start]:02x} at column {e.start + 1}"
+            error = f"bad_encoding: not UTF-8: byte 0x{line[e.start]:02x} at column {e.start + 1}"
         if not text:
             continue  # blank lines are not rows
         source = ""
@@ -282,7 +487,7 @@ def array_rows(path: str, data: bytes) -> list[tuple]:
             raw, error = _json_text(record), ""
         except UnicodeEncodeError as e:
             raw = chunk.encode("utf-8", errors="surrogateescape").decode("utf-8", errors="backslashreplace")
-            error = f"not UTF-8: byte 0x{ord(chunk[e.start]) - 0xDC00:02x}"
+            error = f"bad_encoding: not UTF-8: byte 0x{ord(chunk[e.start]) - 0xDC00:02x}"
         rows.append((_row_id(raw), "" if error else _source_of(record), raw, origin, error))
         line += text.count("\n", start, end)
         pos = _skip_space(text, end)
