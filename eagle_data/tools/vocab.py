@@ -59,10 +59,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from eagle_data.errors import VocabError
-from eagle_data.storage.files import filesystem, write_bytes
+from eagle_data.errors import NotWritable, VocabError
+from eagle_data.storage.files import check_replaceable, filesystem, not_a_regular_file, write_bytes
 from eagle_data.storage.folder import Output
 from eagle_data.reader.samples import Out
 from eagle_data.storage.report import write_report
@@ -183,11 +184,16 @@ def write_files(dest: str, formats: Sequence[str], d2t: np.ndarray, t2d: np.ndar
     if unknown:
         raise VocabError(f"unknown format(s) {sorted(unknown)}; choose from {', '.join(FORMATS)} or all")
     fs, folder = filesystem(dest)
+    if fs.get_file_info(folder).type not in (pafs.FileType.Directory, pafs.FileType.NotFound):
+        raise NotWritable(f"vocab: {dest} is {not_a_regular_file(fs, folder) or 'a regular file'}, not a folder; "
+                          "give --dest a folder")
     files = {"token_freq.parquet": _freq_parquet(counts)}
     for fmt in formats:
         files.update({name: make() for name, make in WRITERS[fmt](d2t, t2d, counts).items()})
     names = sorted([*files, "vocab.json"])
     files["vocab.json"] = json.dumps({**summary, "files": names}, indent=1).encode()
+    for name in names:  # a name that may not be replaced stops the set before its first file
+        check_replaceable(fs, f"{folder}/{name}")
     # Written aside beside their names (DEST may be outside OUT): a reader never sees half a file.
     return [write_bytes(fs, f"{folder}/{name}", data) for name, data in files.items()]
 

@@ -311,3 +311,30 @@ def test_cli_reads_the_manifest_vocab_size_and_writes_one_format(tmp_path, capsy
     assert np.load(out / "vocab" / "t2d.npy").shape == (200,)  # the manifest's vocabulary size
     assert cli([str(out), "--draft-vocab-size", "500"]) == 2
     assert "error: --draft-vocab-size 500 must be in [1, 200)" in capsys.readouterr().err
+
+
+def test_vocab_writes_only_regular_files_in_a_folder(tmp_path, capsys):
+    """--dest that is a FIFO or a file is named (was a FileExistsError traceback); a symlink or
+    a FIFO at one of the files' names is refused before any file is replaced, so the set is
+    never half old, half new."""
+    import os
+
+    manifest = {"schema_version": MANIFEST_VERSION, "phases": {"generate": {"tokenizer": {"model_vocab_size": 200}}}}
+    out = write_rows(tmp_path / "out", random_rows(4, 30, 100), manifest=manifest)
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "file").write_text("mine")
+    for name, kind in (("fifo", "a FIFO (named pipe)"), ("file", "a regular file")):
+        assert cli([str(out), "--draft-vocab-size", "20", "--dest", str(tmp_path / name)]) == 2
+        assert f"{tmp_path / name} is {kind}, not a folder" in capsys.readouterr().err
+    assert (tmp_path / "file").read_text() == "mine"
+
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "d2t.npy").write_text("old")
+    (tmp_path / "elsewhere").write_text("the user's file")
+    (dest / "t2d.npy").symlink_to(tmp_path / "elsewhere")
+    assert cli([str(out), "--draft-vocab-size", "20", "--dest", str(dest), "--format", "speculators"]) == 2
+    assert f"{dest}/t2d.npy is a symlink to {tmp_path / 'elsewhere'}" in capsys.readouterr().err
+    assert sorted(p.name for p in dest.iterdir()) == ["d2t.npy", "t2d.npy"]
+    assert (dest / "d2t.npy").read_text() == "old" and (dest / "t2d.npy").is_symlink()
+    assert (tmp_path / "elsewhere").read_text() == "the user's file"
