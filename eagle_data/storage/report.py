@@ -195,6 +195,14 @@ def plots(report: dict) -> dict[str, bytes]:
     import matplotlib
 
     matplotlib.use("Agg")
+    # Data text reaches the plots (source names in the legend): drawn as written, never
+    # parsed as mathtext (a `$\x$` source raised ParseFatalException) or TeX, whatever the
+    # user's matplotlibrc says.
+    with matplotlib.rc_context({"text.parse_math": False, "text.usetex": False}):
+        return _draw(report)
+
+
+def _draw(report: dict) -> dict[str, bytes]:
     import matplotlib.pyplot as plt
 
     figures = {}

@@ -66,3 +66,33 @@ def test_the_report_replaces_only_its_own_regular_files(tmp_path, capsys):
     (out / "report.html").unlink()
     assert main(["report", str(out)]) == 0
     assert (out / "report.html").is_file() and (out / "report" / "lengths.png").is_file()
+
+
+def test_text_in_the_plots_is_literal(tmp_path, capsys, monkeypatch):
+    """A source named with `$...$` was parsed by matplotlib as math: `report OUT` raised
+    ParseFatalException (and the job exited 1 after complete data). Every text in the plots
+    is drawn as written: none is taken as mathtext, even `a$b$c`, which would parse."""
+    import json
+
+    import matplotlib.text
+
+    import eagle_data.storage.report as report
+    from eagle_data.__main__ import main
+
+    drawn = []
+
+    def png(fig, plt):
+        texts = [t for t in fig.findobj(matplotlib.text.Text) if t.get_text()]
+        drawn.extend((t.get_text(), t._preprocess_math(t.get_text())[1]) for t in texts)
+        return save(fig, plt)
+
+    save = report._png
+    monkeypatch.setattr(report, "_png", png)
+    sources = ["price $5 or $x^{$", r"$\notacommand$", "a$b$c"]
+    rows = [synthetic_row(i, 4, 2, 3, "stop", sources[i % 3]) for i in range(6)]
+    out = write_out(tmp_path / "out", rows, rows_per_shard=4)
+    assert main(["report", str(out)]) == 0, capsys.readouterr().err
+    assert {f"{s} (2)" for s in sources} <= {text for text, _ in drawn}  # the legend, as written
+    assert [text for text, math in drawn if math] == []
+    assert set(json.loads((out / "report.json").read_text())["by_source"]) == set(sources)
+    assert (out / "report" / "lengths.png").stat().st_size > 0

@@ -338,3 +338,20 @@ def test_vocab_writes_only_regular_files_in_a_folder(tmp_path, capsys):
     assert sorted(p.name for p in dest.iterdir()) == ["d2t.npy", "t2d.npy"]
     assert (dest / "d2t.npy").read_text() == "old" and (dest / "t2d.npy").is_symlink()
     assert (tmp_path / "elsewhere").read_text() == "the user's file"
+
+
+def test_a_report_error_after_the_vocabulary_is_a_warning(tmp_path, capsys, monkeypatch):
+    """The vocabulary is complete before the report is rewritten: any error there (here the
+    ValueError a `$\\x$` source raised in matplotlib) is a warning naming it, exit 0."""
+    import eagle_data.tools.vocab as vocab
+
+    def failing(out):
+        raise ValueError("\\notacommand")
+
+    monkeypatch.setattr(vocab, "write_report", failing)
+    manifest = {"schema_version": MANIFEST_VERSION, "phases": {"generate": {"tokenizer": {"model_vocab_size": 200}}}}
+    out = write_rows(tmp_path / "out", random_rows(4, 30, 100), manifest=manifest)
+    assert cli([str(out), "--draft-vocab-size", "20", "--format", "modelopt"]) == 0
+    err = capsys.readouterr().err
+    assert "the files are written, but the report could not be rewritten (ValueError: \\notacommand)" in err
+    assert (out / "vocab" / "d2t.pt").is_file()
