@@ -211,11 +211,16 @@ def build_vocab(out: str, draft_vocab_size: int = DEFAULT_DRAFT_VOCAB_SIZE,
                 formats: Sequence[str] = FORMATS, finish_reason: Sequence[str] | None = None,
                 source: Sequence[str] | None = None) -> dict:
     """Count OUT's masked tokens, choose the draft vocabulary and write it for `formats`.
-    vocab_size None = the manifest's generate.tokenizer.model_vocab_size (tests and
-    benchmarks pass their synthetic OUT's). Returns the
-    summary written to vocab.json (coverage keys are draft sizes)."""
-    if vocab_size is None:
-        vocab_size = vocab_size_from_manifest(out)
+    vocab_size: the size of a synthetic OUT that records none (tests and benchmarks); it
+    never overrides the manifest's generate.tokenizer.model_vocab_size, which a t2d of
+    another length would contradict (every trainer checks it against the model). Returns
+    the summary written to vocab.json (coverage keys are draft sizes)."""
+    recorded = vocab_size_from_manifest(out)
+    if recorded is not None and vocab_size not in (None, recorded):
+        raise VocabError(f"vocab size {vocab_size} differs from the {recorded} {out}/manifest.json records "
+                         "(phases.generate.tokenizer.model_vocab_size, the target's config.json vocab_size): "
+                         "the draft vocabulary is built for the model that made the OUT")
+    vocab_size = recorded if recorded is not None else vocab_size
     if vocab_size is None:
         raise VocabError(f"{out}/manifest.json records no phases.generate.tokenizer.model_vocab_size "
                          "(the target's config.json vocab_size, recorded since eagle-data 0.1.0): "

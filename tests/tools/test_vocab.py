@@ -355,3 +355,20 @@ def test_a_report_error_after_the_vocabulary_is_a_warning(tmp_path, capsys, monk
     err = capsys.readouterr().err
     assert "the files are written, but the report could not be rewritten (ValueError: \\notacommand)" in err
     assert (out / "vocab" / "d2t.pt").is_file()
+
+
+def test_no_option_overrides_the_recorded_vocab_size(tmp_path, capsys):
+    """The issue: `vocab --vocab-size` silently replaced the size the OUT records (a t2d of the
+    wrong length, which breaks trainers; a huge value was OOM-killed). The CLI has no such
+    option, and build_vocab refuses a size other than the recorded one, naming both, before
+    anything is counted or allocated."""
+    manifest = {"schema_version": MANIFEST_VERSION, "phases": {"generate": {"tokenizer": {"model_vocab_size": 200}}}}
+    out = write_rows(tmp_path / "out", random_rows(4, 30, 100), manifest=manifest)
+    for size in (300, 10**15):
+        with pytest.raises(VocabError, match=f"vocab size {size} differs from the {200} {out}/manifest.json records"):
+            build_vocab(str(out), 20, size)
+    with pytest.raises(SystemExit) as e:
+        cli([str(out), "--vocab-size", "300"])
+    assert e.value.code == 2 and "unrecognized arguments: --vocab-size" in capsys.readouterr().err
+    assert not (out / "vocab").exists()
+    assert build_vocab(str(out), 20, 200, str(tmp_path / "v"))["vocab_size"] == 200  # the same size is no override
