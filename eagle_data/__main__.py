@@ -9,6 +9,7 @@ import json
 import sys
 
 from eagle_data.errors import cli
+from eagle_data.tools.terminal import literal
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,10 +38,10 @@ def run_command(args: argparse.Namespace) -> int:
 
         problems, counts = verify(args.out)
         print(json.dumps(counts, sort_keys=True))
-        for p in problems:
-            print(f"FAIL: {p}", file=sys.stderr)
+        for p in problems:  # they name sample ids and files: data text, shown literally
+            print(f"FAIL: {literal(p)}", file=sys.stderr)
         if not problems:
-            print(f"OK: {args.out} holds every invariant")
+            print(f"OK: {literal(args.out)} holds every invariant")
         return 1 if problems else 0
     if args.command == "report":
         from eagle_data.storage.folder import Output
@@ -48,7 +49,7 @@ def run_command(args: argparse.Namespace) -> int:
 
         report = write_report(Output.existing(args.out))
         print(json.dumps(report["counts"], sort_keys=True))
-        print(f"wrote {report['out']}/report.json, report.html and report/*.png")
+        print(f"wrote {literal(report['out'])}/report.json, report.html and report/*.png")
         return 0
     if args.command == "inspect":
         from eagle_data.tools.inspect_out import inspect

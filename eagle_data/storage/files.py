@@ -7,12 +7,14 @@ import contextlib
 import json
 import os
 import posixpath
+import stat
 import uuid
 from typing import Callable
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from eagle_data.errors import NotWritable
 from eagle_data.storage.contract import STAGING
 
 
@@ -35,6 +37,40 @@ def filesystem(path: str, fs=None) -> tuple[pafs.FileSystem, str]:
     return fs, path.rstrip("/") or "/"
 
 
+KINDS = ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+         (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def not_a_regular_file(fs: pafs.FileSystem, path: str) -> str | None:
+    """What is at `path` when it is something other than a regular file ("a FIFO (named
+    pipe)", "a symlink to ...", ...), None for a regular file or nothing. A local path is
+    looked at with lstat, which does not follow a symlink: replacing a symlink, even one to
+    a regular file, destroys the user's link; replacing a device node (as root: /dev/null)
+    breaks it for the whole machine. An object store holds only objects and folder-like
+    prefixes."""
+    if isinstance(fs, pafs.LocalFileSystem):
+        try:
+            mode = os.lstat(path).st_mode
+        except (FileNotFoundError, NotADirectoryError):  # nothing there (or a parent is a file)
+            return None
+        if stat.S_ISREG(mode):
+            return None
+        kind = next((name for test, name in KINDS if test(mode)), "not a regular file")
+        return f"{kind} to {os.readlink(path)}" if stat.S_ISLNK(mode) else kind
+    kind = fs.get_file_info(path).type
+    if kind in (pafs.FileType.File, pafs.FileType.NotFound):
+        return None
+    return "a folder" if kind == pafs.FileType.Directory else "not a regular file"
+
+
+def check_replaceable(fs: pafs.FileSystem, path: str) -> None:
+    """Refuse (NotWritable, naming it) to write `path` when anything but a regular file is there."""
+    kind = not_a_regular_file(fs, path)
+    if kind is not None:
+        raise NotWritable(f"{path} is {kind}, not a regular file: refusing to replace it (this project "
+                          "writes only regular files); give another name, or remove it yourself")
+
+
 def write_atomically(fs: pafs.FileSystem, path: str, write: Callable[[str], None],
                      staging: str | None = None) -> str:
     """Make `path` appear whole or not at all: `write(tmp)` writes a temporary file, which
@@ -45,7 +81,11 @@ def write_atomically(fs: pafs.FileSystem, path: str, write: Callable[[str], None
     nothing reads and each run clears), else a hidden `.<name>.<id>.tmp` beside `path`
     (for DESTs outside OUT). A failed write deletes it; a killed one leaves only it, which
     no reader or resume takes as data. On a local or network filesystem the move is a
-    rename (atomic); on an object store it is a finished upload or copy (atomic too)."""
+    rename (atomic); on an object store it is a finished upload or copy (atomic too).
+
+    Only a regular file (or nothing) at `path` is replaced: anything else is refused, before
+    the write and again just before the move (check_replaceable)."""
+    check_replaceable(fs, path)
     parent, name = posixpath.split(path)
     parent = parent or "."
     if staging is not None:
@@ -56,6 +96,7 @@ def write_atomically(fs: pafs.FileSystem, path: str, write: Callable[[str], None
         fs.create_dir(folder, recursive=True)
     try:
         write(tmp)
+        check_replaceable(fs, path)  # what may have appeared there while `write` ran
         fs.move(tmp, path)
     except BaseException:
         # Cleaning up must not hide why the write failed (the storage may be what failed).

@@ -23,7 +23,7 @@ from eagle_data.storage.folder import Output
 from eagle_data.storage.status import SampleStatus
 from eagle_data.storage.contract import HIDDEN_STATES, SCHEMAS, STAGING, VOCAB_SUMMARY
 from eagle_data.storage.hidden_states import Index
-from eagle_data.storage.files import read_json, write_bytes, write_json
+from eagle_data.storage.files import check_replaceable, read_json, write_bytes, write_json
 from eagle_data.storage.shards import shard_files
 
 COLUMNS = {
@@ -195,6 +195,14 @@ def plots(report: dict) -> dict[str, bytes]:
     import matplotlib
 
     matplotlib.use("Agg")
+    # Data text reaches the plots (source names in the legend): drawn as written, never
+    # parsed as mathtext (a `$\x$` source raised ParseFatalException) or TeX, whatever the
+    # user's matplotlibrc says.
+    with matplotlib.rc_context({"text.parse_math": False, "text.usetex": False}):
+        return _draw(report)
+
+
+def _draw(report: dict) -> dict[str, bytes]:
     import matplotlib.pyplot as plt
 
     figures = {}
@@ -299,6 +307,8 @@ def write_report(out: Output) -> dict:
     report = build_report(out)
     figures = plots(report)
     public = {k: v for k, v in report.items() if not k.startswith("_")}
+    for name in ("report.json", *(f"report/{n}" for n in figures), "report.html"):
+        check_replaceable(out.fs, f"{out.root}/{name}")  # one refused stops the report before its first file
     write_json(out.fs, f"{out.root}/report.json", public)
     # Each file whole or not at all: a failed write (a full disk) leaves the old one.
     staging = out.folder(STAGING)

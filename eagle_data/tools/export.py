@@ -5,7 +5,9 @@ formats (specforge-offline, speculators-offline, modelopt-offline) write data/ t
 OUT/hidden_states/ as each peer's OFFLINE training folder. Both stream: record batches for
 JSONL, one sample's tensors at a time for the offline formats (read by byte range through
 eagle_data.reader), so an OUT of any size exports in bounded memory. DEST (a local path or
-URI for JSONL, a local folder for the offline formats) appears only once complete.
+URI for JSONL, a local folder for the offline formats) appears only once complete; only a
+regular file (JSONL) or a folder this tool wrote (offline) is ever replaced, and only with
+--overwrite: a symlink, a FIFO or a device is refused, named.
 
 JSONL formats, matched against the peers' current readers (field names and types, not code):
 
@@ -125,11 +127,11 @@ from typing import Callable, Iterator, Sequence
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
-from eagle_data.errors import EagleDataError, MissingInput
+from eagle_data.errors import EagleDataError, MissingInput, NotWritable
 from eagle_data.storage.contract import DATA_SCHEMA, LOGPROB_COLUMNS
 from eagle_data.model_files import is_hub_id, model_config, resolve_model_path, text_config_value
 from eagle_data.reader.samples import Out, Samples, row_filter
-from eagle_data.storage.files import filesystem, write_atomically
+from eagle_data.storage.files import filesystem, not_a_regular_file, write_atomically
 
 
 def specforge_row(r: dict) -> dict:
@@ -214,10 +216,16 @@ def describe(removed: dict) -> str:
 
 
 def check_dest(fs, path: str, dest: str, overwrite: bool) -> None:
-    info = fs.get_file_info(path)
-    if info.type == pafs.FileType.Directory:
+    """Refuse a DEST that cannot or may not be replaced, before any row is read. Only a
+    regular file is ever replaced (and only with --overwrite): a symlink, a FIFO or a device
+    is refused whatever the options (write_atomically checks again before its move)."""
+    kind = not_a_regular_file(fs, path)
+    if kind == "a folder":
         raise EagleDataError(f"export: {dest} is a folder; give a file name, e.g. {dest.rstrip('/')}/train.jsonl")
-    if info.type == pafs.FileType.File and not overwrite:
+    if kind is not None:
+        raise NotWritable(f"export: {dest} is {kind}, not a regular file: refusing to replace it, even with "
+                          "--overwrite (export writes only regular files); give another DEST")
+    if fs.get_file_info(path).type == pafs.FileType.File and not overwrite:
         raise EagleDataError(f"export: {dest} exists; pass --overwrite to replace it")
     parent = path.rsplit("/", 1)[0] if "/" in path else "."
     parent_info = fs.get_file_info(parent)
@@ -485,26 +493,25 @@ def ours(path: str) -> bool:
 
 
 def check_offline_dest(path: str, dest: str, overwrite: bool) -> None:
+    """Refuse an offline DEST that may not be replaced, before any sample is read: what is
+    at `path` is named (lstat: a symlink is not followed) and refused whatever the options,
+    unless it is a real folder this tool wrote; that one needs --overwrite."""
     parent = os.path.dirname(path)
     above = parent
     while not os.path.lexists(above):
         above = os.path.dirname(above)
     if not os.path.isdir(above):
         raise EagleDataError(f"export: {above} is not a folder, so {dest} cannot be created under it")
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        mode = None
-    if mode is not None:
-        if not overwrite:
-            raise EagleDataError(f"export: {dest} exists; pass --overwrite to replace it")
-        if stat.S_ISLNK(mode):
-            raise EagleDataError(f"export: {dest} is a symlink; refusing to replace it (give the folder itself)")
-        if not stat.S_ISDIR(mode):
-            raise EagleDataError(f"export: {dest} exists and is not a folder; refusing to replace it")
+    if os.path.lexists(path):
+        kind = not_a_regular_file(pafs.LocalFileSystem(), path) or "a regular file"
+        if kind != "a folder":
+            raise NotWritable(f"export: {dest} is {kind}, not a folder: refusing to replace it, even with "
+                              "--overwrite; give another DEST")
         if not ours(path):
             raise EagleDataError(f"export: {dest} is a folder this tool did not write (no {MARKER}); "
                                  "refusing to replace it: give another DEST, or remove it yourself")
+        if not overwrite:
+            raise EagleDataError(f"export: {dest} exists; pass --overwrite to replace it")
     os.makedirs(parent, exist_ok=True)
 
 

@@ -3,7 +3,8 @@ will see it. Without options: a one-screen summary of the whole OUT.
 
 A sample shows its prompt turns, reasoning and response, token counts, finish reason, and
 the token sequence decoded with the loss-mask boundary visible: in colour on a terminal
-(trained-on tokens green, context grey), with [[loss: ... ]] markers when piped.
+(trained-on tokens green, context grey), with [[loss: ... ]] markers when piped. Data text
+is shown literally (tools/terminal.py): a row's escape sequences are shown, not obeyed.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import sys
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
 
-from eagle_data.errors import NoSuchSample
+from eagle_data.errors import EagleDataError, NoSuchSample
 from eagle_data.model_files import load_tokenizer
 from eagle_data.storage.folder import Output
 from eagle_data.storage.report import build_report
 from eagle_data.storage.shards import shard_files
+from eagle_data.tools.terminal import literal
 
 GREY, GREEN, BOLD, RESET = "\033[90m", "\033[32m", "\033[1m", "\033[0m"
 
@@ -30,6 +32,16 @@ def samples(out: Output, sample_id: str | None, n: int) -> list[dict]:
     if sample_id is not None:
         return dataset.to_table(filter=pc.field("sample_id") == sample_id).to_pylist()
     return dataset.head(n).to_pylist()
+
+
+def not_found(out: Output, sample_id: str | None) -> str:
+    """Why no sample was shown: the id is not there (and how many are), or nothing is."""
+    files = shard_files(out.fs, out.folder("data"))
+    held = pads.dataset(files, filesystem=out.fs, format="parquet").count_rows() if files else 0
+    if held == 0:
+        return f"{f'no sample {sample_id!r}: ' if sample_id else ''}{out.root}/data has no samples yet"
+    return (f"no sample {sample_id!r} in {out.root}/data (it holds {held} samples; "
+            f"`python -m eagle_data inspect {out.root} --n 3` shows the first ones)")
 
 
 def mask_runs(input_ids: list[int], loss_mask: list[int]) -> list[tuple[int, list[int]]]:
@@ -47,27 +59,30 @@ def render_sample(row: dict, tokenizer, colour: bool) -> str:
     def heading(text):
         return f"{BOLD}{text}{RESET}" if colour else text
 
+    def text(value):  # a prompt's or an answer's text: its lines kept
+        return literal(value, multiline=True)
+
     mask = row["loss_mask"]
     lines = [
-        heading(f"sample {row['sample_id']}  source {row['source']}  finish_reason {row['finish_reason']}"),
-        f"variant {row['variant']}: " + ", ".join(f"{k} {v}" for k, v in row["sampling"].items()),
+        heading(literal(f"sample {row['sample_id']}  source {row['source']}  finish_reason {row['finish_reason']}")),
+        literal(f"variant {row['variant']}: " + ", ".join(f"{k} {v}" for k, v in row["sampling"].items())),
         f"tokens: prompt {row['num_prompt_tokens']}, reasoning {row['num_reasoning_tokens']}, "
         f"response {row['num_response_tokens']}; loss on {sum(mask)} of {len(mask)}",
         heading("--- prompt"),
-        *(f"[{m['role']}] {m['content']}" for m in row["messages"]),
-        heading("--- reasoning"), row["reasoning"] or "(none)",
-        heading("--- response"), row["response"] or "(none)",
+        *(f"[{literal(m['role'])}] {text(m['content'])}" for m in row["messages"]),
+        heading("--- reasoning"), text(row["reasoning"] or "(none)"),
+        heading("--- response"), text(row["response"] or "(none)"),
     ]
     if tokenizer is not None:
         lines.append(heading("--- input_ids decoded; " + (
             "green = loss on, grey = context" if colour else "[[loss: ... ]] = loss on")))
         parts = []
         for m, ids in mask_runs(row["input_ids"], mask):
-            text = tokenizer.decode(ids)
+            decoded = text(tokenizer.decode(ids))
             if colour:
-                parts.append(f"{GREEN if m else GREY}{text}{RESET}")
+                parts.append(f"{GREEN if m else GREY}{decoded}{RESET}")
             else:
-                parts.append(f"[[loss: {text} ]]" if m else text)
+                parts.append(f"[[loss: {decoded} ]]" if m else decoded)
         lines.append("".join(parts))
     return "\n".join(lines)
 
@@ -76,12 +91,12 @@ def summary(out: Output) -> str:
     r = build_report(out)
     c, t = r["counts"], r["tokens"]
     lines = [
-        f"OUT {out.root}",
+        f"OUT {literal(out.root)}",
         f"rows: selected {c['selected']} = prompts {c['prompts']} + skipped {c['skipped']}; "
         + (f"{c['conversations']} conversations; " if c["conversations"] != c["prompts"] else "")
         + f"ok {c['ok']}, failed attempts {c['failed_rows']} ({c['failed_final']} samples gave up)",
-        "skipped: " + (", ".join(f"{k} {v}" for k, v in r["skipped_by_reason"].items()) or "none"),
-        "finish reasons: " + (", ".join(f"{k} {v}" for k, v in r["finish_reasons"].items()) or "none"),
+        "skipped: " + (", ".join(f"{literal(k)} {v}" for k, v in r["skipped_by_reason"].items()) or "none"),
+        "finish reasons: " + (", ".join(f"{literal(k)} {v}" for k, v in r["finish_reasons"].items()) or "none"),
     ]
     for name in ("prompt", "reasoning", "response"):
         s = t[name]
@@ -90,14 +105,14 @@ def summary(out: Output) -> str:
                          f"max {s['max']}, total {s['total']}")
     lines.append(f"{'source':<45} {'prompts':>8} {'skipped':>8} {'ok':>8} {'failed':>7}")
     for source, counts in r["by_source"].items():
-        lines.append(f"{source[:45]:<45} {counts.get('prompts', 0):>8} {counts.get('skipped', 0):>8} "
+        lines.append(f"{literal(source)[:45]:<45} {counts.get('prompts', 0):>8} {counts.get('skipped', 0):>8} "
                      f"{counts.get('ok', 0):>8} {counts.get('failed', 0):>7}")
     if len(r["by_variant"]) > 1:
         lines.append(f"{'variant':<24} {'conversations':>13} {'ok':>8} {'failed':>7} {'stop':>6} {'length':>7} "
                      f"{'completion mean':>15} {'p95':>7}")
         for name, v in r["by_variant"].items():
             finish, done = v["finish_reasons"], v["completion_tokens"]
-            lines.append(f"{name[:24]:<24} {v['conversations']:>13} {v['ok']:>8} {v['failed']:>7} "
+            lines.append(f"{literal(name)[:24]:<24} {v['conversations']:>13} {v['ok']:>8} {v['failed']:>7} "
                          f"{finish.get('stop', 0):>6} {finish.get('length', 0):>7} "
                          f"{done.get('mean', '-'):>15} {done.get('p95', '-'):>7}")
     return "\n".join(lines)
@@ -106,12 +121,14 @@ def summary(out: Output) -> str:
 def inspect(path: str, sample_id: str | None = None, n: int | None = None,
             colour: bool | None = None) -> str:
     out = Output.existing(path)
+    if sample_id is not None and not sample_id.strip():
+        # Most likely an unset shell variable (--sample-id "$ID"): an error, not "show any".
+        raise EagleDataError(f"--sample-id is empty ({sample_id!r}): give a sample id, or --n K for the first K samples")
     if sample_id is None and n is None:
         return summary(out)
     rows = samples(out, sample_id, n or 1)
     if not rows:
-        raise NoSuchSample(f"no sample {sample_id!r} in {out.root}/data" if sample_id
-                          else f"{out.root}/data has no samples yet")
+        raise NoSuchSample(not_found(out, sample_id))
     colour = sys.stdout.isatty() if colour is None else colour
     try:
         tokenizer = load_tokenizer(out.manifest.tokenizer["path"], out.manifest.trust_remote_code)

@@ -59,10 +59,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from eagle_data.errors import VocabError
-from eagle_data.storage.files import filesystem, write_bytes
+from eagle_data.errors import NotWritable, VocabError
+from eagle_data.storage.files import check_replaceable, filesystem, not_a_regular_file, write_bytes
 from eagle_data.storage.folder import Output
 from eagle_data.reader.samples import Out
 from eagle_data.storage.report import write_report
@@ -183,11 +184,16 @@ def write_files(dest: str, formats: Sequence[str], d2t: np.ndarray, t2d: np.ndar
     if unknown:
         raise VocabError(f"unknown format(s) {sorted(unknown)}; choose from {', '.join(FORMATS)} or all")
     fs, folder = filesystem(dest)
+    if fs.get_file_info(folder).type not in (pafs.FileType.Directory, pafs.FileType.NotFound):
+        raise NotWritable(f"vocab: {dest} is {not_a_regular_file(fs, folder) or 'a regular file'}, not a folder; "
+                          "give --dest a folder")
     files = {"token_freq.parquet": _freq_parquet(counts)}
     for fmt in formats:
         files.update({name: make() for name, make in WRITERS[fmt](d2t, t2d, counts).items()})
     names = sorted([*files, "vocab.json"])
     files["vocab.json"] = json.dumps({**summary, "files": names}, indent=1).encode()
+    for name in names:  # a name that may not be replaced stops the set before its first file
+        check_replaceable(fs, f"{folder}/{name}")
     # Written aside beside their names (DEST may be outside OUT): a reader never sees half a file.
     return [write_bytes(fs, f"{folder}/{name}", data) for name, data in files.items()]
 
@@ -205,11 +211,16 @@ def build_vocab(out: str, draft_vocab_size: int = DEFAULT_DRAFT_VOCAB_SIZE,
                 formats: Sequence[str] = FORMATS, finish_reason: Sequence[str] | None = None,
                 source: Sequence[str] | None = None) -> dict:
     """Count OUT's masked tokens, choose the draft vocabulary and write it for `formats`.
-    vocab_size None = the manifest's generate.tokenizer.model_vocab_size (tests and
-    benchmarks pass their synthetic OUT's). Returns the
-    summary written to vocab.json (coverage keys are draft sizes)."""
-    if vocab_size is None:
-        vocab_size = vocab_size_from_manifest(out)
+    vocab_size: the size of a synthetic OUT that records none (tests and benchmarks); it
+    never overrides the manifest's generate.tokenizer.model_vocab_size, which a t2d of
+    another length would contradict (every trainer checks it against the model). Returns
+    the summary written to vocab.json (coverage keys are draft sizes)."""
+    recorded = vocab_size_from_manifest(out)
+    if recorded is not None and vocab_size not in (None, recorded):
+        raise VocabError(f"vocab size {vocab_size} differs from the {recorded} {out}/manifest.json records "
+                         "(phases.generate.tokenizer.model_vocab_size, the target's config.json vocab_size): "
+                         "the draft vocabulary is built for the model that made the OUT")
+    vocab_size = recorded if recorded is not None else vocab_size
     if vocab_size is None:
         raise VocabError(f"{out}/manifest.json records no phases.generate.tokenizer.model_vocab_size "
                          "(the target's config.json vocab_size, recorded since eagle-data 0.1.0): "
@@ -230,8 +241,8 @@ def build_vocab(out: str, draft_vocab_size: int = DEFAULT_DRAFT_VOCAB_SIZE,
     if dest is None:  # OUT/vocab/vocab.json: the report shows the coverage curve
         try:
             write_report(Output.existing(out))
-        except (OSError, pa.ArrowException) as e:  # the vocabulary is written all the same
-            print(f"vocab: the files are written, but the report could not be rewritten ({e}); "
+        except Exception as e:  # the vocabulary is complete: no report error fails it (as in the job)
+            print(f"vocab: the files are written, but the report could not be rewritten ({type(e).__name__}: {e}); "
                   f"run `python -m eagle_data report {out}`", file=sys.stderr)
     return summary
 

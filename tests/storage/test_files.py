@@ -158,3 +158,76 @@ def test_the_job_output_opens_an_fsspec_uri_the_reader_reads(root):
     job.check_writable()
     job.manifest.save()
     assert Out(uri).root == out and Out(uri).files == []
+
+
+def not_regular_things(folder) -> dict:
+    """{kind: path} of every non-regular thing a user may have at a name a tool writes:
+    a FIFO, a symlink to a file, a dangling symlink, a folder, and (as root) a device node
+    like /dev/null. Made fresh for each test; `.../target` is the symlink's file."""
+    import stat
+
+    os.makedirs(folder)
+    target = os.path.join(folder, "target")
+    with open(target, "w") as f:
+        f.write("the user's file\n")
+    things = {"FIFO": os.path.join(folder, "fifo"), "symlink": os.path.join(folder, "link"),
+              "dangling symlink": os.path.join(folder, "dangling"), "folder": os.path.join(folder, "dir")}
+    os.mkfifo(things["FIFO"])
+    os.symlink(target, things["symlink"])
+    os.symlink(os.path.join(folder, "nowhere"), things["dangling symlink"])
+    os.mkdir(things["folder"])
+    if os.geteuid() == 0:  # mknod of a device needs root: the /dev/null of the issue
+        things["character device"] = os.path.join(folder, "null")
+        os.mknod(things["character device"], 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    return things
+
+
+def snapshot(path: str) -> tuple:
+    """What is at `path`, without following a symlink: its type, link target, and content."""
+    st = os.lstat(path)
+    return (st.st_mode, st.st_rdev, os.readlink(path) if os.path.islink(path) else None,
+            open(os.path.join(os.path.dirname(path), "target")).read())
+
+
+@pytest.mark.parametrize("in_staging", [True, False])
+def test_only_regular_files_are_replaced(tmp_path, in_staging):
+    """The issue: `export OUT x` over a device node made `x` a regular file (as root, over
+    /dev/null, for the whole machine). Anything but a regular file is refused, named, and left
+    as it was; a regular file is still replaced."""
+    from eagle_data.errors import NotWritable
+
+    fs, folder = filesystem(str(tmp_path / "things"))
+    things = not_regular_things(folder)
+    staging = f"{folder}/{STAGING}" if in_staging else None
+    for kind, path in things.items():
+        before = snapshot(path)
+        with pytest.raises(NotWritable, match=f"{path} is an? {kind.removeprefix('dangling ')}"):
+            write_bytes(fs, path, b"written", staging)
+        assert snapshot(path) == before, kind
+    write_bytes(fs, f"{folder}/target", b"replaced", staging)
+    assert read_bytes(fs, f"{folder}/target") == b"replaced"
+    assert not [n for n in os.listdir(folder) if n.startswith(".") and n != STAGING]  # no temporary file left
+    assert not in_staging or os.listdir(staging) == []
+
+
+def test_a_thing_that_appears_during_the_write_is_not_replaced(tmp_path):
+    """Checked again just before the move: a FIFO made while the file was written stays."""
+    from eagle_data.errors import NotWritable
+
+    fs, folder = filesystem(str(tmp_path))
+    dest = f"{folder}/report.html"
+
+    def write(tmp: str) -> None:
+        with fs.open_output_stream(tmp) as f:
+            f.write(b"report")
+        os.mkfifo(dest)
+
+    with pytest.raises(NotWritable, match="is a FIFO"):
+        write_atomically(fs, dest, write)
+    assert stat_is_fifo(dest) and os.listdir(folder) == ["report.html"]
+
+
+def stat_is_fifo(path: str) -> bool:
+    import stat
+
+    return stat.S_ISFIFO(os.lstat(path).st_mode)

@@ -176,3 +176,60 @@ def test_export_never_destroys_an_existing_dest(tmp_path, capsys):
     assert cli(dest / "x.jsonl", "--format", "jsonl") == 2
     assert "is a file, so" in capsys.readouterr().err
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp file left
+
+
+def test_export_writes_only_regular_files_even_with_overwrite(tmp_path, capsys):
+    """The issue: `mknod x c 1 3; export OUT x --format jsonl` exited 0 with x a regular file
+    (as root, `export OUT /dev/null --overwrite` replaced /dev/null). A FIFO, a symlink, a
+    device is refused and named, with or without --overwrite, and stays what it was."""
+    import os
+    import stat
+
+    src = write_out(tmp_path / "out", [synthetic_row(i, 4, 0, 2, "stop", "a") for i in range(3)], rows_per_shard=2)
+    (tmp_path / "target.jsonl").write_text("the user's file\n")
+    things = {"FIFO": tmp_path / "fifo", "symlink": tmp_path / "link.jsonl"}
+    os.mkfifo(things["FIFO"])
+    things["symlink"].symlink_to(tmp_path / "target.jsonl")
+    if os.geteuid() == 0:
+        things["character device"] = tmp_path / "null"
+        os.mknod(things["character device"], 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    for kind, path in things.items():
+        before = os.lstat(path)
+        for overwrite in ([], ["--overwrite"]):
+            assert main(["export", str(src), str(path), "--format", "jsonl", *overwrite]) == 2, kind
+            err = capsys.readouterr().err
+            assert f"{path} is a {kind}" in err and "refusing to replace it" in err, err
+            after = os.lstat(path)
+            assert (after.st_mode, after.st_rdev, after.st_ino) == (before.st_mode, before.st_rdev, before.st_ino)
+    assert (tmp_path / "target.jsonl").read_text() == "the user's file\n"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp file left
+
+
+def test_an_offline_dest_is_only_ever_a_folder_this_tool_wrote(tmp_path):
+    """The offline formats' DEST folder: a FIFO, a device, a symlink or another's folder is
+    named and refused at once, not first sent to --overwrite (which would refuse it next)."""
+    import os
+    import stat
+
+    from eagle_data.errors import EagleDataError
+    from eagle_data.tools.export import MARKER, check_offline_dest
+
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "ours").mkdir()
+    (tmp_path / "ours" / MARKER).write_text("{}")
+    (tmp_path / "link").symlink_to(tmp_path / "ours", target_is_directory=True)
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "file").write_text("mine")
+    refused = {"fifo": "is a FIFO", "link": "is a symlink to", "theirs": "a folder this tool did not write",
+               "file": "not a folder"}
+    if os.geteuid() == 0:
+        os.mknod(tmp_path / "null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        refused["null"] = "is a character device"
+    for name, why in refused.items():
+        for overwrite in (False, True):
+            with pytest.raises(EagleDataError, match=why):
+                check_offline_dest(str(tmp_path / name), name, overwrite)
+    with pytest.raises(EagleDataError, match="exists; pass --overwrite"):
+        check_offline_dest(str(tmp_path / "ours"), "ours", False)
+    check_offline_dest(str(tmp_path / "ours"), "ours", True)
+    check_offline_dest(str(tmp_path / "new" / "dest"), "new/dest", False)

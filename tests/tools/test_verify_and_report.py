@@ -47,3 +47,52 @@ def test_verify_checks_the_logprob_columns(tmp_path):
     assert "sample_id s0001: its log-probabilities are not one entry per generated token" in logprob_problems[0]
     assert "top_logprob_ids outside the vocabulary [0, 1000): 1..1000" in logprob_problems[1]
     assert "token_logprobs holds values that are not finite" in logprob_problems[2]
+
+
+def test_the_report_replaces_only_its_own_regular_files(tmp_path, capsys):
+    """report.html a symlink (to the user's file): `report OUT` names it and exits 2, before
+    any report file is replaced; the link and its file stay."""
+    import os
+
+    from eagle_data.__main__ import main
+
+    out = write_out(tmp_path / "out", [synthetic_row(i, 4, 2, 3, "stop", "a") for i in range(3)], rows_per_shard=2)
+    (tmp_path / "mine.html").write_text("the user's page")
+    (out / "report.html").symlink_to(tmp_path / "mine.html")
+    assert main(["report", str(out)]) == 2
+    assert f"{out}/report.html is a symlink to {tmp_path / 'mine.html'}" in capsys.readouterr().err
+    assert os.path.islink(out / "report.html") and (tmp_path / "mine.html").read_text() == "the user's page"
+    assert not (out / "report.json").exists() and not (out / "report").exists()  # no half report
+    (out / "report.html").unlink()
+    assert main(["report", str(out)]) == 0
+    assert (out / "report.html").is_file() and (out / "report" / "lengths.png").is_file()
+
+
+def test_text_in_the_plots_is_literal(tmp_path, capsys, monkeypatch):
+    """A source named with `$...$` was parsed by matplotlib as math: `report OUT` raised
+    ParseFatalException (and the job exited 1 after complete data). Every text in the plots
+    is drawn as written: none is taken as mathtext, even `a$b$c`, which would parse."""
+    import json
+
+    import matplotlib.text
+
+    import eagle_data.storage.report as report
+    from eagle_data.__main__ import main
+
+    drawn = []
+
+    def png(fig, plt):
+        texts = [t for t in fig.findobj(matplotlib.text.Text) if t.get_text()]
+        drawn.extend((t.get_text(), t._preprocess_math(t.get_text())[1]) for t in texts)
+        return save(fig, plt)
+
+    save = report._png
+    monkeypatch.setattr(report, "_png", png)
+    sources = ["price $5 or $x^{$", r"$\notacommand$", "a$b$c"]
+    rows = [synthetic_row(i, 4, 2, 3, "stop", sources[i % 3]) for i in range(6)]
+    out = write_out(tmp_path / "out", rows, rows_per_shard=4)
+    assert main(["report", str(out)]) == 0, capsys.readouterr().err
+    assert {f"{s} (2)" for s in sources} <= {text for text, _ in drawn}  # the legend, as written
+    assert [text for text, math in drawn if math] == []
+    assert set(json.loads((out / "report.json").read_text())["by_source"]) == set(sources)
+    assert (out / "report" / "lengths.png").stat().st_size > 0

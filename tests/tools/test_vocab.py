@@ -311,3 +311,64 @@ def test_cli_reads_the_manifest_vocab_size_and_writes_one_format(tmp_path, capsy
     assert np.load(out / "vocab" / "t2d.npy").shape == (200,)  # the manifest's vocabulary size
     assert cli([str(out), "--draft-vocab-size", "500"]) == 2
     assert "error: --draft-vocab-size 500 must be in [1, 200)" in capsys.readouterr().err
+
+
+def test_vocab_writes_only_regular_files_in_a_folder(tmp_path, capsys):
+    """--dest that is a FIFO or a file is named (was a FileExistsError traceback); a symlink or
+    a FIFO at one of the files' names is refused before any file is replaced, so the set is
+    never half old, half new."""
+    import os
+
+    manifest = {"schema_version": MANIFEST_VERSION, "phases": {"generate": {"tokenizer": {"model_vocab_size": 200}}}}
+    out = write_rows(tmp_path / "out", random_rows(4, 30, 100), manifest=manifest)
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "file").write_text("mine")
+    for name, kind in (("fifo", "a FIFO (named pipe)"), ("file", "a regular file")):
+        assert cli([str(out), "--draft-vocab-size", "20", "--dest", str(tmp_path / name)]) == 2
+        assert f"{tmp_path / name} is {kind}, not a folder" in capsys.readouterr().err
+    assert (tmp_path / "file").read_text() == "mine"
+
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "d2t.npy").write_text("old")
+    (tmp_path / "elsewhere").write_text("the user's file")
+    (dest / "t2d.npy").symlink_to(tmp_path / "elsewhere")
+    assert cli([str(out), "--draft-vocab-size", "20", "--dest", str(dest), "--format", "speculators"]) == 2
+    assert f"{dest}/t2d.npy is a symlink to {tmp_path / 'elsewhere'}" in capsys.readouterr().err
+    assert sorted(p.name for p in dest.iterdir()) == ["d2t.npy", "t2d.npy"]
+    assert (dest / "d2t.npy").read_text() == "old" and (dest / "t2d.npy").is_symlink()
+    assert (tmp_path / "elsewhere").read_text() == "the user's file"
+
+
+def test_a_report_error_after_the_vocabulary_is_a_warning(tmp_path, capsys, monkeypatch):
+    """The vocabulary is complete before the report is rewritten: any error there (here the
+    ValueError a `$\\x$` source raised in matplotlib) is a warning naming it, exit 0."""
+    import eagle_data.tools.vocab as vocab
+
+    def failing(out):
+        raise ValueError("\\notacommand")
+
+    monkeypatch.setattr(vocab, "write_report", failing)
+    manifest = {"schema_version": MANIFEST_VERSION, "phases": {"generate": {"tokenizer": {"model_vocab_size": 200}}}}
+    out = write_rows(tmp_path / "out", random_rows(4, 30, 100), manifest=manifest)
+    assert cli([str(out), "--draft-vocab-size", "20", "--format", "modelopt"]) == 0
+    err = capsys.readouterr().err
+    assert "the files are written, but the report could not be rewritten (ValueError: \\notacommand)" in err
+    assert (out / "vocab" / "d2t.pt").is_file()
+
+
+def test_no_option_overrides_the_recorded_vocab_size(tmp_path, capsys):
+    """The issue: `vocab --vocab-size` silently replaced the size the OUT records (a t2d of the
+    wrong length, which breaks trainers; a huge value was OOM-killed). The CLI has no such
+    option, and build_vocab refuses a size other than the recorded one, naming both, before
+    anything is counted or allocated."""
+    manifest = {"schema_version": MANIFEST_VERSION, "phases": {"generate": {"tokenizer": {"model_vocab_size": 200}}}}
+    out = write_rows(tmp_path / "out", random_rows(4, 30, 100), manifest=manifest)
+    for size in (300, 10**15):
+        with pytest.raises(VocabError, match=f"vocab size {size} differs from the {200} {out}/manifest.json records"):
+            build_vocab(str(out), 20, size)
+    with pytest.raises(SystemExit) as e:
+        cli([str(out), "--vocab-size", "300"])
+    assert e.value.code == 2 and "unrecognized arguments: --vocab-size" in capsys.readouterr().err
+    assert not (out / "vocab").exists()
+    assert build_vocab(str(out), 20, 200, str(tmp_path / "v"))["vocab_size"] == 200  # the same size is no override

@@ -193,6 +193,27 @@ def test_a_report_that_cannot_be_written_does_not_fail_complete_data(ray_local, 
     assert any("data is complete, but its report could not be written" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), ValueError("\\notacommand\n^"),
+                                   EagleDataError("report.html is a FIFO")])
+def test_no_report_error_after_complete_data_fails_the_job(tmp_path, monkeypatch, caplog, error):
+    """The issue: a `$\\x$` source made the report raise matplotlib's ParseFatalException (a
+    ValueError), which only OSError and ArrowException were caught for: the job exited 1 after
+    complete data. Any error making the report after a phase is a warning naming it."""
+    import eagle_data.job.phases.run as job_run
+    from support import synthetic_row, write_out
+
+    def failing(out):
+        raise error
+
+    monkeypatch.setattr(job_run, "write_report", failing)
+    out = write_out(tmp_path / "out", [synthetic_row(0, 2, 0, 1, "stop", "a")], rows_per_shard=1)
+    with caplog.at_level("WARNING", logger="eagle_data"):
+        job_run.report(Output(str(out)))
+    [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "data is complete, but its report could not be written" in warning
+    assert f"{type(error).__name__}: {error}" in warning and f"python -m eagle_data report {out}" in warning
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     disk = tmp_path / "disk"

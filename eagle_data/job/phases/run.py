@@ -107,12 +107,14 @@ def close_ray() -> None:
 
 
 def report(out: Output) -> None:
-    """The report after a phase; the data is complete whether or not it can be written."""
+    """The report after a phase; the data is complete whether or not it can be written, so
+    no error here fails the job (a full disk, a file in the way, a bug in a plot): the job's
+    exit code is the data's. The one place that catches a report error broadly."""
     try:
         write_report(out)
-    except (OSError, pa.ArrowException) as e:
-        log.warning("the phase's data is complete, but its report could not be written (%s); "
-                    "free the space and run `python -m eagle_data report %s`", e, out.root)
+    except Exception as e:
+        log.warning("the phase's data is complete, but its report could not be written (%s: %s); "
+                    "fix that and run `python -m eagle_data report %s`", type(e).__name__, e, out.root)
 
 
 def check_hub(cfg: Config, uses_hub_dataset: bool) -> None:
