@@ -304,13 +304,55 @@ class Config(_Section):
         return self
 
 
+class DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: str, first_line: int, line: int):
+        super().__init__(f"duplicate key {key!r} at lines {first_line} and {line}")
+        self.key, self.first_line, self.line = key, first_line, line
+
+
+def load_yaml(text: str) -> Any:
+    """yaml.safe_load that refuses a key twice in one mapping, at any depth: PyYAML keeps
+    the last one silently, so a second `sampling:` section reset the first one's keys."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _refuse_duplicate_keys(node, ())
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _refuse_duplicate_keys(node: yaml.Node, path: tuple, seen: set[int] | None = None) -> None:
+    seen = set() if seen is None else seen
+    if id(node) in seen:  # an alias: its node was checked where its anchor is
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        lines: dict[tuple, int] = {}
+        for key, value in node.value:
+            # A merge key (`<<`) is meant to be overridden by the keys beside it.
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                line = key.start_mark.line + 1
+                if (key.tag, key.value) in lines:
+                    raise DuplicateKey(".".join((*path, key.value)), lines[key.tag, key.value], line)
+                lines[key.tag, key.value] = line
+            _refuse_duplicate_keys(value, (*path, str(getattr(key, "value", "?"))), seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_duplicate_keys(item, (*path, str(i)), seen)
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`a.b=value` -> (["a", "b"], value); the value is read as YAML (numbers, null, lists...)."""
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set {text!r}: expected dotted.key=value")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = load_yaml(raw) if raw.strip() else ""
+    except DuplicateKey as e:
+        raise ConfigError(f"--set {text!r}: duplicate key {e.key!r} in the value") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"--set {text!r}: value is not valid YAML ({e})") from e
     return key.strip().split("."), value
@@ -320,7 +362,9 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     data: dict[str, Any] = {}
     if path is not None:
         try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
+            data = load_yaml(Path(path).read_text()) or {}
+        except DuplicateKey as e:
+            raise ConfigError(f"config {path}: {e}: YAML would keep only the last one; merge them") from None
         except (OSError, yaml.YAMLError) as e:
             raise ConfigError(f"cannot read config {path}: {e}") from e
         if not isinstance(data, dict):

@@ -117,3 +117,25 @@ def test_an_infinite_setting_is_a_config_error_naming_it():
         load_config(None, BASE + ["sampling.temperature=.inf"])
     with pytest.raises(ConfigError, match="output.flush_seconds: Input should be a finite number"):
         load_config(None, BASE + ["output.flush_seconds=1e400"])
+
+
+def test_a_duplicate_key_at_any_depth_is_an_error_naming_it_and_both_lines(tmp_path):
+    """PyYAML keeps the last of two equal keys: a second `sampling:` section silently put
+    temperature and top_p back to their defaults."""
+    f = tmp_path / "c.yaml"
+    f.write_text("model: {path: /m}\noutput: {path: /o}\n"
+                 "sampling:\n  temperature: 0.2\n  top_p: 0.5\n"
+                 "engine: {replicas: 2}\n"
+                 "sampling:\n  max_tokens: 10\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'sampling' at lines 3 and 7"):
+        load_config(f)
+    f.write_text("model: {path: /m}\noutput: {path: /o}\n"
+                 "engine:\n  engine_kwargs:\n    max_num_seqs: 4\n    max_num_seqs: 8\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'engine.engine_kwargs.max_num_seqs' at lines 5 and 6"):
+        load_config(f)
+    with pytest.raises(ConfigError, match=r"--set .*duplicate key 'enable_thinking'"):
+        load_config(None, BASE + ["prompt.chat_template_kwargs={enable_thinking: false, enable_thinking: true}"])
+    # YAML merge keys (`<<`) legitimately override what they merge.
+    f.write_text("model: {path: /m}\noutput: {path: /o}\n"
+                 "sampling: {<<: {temperature: 0.2, top_p: 0.5}, temperature: 0.3}\n")
+    assert load_config(f).sampling.temperature == 0.3
