@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from eagle_data.errors import ConfigError
 
@@ -99,6 +99,12 @@ class ModelConfig(_Section):
         return self.tokenizer or self.path
 
 
+# The dtypes both engines take by name (vLLM's `dtype` choices; torch has each as an attribute,
+# which is how transformers reads `dtype`/`torch_dtype`): checked at start, since a bad one
+# only fails once a replica loads the model.
+ENGINE_DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
+
+
 class EngineConfig(_Section):
     backend: Literal["vllm", "transformers"] = Field(
         default="vllm",
@@ -148,6 +154,15 @@ class EngineConfig(_Section):
                     "started as `ray start --resources '{\"eagle_replica\": 1}'`: one replica per node, whatever "
                     "else fits (transformers: the engine actor's resources; vLLM: added to the first bundle of "
                     "the replica's placement group). Empty = Ray places replicas by CPUs/GPUs alone")
+
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _check_dtype(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        for key in ("dtype", "torch_dtype"):
+            if key in kwargs and kwargs[key] not in ENGINE_DTYPES:
+                raise ValueError(f"{key} {kwargs[key]!r} is not a dtype the engines take: one of "
+                                 f"{', '.join(ENGINE_DTYPES)}")
+        return kwargs
 
 
 class VariantConfig(_Section):
