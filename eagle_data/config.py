@@ -140,7 +140,11 @@ class EngineConfig(_Section):
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="passed through to the engine: vLLM's `engine_kwargs` (`max_num_seqs`, "
-                    "`enable_prefix_caching`, ...) or transformers' `from_pretrained`")
+                    "`enable_prefix_caching`, ...) or transformers' `from_pretrained`. A key that a typed "
+                    "setting sets is refused, naming the setting (`max_model_len`: `engine.max_model_len`; "
+                    "`trust_remote_code`, `tokenizer`, `tensor_parallel_size`, `model`, `gguf_file`, and "
+                    "`kv_cache_memory_bytes` with `device: cpu`); `dtype`/`torch_dtype` must be one of "
+                    "`auto`, `bfloat16`, `float16`, `half`, `float32`, `float`")
     num_cpus: Finite = Field(
         default=1, gt=0,
         description="CPUs reserved by one engine replica (transformers, or vllm with `device: cpu`)")
