@@ -42,7 +42,8 @@ WORDS = [" the", " cat", " sat", " on", " mat", " and", " dog", " ran", "."]
 
 
 def engine_kwargs(args) -> dict:
-    return {"dtype": "bfloat16", "enforce_eager": True, "max_num_seqs": args.slots, "max_model_len": 1024}
+    """The pass-through both engines get (the job's max_model_len is its typed key)."""
+    return {"dtype": "bfloat16", "enforce_eager": True, "max_num_seqs": args.slots}
 
 
 def bare_vllm(spec_path: str, result_path: str) -> None:
@@ -134,7 +135,8 @@ def main() -> None:
         stop_ids = list(target_tokens(base_cfg, load_tokenizer(str(model))).eos_ids)  # what the job asks for
 
         spec = tmp / "bare.json"
-        spec.write_text(json.dumps({"out": str(tmp / "base"), "model": str(model), "engine_kwargs": kwargs,
+        spec.write_text(json.dumps({"out": str(tmp / "base"), "model": str(model),
+                                    "engine_kwargs": {**kwargs, "max_model_len": 1024},
                                     "max_tokens": args.max_tokens, "stop_ids": stop_ids}))
         subprocess.run([sys.executable, __file__, "--bare", str(spec), str(tmp / "bare-result.json")], check=True,
                        env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)

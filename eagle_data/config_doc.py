@@ -36,7 +36,10 @@ command line. Override values are read as YAML: `--set source.sample=null`,
 `--set engine.replica_resources={{eagle_replica: 1}}`.
 
 Unknown keys, wrong types and impossible combinations stop the job at start, before Ray
-starts, with the key named (exit code 2). The combinations checked:
+starts, with the key named (exit code 2). So does a key given twice in one YAML mapping, at
+any depth, in the file or a `--set` value (named with both lines: YAML would silently keep
+the last one), and an infinite or NaN number in any float setting (`.inf`, `1e400`). The
+combinations checked:
 
 - `sampling.max_tokens` must be smaller than `engine.max_model_len` (no prompt would fit);
 - `model.reasoning_start` and `model.reasoning_end` must differ;
@@ -47,6 +50,12 @@ starts, with the key named (exit code 2). The combinations checked:
   (with `device: cpu`, use `engine.replicas` for more CPU engines);
 - `source.per_source` needs `source.sample` or `source.per_source.max_rows`, its `weights`
   need `source.sample`, and must give some source a positive weight.
+- `engine.engine_kwargs` may not set what a typed key sets (`max_model_len`,
+  `trust_remote_code`, ...: the prompts phase and the tokenizer use the typed value), and
+  its `dtype`/`torch_dtype` must be a dtype both engines take.
+
+An engine replica that cannot start (its model load raises) stops the job with
+`error: the engine could not start: <root cause> (check <settings>)`, exit code 2.
 
 A prompt-affecting change of config on an existing OUT is refused, naming the changed keys
 (`--fresh` deletes OUT and starts over).

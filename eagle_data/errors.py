@@ -62,6 +62,11 @@ class NoReplicaResources(EagleDataError):
     problem like any other, so the same code."""
 
 
+class EngineStartFailed(EagleDataError):
+    """An engine replica could not start (its model load raised): a setup problem, with the
+    root cause and the settings to check, instead of Ray's ActorDiedError traceback."""
+
+
 class NoSuchSample(EagleDataError, LookupError):
     """`inspect --sample-id` names a sample that OUT/data does not hold."""
 

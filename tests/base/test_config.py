@@ -54,3 +54,88 @@ def test_missing_required_key_and_bad_set_syntax():
 def test_transformers_backend_refuses_tensor_parallel():
     with pytest.raises(ConfigError, match="tensor_parallel_size > 1 needs engine.backend=vllm"):
         load_config(None, BASE + ["engine.backend=transformers", "engine.tensor_parallel_size=2"])
+
+
+def float_fields(annotation, loc=()):
+    """The loc of every float the config model holds, through sections, lists, dicts and
+    optionals (a list item is index 0, a dict value key "k")."""
+    import types
+    import typing
+
+    from pydantic import BaseModel
+
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is float:
+        yield loc
+    elif isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        for name, field in annotation.model_fields.items():
+            yield from float_fields(field.annotation, (*loc, name))
+    elif origin in (typing.Union, types.UnionType, typing.Annotated):
+        for arg in args:
+            yield from float_fields(arg, loc)
+    elif origin is list:
+        yield from float_fields(args[0], (*loc, 0))
+    elif origin is dict:
+        yield from float_fields(args[1], (*loc, "k"))
+
+
+def nested(loc, value):
+    """{"a": {"b": [value]}} for loc ("a", "b", 0)."""
+    for part in reversed(loc):
+        value = [value] if part == 0 else {part: value}
+    return value
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan"), "1e400"])
+def test_every_float_in_the_config_model_is_finite(bad):
+    """Walks the whole model, so a float field added later without `Finite` fails here: an
+    inf temperature once ran with exit 0 and stored uniform random tokens."""
+    from pydantic import ValidationError
+
+    from eagle_data.config import Config
+
+    locs = list(float_fields(Config))
+    assert {("sampling", "temperature"), ("engine", "num_cpus"), ("engine", "cpu_kv_cache_gib"),
+            ("output", "flush_seconds"), ("sampling", "variants", 0, "top_p"),
+            ("engine", "replica_resources", "k")} <= set(locs)
+    accepted = []
+    for loc in locs:
+        data = {"model": {"path": "/m"}, "output": {"path": "/o"}}
+        section = nested(loc, bad)
+        data[loc[0]] = {**data.get(loc[0], {}), **section[loc[0]]}
+        try:
+            Config.model_validate(data)
+        except ValidationError as e:
+            if any(err["loc"] == loc and err["type"] == "finite_number" for err in e.errors()):
+                continue
+        accepted.append(loc)
+    assert not accepted, f"float fields that accept {bad!r}: {accepted}"
+
+
+def test_an_infinite_setting_is_a_config_error_naming_it():
+    with pytest.raises(ConfigError, match="sampling.temperature: Input should be a finite number"):
+        load_config(None, BASE + ["sampling.temperature=.inf"])
+    with pytest.raises(ConfigError, match="output.flush_seconds: Input should be a finite number"):
+        load_config(None, BASE + ["output.flush_seconds=1e400"])
+
+
+def test_a_duplicate_key_at_any_depth_is_an_error_naming_it_and_both_lines(tmp_path):
+    """PyYAML keeps the last of two equal keys: a second `sampling:` section silently put
+    temperature and top_p back to their defaults."""
+    f = tmp_path / "c.yaml"
+    f.write_text("model: {path: /m}\noutput: {path: /o}\n"
+                 "sampling:\n  temperature: 0.2\n  top_p: 0.5\n"
+                 "engine: {replicas: 2}\n"
+                 "sampling:\n  max_tokens: 10\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'sampling' at lines 3 and 7"):
+        load_config(f)
+    f.write_text("model: {path: /m}\noutput: {path: /o}\n"
+                 "engine:\n  engine_kwargs:\n    max_num_seqs: 4\n    max_num_seqs: 8\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'engine.engine_kwargs.max_num_seqs' at lines 5 and 6"):
+        load_config(f)
+    with pytest.raises(ConfigError, match=r"--set .*duplicate key 'enable_thinking'"):
+        load_config(None, BASE + ["prompt.chat_template_kwargs={enable_thinking: false, enable_thinking: true}"])
+    # YAML merge keys (`<<`) legitimately override what they merge.
+    f.write_text("model: {path: /m}\noutput: {path: /o}\n"
+                 "sampling: {<<: {temperature: 0.2, top_p: 0.5}, temperature: 0.3}\n")
+    assert load_config(f).sampling.temperature == 0.3

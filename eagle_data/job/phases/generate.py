@@ -19,7 +19,7 @@ from ray.data.expressions import col, lit
 
 from eagle_data.config import Config
 from eagle_data.errors import MissingInput
-from eagle_data.job.stages.engines import ENGINE_CLASSES, apply_engine
+from eagle_data.job.stages.engines import ENGINE_CLASSES, apply_engine, engine_start_errors
 from eagle_data.job.fingerprints import generate_config
 from eagle_data.job.stages.postprocess import Postprocessor
 from eagle_data.job.stages.requests import Askable, FirstTurn, Requests, engine_sampling
@@ -88,7 +88,8 @@ def answer_turns(cfg: Config, out: Output, special: SpecialTokens, finished: set
             break
         log.info("generate: turn %d: %d to ask", turn, to_ask)
         if to_ask:  # starting the engine replicas alone is a model load
-            publish(answers(ds, cfg, special, engine), writers["data"], writers["failed"], progress, run_id)
+            with engine_start_errors(cfg):
+                publish(answers(ds, cfg, special, engine), writers["data"], writers["failed"], progress, run_id)
         for writer in writers.values():  # publish the rest now: the next pass reads these answers
             writer.close()
 

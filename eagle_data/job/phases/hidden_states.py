@@ -33,7 +33,7 @@ from eagle_data.job.fingerprints import hidden_states_config
 from eagle_data.job.progress import EngineWatch
 from eagle_data.job.ray_internals import one_batch_per_block, read_parquet_in_small_tasks
 from eagle_data.job.stages.columns import Stage, columns
-from eagle_data.job.stages.engines import ENGINE_CLASSES, apply_hidden_states_engine
+from eagle_data.job.stages.engines import ENGINE_CLASSES, apply_hidden_states_engine, engine_start_errors
 from eagle_data.job.stages.pack_hidden_states import HiddenStatesPacker
 from eagle_data.model_files import model_config, text_config_value
 from eagle_data.reader.samples import row_filter
@@ -117,7 +117,7 @@ def run_hidden_states(cfg: Config, out: Output, engine=None) -> dict:
         ds = (engine or apply_hidden_states_engine)(ds, cfg, ids, dtype, scratch)
         ds = ds.map_batches(HiddenStatesPacker(out.root, run["run_id"], ids, hidden_size, dtype),
                             batch_size=cfg.hidden_states.rows_per_shard, batch_format="pyarrow")
-        with publisher:
+        with publisher, engine_start_errors(cfg):
             publisher.publish(ds)
     failed.close()
     counts = totals(out, cfg)

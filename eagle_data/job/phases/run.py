@@ -16,7 +16,7 @@ import ray
 
 from eagle_data.config import Config
 from eagle_data.errors import EmptyResult, MissingInput, NotWritable
-from eagle_data.job.stages.engines import ENGINE_CLASSES
+from eagle_data.job.stages.engines import ENGINE_CLASSES, check_engine_kwargs
 from eagle_data.job.fingerprints import generate_config, hidden_states_config, prompt_config
 from eagle_data.job.phases.generate import run_generate
 from eagle_data.job.phases.hidden_states import run_hidden_states
@@ -43,6 +43,7 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow
     its report, unless `allow_empty`."""
     if phase not in PHASES:
         raise ValueError(f"phase {phase!r} is not one of {PHASES}")
+    check_engine_kwargs(cfg)
     hidden = phase == "hidden_states" or (phase == "all" and cfg.hidden_states.enabled)
     out = open_output(cfg.output.path)
     out.check_ours()  # before anything is written, moved or deleted there

@@ -12,6 +12,7 @@ A row that cannot become a prompt is never an exception: it gets a reason (one r
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -49,8 +50,21 @@ class Skip(Exception):
         self.reason, self.detail = reason, detail
 
 
-def parse_turns(raw: str) -> list[dict]:
-    """The row's turns as [{role, content}] with normalised roles, or Skip."""
+@dataclass(frozen=True)
+class Turn:
+    role: str | None  # normalised; None for a role no turn policy renders (`tool`, `function_call`, ...)
+    content: str
+    given_role: str  # as the row spells it
+    where: str  # e.g. conversations[2]
+
+    def unknown_role(self, role_key: str) -> Skip:
+        return Skip("bad_schema", f"{self.where}.{role_key} is an unknown role {self.given_role!r}")
+
+
+def parse_turns(raw: str) -> tuple[list[Turn], str]:
+    """(the row's turns, the key that names a role), or Skip. Every turn must be well formed
+    (an object with a string role and text): a row that is not is broken data. Which roles
+    are allowed is the turn policy's to say, for the turns it uses."""
     try:
         row = json.loads(raw)
     except RecursionError:
@@ -88,32 +102,41 @@ def parse_turns(raw: str) -> list[dict]:
             except UnicodeEncodeError as e:  # JSON allows "\ud800"; Unicode text does not
                 raise Skip("bad_encoding", f"{where}.{key} holds a lone surrogate "
                                            f"U+{ord(turn[key][e.start]):04X} at {e.start}") from None
-        role = ROLES.get(turn[role_key].strip().lower())
-        if role is None:
-            raise Skip("bad_schema", f"{where}.{role_key} is an unknown role {turn[role_key]!r}")
-        out.append({"role": role, "content": turn[text_key]})
-    return out
+        out.append(Turn(ROLES.get(turn[role_key].strip().lower()), turn[text_key], turn[role_key], where))
+    return out, role_key
 
 
-def first_user_messages(turns: list[dict]) -> list[dict]:
-    """Turn policy `first_user`: an optional leading system message + the first user message."""
-    user = next((t for t in turns if t["role"] == "user"), None)
+def first_user_messages(turns: list[Turn], role_key: str) -> list[dict]:
+    """Turn policy `first_user`: an optional leading system message + the first user message.
+    It reads the turns up to the first user turn, where a role it does not know costs the
+    row (that turn could have been the user's), and none after it."""
+    user = None
+    for turn in turns:
+        if turn.role is None:
+            raise turn.unknown_role(role_key)
+        if turn.role == "user":
+            user = turn
+            break
     if user is None:
         raise Skip("no_user_turn", f"no user turn among {len(turns)} turns")
-    if not user["content"].strip():
+    if not user.content.strip():
         raise Skip("empty", "the first user turn is empty")
     messages = []
-    if turns[0]["role"] == "system" and turns[0]["content"].strip():
-        messages.append(turns[0])
-    messages.append(user)
+    if turns[0].role == "system" and turns[0].content.strip():
+        messages.append({"role": "system", "content": turns[0].content})
+    messages.append({"role": "user", "content": user.content})
     return messages
 
 
-def conversation_messages(turns: list[dict]) -> tuple[list[dict], list[str]]:
+def conversation_messages(turns: list[Turn], role_key: str) -> tuple[list[dict], list[str]]:
     """Turn policy `all`: (the first turn's prompt messages, every user text in order). The
-    dataset's assistant turns are dropped: the target writes its own."""
-    messages = first_user_messages(turns)
-    users = [t["content"] for t in turns if t["role"] == "user"]
+    dataset's assistant turns are dropped: the target writes its own. The conversation ends
+    before its first turn of another role (`tool`, `function_call`, `observation`): such a
+    turn answers a tool call of the dataset's assistant that the target never made, and the
+    user turns after it may build on it; the user turns before it are answered."""
+    messages = first_user_messages(turns, role_key)
+    end = next((i for i, t in enumerate(turns) if t.role is None), len(turns))
+    users = [t.content for t in turns[:end] if t.role == "user"]
     for i, text in enumerate(users):
         if not text.strip():
             raise Skip("empty", f"user turn {i} is empty")
@@ -169,17 +192,38 @@ class PromptRenderer:
                 results.append((None, "template_error", f"{type(e).__name__}: {e}"))
                 continue
             results.append(None)
+        limit = variant.max_prompt_tokens
+        why = "engine.max_model_len - sampling.max_tokens" if variant.name == DEFAULT else \
+            f"engine.max_model_len - max_tokens of variant {variant.name!r}"
+        # A row's cost is bounded by the limit, not by its size: one too long for `limit`
+        # tokens of the longest kind is skipped on its length (a 50 MB row took 7.5 GB
+        # to tokenize). The bound is provable: each token stands for at most `longest`
+        # characters of the normalised text, and a normaliser shrinks text at most 4x
+        # (NFKC maps one 4-byte character to one ASCII letter at most; NFC composes 3 Hangul
+        # jamo into one syllable), so a longer text has more than `limit` tokens.
+        bound = limit * longest_token_chars(self.tokenizer_path, self.trust_remote_code) * 4
+        for i, text in enumerate(texts):
+            if text is not None and len(text) > bound:
+                texts[i] = None
+                results[i] = (None, "prompt_too_long", f"{len(text)} characters, more than {limit} prompt tokens "
+                                                       f"({why}) whatever they are; not tokenized")
         ok = [i for i, t in enumerate(texts) if t is not None]
         # The template renders the special tokens itself: none added on top.
         encoded = tokenizer([texts[i] for i in ok], add_special_tokens=False)["input_ids"] if ok else []
-        limit = variant.max_prompt_tokens
         for i, ids in zip(ok, encoded):
             results[i] = (ids, "", "")
             if len(ids) > limit:
-                why = "engine.max_model_len - sampling.max_tokens" if variant.name == DEFAULT else \
-                    f"engine.max_model_len - max_tokens of variant {variant.name!r}"
                 results[i] = (ids, "prompt_too_long", f"{len(ids)} prompt tokens > {limit} ({why})")
         return results
+
+
+@functools.lru_cache(maxsize=4)
+def longest_token_chars(tokenizer_path: str, trust_remote_code: bool) -> int:
+    """The most characters of text one token stands for: its longest vocabulary entry (added
+    tokens included). A byte-level BPE entry spells each byte as one character, and a text
+    has no more characters than bytes; a tokenizer that gives entries as bytes, their bytes."""
+    tokenizer = load_tokenizer(tokenizer_path, trust_remote_code)
+    return max(len(t) for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))) if t)
 
 
 @dataclass(frozen=True)
@@ -216,13 +260,13 @@ class PromptBuilder(PromptRenderer, Stage):
             try:
                 if read_error:  # bad_encoding or bad_file (job/stages/source.py)
                     raise Skip(*read_error.split(": ", 1))
-                turns = parse_turns(raw)
+                turns, role_key = parse_turns(raw)
                 if self.turns == "all":
-                    messages, users = conversation_messages(turns)
+                    messages, users = conversation_messages(turns, role_key)
                     # The conversation is identified by everything the target is asked.
                     identity = messages[:-1] + [{"role": "user", "content": u} for u in users]
                 else:
-                    messages = first_user_messages(turns)
+                    messages = first_user_messages(turns, role_key)
                     users, identity = [messages[-1]["content"]], messages
                 for role, content in [(m["role"], m["content"]) for m in messages] + [("user", u) for u in users]:
                     found = control.search(content)

@@ -28,11 +28,16 @@ are ordered as torch.topk orders them, which both backends use (no lowest-id-fir
 from __future__ import annotations
 
 import logging
+import re
+import sys
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import numpy as np
 import ray
 
 from eagle_data.config import Config
+from eagle_data.errors import ConfigError, EngineStartFailed
 from eagle_data.storage.contract import LOGPROB_COLUMNS
 
 # The classes whose Ray Data actors are engine replicas (vllm_backend's is a subclass of Ray's UDF).
@@ -48,6 +53,77 @@ def logprob_values(top_ids: np.ndarray, top_logprobs: np.ndarray, token_logprobs
     arrays = (top_ids, top_logprobs, token_logprobs)
     return {name: np.ascontiguousarray(a, dtype).tobytes()
             for name, a, dtype in zip(LOGPROB_COLUMNS, arrays, LOGPROB_DTYPES)}
+
+
+def refuse_owned(typed: dict[str, tuple[str, Any]], passed: dict) -> None:
+    """A pass-through engine kwarg that a typed key owns is refused: it would go over the
+    typed value, which the prompts phase and the tokenizer use (`typed` is what the
+    backend's builder sets, {kwarg: (owning key, value)}, so the two cannot drift)."""
+    for kwarg in passed:
+        if kwarg in typed:
+            raise ConfigError(f"engine.engine_kwargs.{kwarg}: set {typed[kwarg][0]} instead "
+                              "(the job uses that value elsewhere too)")
+
+
+def check_engine_kwargs(cfg: Config) -> None:
+    """At start, before any work: refuse_owned against the configured backend's builder."""
+    if cfg.engine.backend == "vllm":
+        from eagle_data.job.stages.engines.vllm_backend import typed_engine_kwargs
+
+        refuse_owned(typed_engine_kwargs(cfg), cfg.engine.engine_kwargs)
+    else:
+        from eagle_data.job.stages.engines.transformers_backend import typed_from_pretrained
+
+        refuse_owned(typed_from_pretrained(cfg.model.path, cfg.model.trust_remote_code), cfg.engine.engine_kwargs)
+
+
+@contextmanager
+def engine_start_errors(cfg: Config) -> Iterator[None]:
+    """Around a pass that runs the engine: a replica that cannot start is one line, its
+    root cause and the settings to check (exit 2). Ray raises an ActorDiedError after ~40 s
+    whose cause is only on the last line of a 60-line traceback."""
+    ray_data_errors = logging.getLogger("ray.data.exceptions")  # Ray 2.60's omit_traceback_stdout
+    hide = HideEngineStartTrace()
+    ray_data_errors.addFilter(hide)
+    try:
+        yield
+    except ray.exceptions.RayActorError as e:
+        cause = start_failure(str(e))
+        if cause is None:
+            raise
+        raise EngineStartFailed(f"the engine could not start: {cause} (check {start_settings(cfg, cause)})") from None
+    finally:
+        ray_data_errors.removeFilter(hide)
+
+
+class HideEngineStartTrace(logging.Filter):
+    """Ray Data logs an actor that died as a Ray bug ("please open an issue"), with its full
+    traceback, while it raises it; an engine's start failure is said in one line instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else sys.exc_info()[1]  # logged in its except block
+        return not (isinstance(error, ray.exceptions.RayActorError) and start_failure(str(error)))
+
+
+def start_failure(message: str) -> str | None:
+    """The root cause (the traceback's last line) of an engine actor whose creation task
+    raised; None for any other actor error."""
+    message = re.sub(r"\x1b\[[0-9;]*m", "", message)  # Ray colours the actor's name
+    if "creation task" not in message or not any(f"({name})" in message for name in ENGINE_CLASSES):
+        return None
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    return lines[-1] if lines else None
+
+
+def start_settings(cfg: Config, cause: str) -> str:
+    """The keys to check: the pass-through ones the cause names, else what reaches the engine."""
+    named = [f"engine.engine_kwargs.{k}" for k in cfg.engine.engine_kwargs if str(k) in cause]
+    if named:
+        return ", ".join(named)
+    if cfg.engine.backend == "vllm":
+        return ("model.path, engine.max_model_len, engine.tensor_parallel_size, engine.engine_kwargs; "
+                "the engine replica's log has vLLM's own messages")
+    return "model.path, model.trust_remote_code, engine.engine_kwargs (transformers' from_pretrained)"
 
 
 def apply_engine(ds: ray.data.Dataset, cfg: Config, pad_id: int) -> ray.data.Dataset:

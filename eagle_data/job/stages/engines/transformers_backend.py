@@ -11,19 +11,35 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import pyarrow as pa
 import ray
 
 from eagle_data.config import Config
 from eagle_data.job.stages.columns import Stage, columns
-from eagle_data.job.stages.engines import LOGPROB_COLUMNS, logprob_values
+from eagle_data.job.stages.engines import LOGPROB_COLUMNS, logprob_values, refuse_owned
 from eagle_data.job.ray_internals import ENGINE_ERROR, VLLM_OUTPUT_DEFAULTS
 from eagle_data.model_files import pretrained_args
 
 log = logging.getLogger(__name__)
 
 CONSUMED = ("tokenized_prompt", "sampling_params")  # popped by the engine, as Ray's stage does
+
+
+def typed_from_pretrained(model_path: str, trust_remote_code: bool) -> dict[str, tuple[str, Any]]:
+    """`from_pretrained`'s kwargs that typed keys set: {kwarg: (the key that owns it, its
+    value)}; None is not passed, but still owned (the tokenizer is loaded without it)."""
+    name, extra = pretrained_args(model_path)
+    return {"pretrained_model_name_or_path": ("model.path", name), "gguf_file": ("model.path", None),
+            **{k: ("model.path", v) for k, v in extra.items()},
+            "trust_remote_code": ("model.trust_remote_code", trust_remote_code)}
+
+
+def from_pretrained_kwargs(model_path: str, trust_remote_code: bool, passed: dict) -> dict:
+    typed = typed_from_pretrained(model_path, trust_remote_code)
+    refuse_owned(typed, passed)
+    return {**{k: v for k, (_, v) in typed.items() if v is not None}, **passed}
 
 
 def load_model(model_path: str, trust_remote_code: bool, from_pretrained: dict, cpu_threads: int | None):
@@ -34,10 +50,9 @@ def load_model(model_path: str, trust_remote_code: bool, from_pretrained: dict, 
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(cpu_threads or os.cpu_count() or 1)
-    name, kwargs = pretrained_args(model_path)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(
-        name, trust_remote_code=trust_remote_code, **kwargs, **from_pretrained).to(device).eval()
+    kwargs = from_pretrained_kwargs(model_path, trust_remote_code, from_pretrained)
+    model = AutoModelForCausalLM.from_pretrained(**kwargs).to(device).eval()
     print(f"engine replica on node {ray.get_runtime_context().get_node_id()}", flush=True)
     return torch, device, model
 

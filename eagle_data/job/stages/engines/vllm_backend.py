@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from eagle_data.config import Config
 from eagle_data.errors import NoReplicaResources
+from eagle_data.job.stages.engines import refuse_owned
 from eagle_data.job.ray_internals import vllm_stage_udf
 from eagle_data.model_files import resolve_model_path
 
 log = logging.getLogger(__name__)
-
 
 
 def feed_factor(batch_size: int) -> float:
@@ -31,20 +32,29 @@ def feed_factor(batch_size: int) -> float:
     return 2 + batch_size / 8
 
 
-def engine_kwargs(cfg: Config) -> dict:
-    kwargs = {
-        "tensor_parallel_size": cfg.engine.tensor_parallel_size,
-        "max_model_len": cfg.engine.max_model_len,
-        "trust_remote_code": cfg.model.trust_remote_code,
+def typed_engine_kwargs(cfg: Config) -> dict[str, tuple[str, Any]]:
+    """vLLM's engine kwargs that typed keys set: {kwarg: (the key that owns it, its value)}.
+    A value of None is not passed (vLLM's default) but still owned: the prompts phase
+    tokenizes with model.tokenizer_path whether or not model.tokenizer is set."""
+    typed = {
+        "model": ("model.path", None),  # Ray's model_source
+        "tensor_parallel_size": ("engine.tensor_parallel_size", cfg.engine.tensor_parallel_size),
+        "max_model_len": ("engine.max_model_len", cfg.engine.max_model_len),
+        "trust_remote_code": ("model.trust_remote_code", cfg.model.trust_remote_code),
+        "tokenizer": ("model.tokenizer", resolve_model_path(cfg.model.tokenizer) if cfg.model.tokenizer else None),
     }
-    if cfg.model.tokenizer:
-        kwargs["tokenizer"] = resolve_model_path(cfg.model.tokenizer)
     if cfg.engine.device == "cpu":
         # vLLM's CPU build takes the KV cache size in bytes (its VLLM_CPU_KVCACHE_SPACE env
         # variable is the legacy spelling of the same setting).
-        kwargs["kv_cache_memory_bytes"] = int(cfg.engine.cpu_kv_cache_gib * 2**30)
-    kwargs.update(cfg.engine.engine_kwargs)  # anything else passes through
-    return kwargs
+        typed["kv_cache_memory_bytes"] = ("engine.cpu_kv_cache_gib", int(cfg.engine.cpu_kv_cache_gib * 2**30))
+    return typed
+
+
+def engine_kwargs(cfg: Config) -> dict:
+    typed = typed_engine_kwargs(cfg)
+    refuse_owned(typed, cfg.engine.engine_kwargs)
+    # Anything else passes through.
+    return {**{k: v for k, (_, v) in typed.items() if v is not None}, **cfg.engine.engine_kwargs}
 
 
 def replica_needs(cfg: Config) -> dict[str, float]:
