@@ -25,7 +25,7 @@ TOOL_ROW = {"conversations": [
 def raw_batch(rows: list) -> pa.Table:
     return pa.table({"row_id": [f"r{i}" for i in range(len(rows))], "source": ["s"] * len(rows),
                      "raw": [json.dumps(r) if not isinstance(r, str) else r for r in rows],
-                     "origin": [""] * len(rows), "encoding_error": [""] * len(rows)})
+                     "origin": [""] * len(rows), "read_error": [""] * len(rows)})
 
 
 def build(tmp_path, tokenizer_dir, rows, **overrides) -> list[dict]:
