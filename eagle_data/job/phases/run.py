@@ -27,6 +27,7 @@ from eagle_data.model_files import check_tokenizer_path, hub_reachable, is_hub_i
 from eagle_data.storage.damage import check_prompts_record, quarantine_corrupt
 from eagle_data.storage.folder import Output
 from eagle_data.storage.lock import lock
+from eagle_data.storage.provenance import keep_rebuilt, rebuild_manifest
 from eagle_data.storage.report import write_report
 
 log = logging.getLogger("eagle_data")
@@ -47,7 +48,10 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow
     out = open_output(cfg.output.path)
     out.check_ours()  # before anything is written, moved or deleted there
     out.check_writable()
+    rebuilt = False
     if not fresh:
+        # A lost or damaged manifest.json: the shards' footers say which configs made them.
+        rebuilt = rebuild_manifest(out)
         if phase != "hidden_states":
             out.manifest.check_prompts_config(prompt_config(cfg))
         if phase in ("generate", "all"):
@@ -62,6 +66,8 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow
         if fresh:
             log.warning("--fresh: deleting what earlier runs wrote in %s", out.root)
             out.wipe()
+        elif rebuilt or out.manifest.damaged:
+            keep_rebuilt(out)
         out.clear_staging()
         quarantine_corrupt(out)
         check_prompts_record(out)
