@@ -5,7 +5,6 @@ Real Parquet files on a local folder, without Ray."""
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pyarrow as pa
@@ -13,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from eagle_data.errors import EagleDataError, NotAnOut, OutputMismatch
-from eagle_data.storage.contract import (FINGERPRINT_KEY, OUT_ID_KEY, PROMPTS_SCHEMA, RUN_KEY, SKIPPED_SCHEMA,
+from eagle_data.storage.contract import (FINGERPRINT_KEY, OUT_ID_KEY, PROMPTS_SCHEMA, RUN_KEY,
                                          is_ours)
 from eagle_data.storage.damage import quarantine_corrupt
 from eagle_data.storage.folder import Output

@@ -40,10 +40,26 @@ def test_verify_checks_the_logprob_columns(tmp_path):
     rows[2]["token_logprobs"] = [0.5, float("nan")]
     out = write_out(tmp_path / "out", rows, rows_per_shard=3)
     [shard] = (out / "data").glob("*.parquet")
-    pq.write_table(pa.Table.from_pylist(rows, schema=data_schema(2)), shard)
+    pq.write_table(pa.Table.from_pylist(rows, schema=data_schema(2).with_metadata(pq.read_schema(shard).metadata)), shard)
     problems, _ = verify(str(out))
     logprob_problems = [p for p in problems if "log" in p]
     assert len(logprob_problems) == 3, problems
     assert "sample_id s0001: its log-probabilities are not one entry per generated token" in logprob_problems[0]
     assert "top_logprob_ids outside the vocabulary [0, 1000): 1..1000" in logprob_problems[1]
     assert "token_logprobs holds values that are not finite" in logprob_problems[2]
+
+
+def test_verify_names_a_shard_of_another_out(tmp_path):
+    import pyarrow.parquet as pq
+
+    from eagle_data.storage.contract import OUT_ID_KEY
+
+    out = write_out(tmp_path / "out", [synthetic_row(i, 2, 1, 1, "stop", "s") for i in range(3)], rows_per_shard=3)
+    assert not [p for p in verify(str(out))[0] if "shard" in p]
+    other = write_out(tmp_path / "other", [synthetic_row(7, 2, 1, 1, "stop", "s")], rows_per_shard=3)
+    table = pq.read_table(other / "data" / "part-00000.parquet")  # as another OUT's job wrote it
+    table = table.replace_schema_metadata({**table.schema.metadata, OUT_ID_KEY.encode(): b"another"})
+    pq.write_table(table, out / "data" / "part-00001.parquet")  # copied in
+    foreign = [p for p in verify(str(out))[0] if "not this OUT's shard" in p]
+    assert foreign == [f"{out}/data/part-00001.parquet: not this OUT's shard: written for another OUT "
+                       "(out_id another; this OUT's is synthetic)"]
