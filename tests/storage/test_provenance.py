@@ -151,3 +151,17 @@ def test_fresh_deletes_every_file_the_project_writes_but_the_lock(tmp_path):
     out.wipe()
     assert [p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()] == [".lock"]
     assert out.manifest.out_id != old_id  # a new OUT: shards of the old one would be foreign
+
+
+def test_every_tool_calls_a_cut_manifest_damaged_and_names_the_recovery(tmp_path, capsys):
+    from eagle_data.__main__ import main
+    from support import synthetic_row, write_out
+
+    out = write_out(tmp_path / "out", [synthetic_row(0, 2, 1, 1, "stop", "s")], rows_per_shard=1)
+    manifest = out / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:40])
+    for argv in (["verify"], ["report"], ["inspect"], ["vocab"], ["export", "--format", "jsonl", str(tmp_path / "x.jsonl")]):
+        assert main([argv[0], str(out), *argv[1:]]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {manifest} is damaged (JSONDecodeError") and "keeps the data" in err, (argv, err)
+    assert len(manifest.read_bytes()) == 40 and not (out / "report.json").exists()
