@@ -24,9 +24,10 @@ log = logging.getLogger("eagle_data")
 
 
 class Output:
-    def __init__(self, path: str, fs=None):
+    def __init__(self, path: str, fs=None, fresh: bool = False):
+        """`fresh`: opened to be wiped (--fresh), so an OUT of another manifest version is no error."""
         self.fs, self.root = filesystem(path, fs)
-        self.manifest = mf.Manifest(self.fs, self.root)
+        self.manifest = mf.Manifest(self.fs, self.root, check_version=not fresh)
 
     @classmethod
     def existing(cls, path: str, fs=None) -> "Output":

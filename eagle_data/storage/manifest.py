@@ -56,7 +56,8 @@ def shard_metadata(out_id: str, run_id: str, config: dict) -> dict[str, str]:
 
 
 class Manifest:
-    def __init__(self, fs, out: str):
+    def __init__(self, fs, out: str, check_version: bool = True):
+        """`check_version` False: --fresh, which deletes an OUT of another version too."""
         self.fs, self.out = fs, out
         self.path = f"{out}/{MANIFEST}"
         found, self.damaged = read_manifest(fs, self.path)
@@ -68,11 +69,11 @@ class Manifest:
         self.data = found or {"schema_version": MANIFEST_VERSION, "out_id": uuid.uuid4().hex}
         self.data.setdefault("phases", {})
         version = self.data.get("schema_version", 1)
-        if version != MANIFEST_VERSION:
+        if version != MANIFEST_VERSION and check_version:
             raise EagleDataError(f"{self.path} has schema_version {version}; this eagle-data reads "
                                  f"{MANIFEST_VERSION}: " + ("upgrade eagle-data to read this OUT" if version > MANIFEST_VERSION
-                                                            else "it was made by an older eagle-data, whose rows lack columns this one "
-                                                                 "writes; make it again (--fresh) or use a new output.path"))
+                                                            else "it was made by an older eagle-data, whose shards lack columns or "
+                                                                 "footers this one relies on; make it again (--fresh) or use a new output.path"))
 
     @property
     def out_id(self) -> str | None:

@@ -5,6 +5,7 @@ Real Parquet files on a local folder, without Ray."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pyarrow as pa
@@ -165,3 +166,16 @@ def test_every_tool_calls_a_cut_manifest_damaged_and_names_the_recovery(tmp_path
         err = capsys.readouterr().err
         assert err.startswith(f"error: {manifest} is damaged (JSONDecodeError") and "keeps the data" in err, (argv, err)
     assert len(manifest.read_bytes()) == 40 and not (out / "report.json").exists()
+
+
+def test_fresh_deletes_an_out_of_an_older_manifest_version_that_a_resume_refuses(tmp_path):
+    root = tmp_path / "out"
+    make_out(root)
+    manifest = json.loads((root / "manifest.json").read_text())
+    (root / "manifest.json").write_text(json.dumps({**manifest, "schema_version": 3}))
+    with pytest.raises(EagleDataError, match="older eagle-data.*make it again \\(--fresh\\)"):
+        Output(str(root))
+    out = Output(str(root), fresh=True)  # what --fresh opens
+    out.check_ours()
+    out.wipe()
+    assert not [p for p in root.rglob("*") if p.is_file()]

@@ -45,7 +45,7 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow
     if phase not in PHASES:
         raise ValueError(f"phase {phase!r} is not one of {PHASES}")
     hidden = phase == "hidden_states" or (phase == "all" and cfg.hidden_states.enabled)
-    out = open_output(cfg.output.path)
+    out = open_output(cfg.output.path, fresh)
     out.check_ours()  # before anything is written, moved or deleted there
     out.check_writable()
     rebuilt = False
@@ -129,9 +129,9 @@ def check_hub(cfg: Config, uses_hub_dataset: bool) -> None:
         use_hub_cache_only()
 
 
-def open_output(path: str) -> Output:
+def open_output(path: str, fresh: bool = False) -> Output:
     try:
-        return Output(path)
+        return Output(path, fresh=fresh)
     # An unreachable filesystem, or a URI neither pyarrow nor fsspec knows (ValueError) or
     # whose fsspec package is not installed (ImportError).
     except (OSError, ValueError, ImportError, pa.ArrowException) as e:
