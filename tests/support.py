@@ -184,13 +184,16 @@ def write_out(root: Path, rows: list[dict], rows_per_shard: int, pad_id: int = 0
 
     from eagle_data.storage.contract import DATA_SCHEMA, MANIFEST_VERSION
     from eagle_data.storage.files import filesystem, write_json
+    from eagle_data.storage.manifest import shard_metadata
 
     (root / "data").mkdir(parents=True)
+    footer = shard_metadata("synthetic", "synthetic", {})  # this OUT's, made under generate_config {}
     for i in range(0, len(rows), rows_per_shard):
-        table = pa.Table.from_pylist(rows[i:i + rows_per_shard], schema=DATA_SCHEMA)
+        table = pa.Table.from_pylist(rows[i:i + rows_per_shard], schema=DATA_SCHEMA.with_metadata(footer))
         pq.write_table(table, root / "data" / f"part-{i // rows_per_shard:05d}.parquet")
     fs, path = filesystem(str(root))
-    write_json(fs, f"{path}/manifest.json", {"schema_version": MANIFEST_VERSION, "phases": {"generate": {"tokenizer": {
+    write_json(fs, f"{path}/manifest.json", {"schema_version": MANIFEST_VERSION, "out_id": "synthetic", "phases": {"generate": {
+        "generate_config": {}, "tokenizer": {
         "path": "synthetic", "vocab_size": 1000, "eos_ids": [2], "pad_id": pad_id,
         "reasoning_start_id": 5, "reasoning_end_id": 6}}}})
     return root

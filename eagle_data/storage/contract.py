@@ -16,10 +16,15 @@ section of docs/formats.md says the same (tests/test_layout.py checks that they 
     OUT/vocab/          the draft vocabulary, when the vocab tool wrote it there (tools/vocab.py)
 
 Shards are `part-<run id>-<n>.parquet` files in those folders (`.safetensors` in hidden_states/), published atomically with
-Parquet page checksums (storage/shards.py). Nothing else is ours: a job refuses an output.path
-holding a file it did not write (`is_ours`), so --fresh and every delete touch only ours.
+Parquet page checksums (storage/shards.py). Every Parquet shard's footer (key-value metadata,
+PROVENANCE) names the OUT (`out_id`), the run and the fingerprint of its phase's config
+(PHASE_OF_FOLDER) it was made under: a job quarantines a shard of another OUT or config, and
+rebuilds a lost or damaged manifest.json from them. Nothing else is ours: a job refuses an output.path
+holding a file it did not write (`is_ours`), so --fresh and every delete touch only ours, and
+--fresh deletes all of it (OWNED_FILES, OWNED_FOLDERS).
 
 manifest.json (`schema_version` MANIFEST_VERSION):
+    out_id:          this OUT's identity, drawn when the manifest is made; every shard carries it
     phases.prompts:  status (running | complete | damaged), counts (selected = prompts +
                      skipped dataset rows; conversations = prompts/ rows = prompts x
                      answers_per_prompt; per variant), prompt_config, runs
@@ -46,7 +51,7 @@ HIDDEN_STATES = "hidden_states"  # safetensors shards (storage/hidden_states.py)
 HIDDEN_FAILED = "hidden_failed"
 MANIFEST = "manifest.json"
 VOCAB_SUMMARY = "vocab/vocab.json"  # written by the vocab tool; read by the report
-MANIFEST_VERSION = 3  # 3: prompts/ and data/ rows carry prompt_id, answer, variant (data/: sampling); 2: config and versions per run
+MANIFEST_VERSION = 4  # 4: out_id, and every shard's footer names its OUT, run and config fingerprint; 3: prompts/ and data/ rows carry prompt_id, answer, variant (data/: sampling); 2: config and versions per run
 ERROR = "error"  # failed/: the engine's error text
 IDS = ("sample_id", "conversation_id", "turn", "source")  # carried by every data/failed/stopped row
 
@@ -127,20 +132,37 @@ QUARANTINE = "quarantine"  # damaged shards moved out of the folders that are re
 STAGING = ".staging"  # files being written; nothing reads them, the next run deletes them
 LOCK = ".lock"
 REPORT_FILES = ("report.json", "report.html")
+REPORT_FIGURES = "report"  # report/*.png
 VOCAB = "vocab"
+# Everything the project writes at OUT's top level: is_ours accepts nothing else, --fresh deletes all of it.
+OWNED_FILES = (MANIFEST, LOCK, *REPORT_FILES)
+OWNED_FOLDERS = (*FOLDERS, HIDDEN_STATES, QUARANTINE, STAGING, VOCAB, REPORT_FIGURES)
+# A damaged manifest.json is moved here (never deleted) when the job rebuilds it from the shards.
+QUARANTINED_MANIFEST = re.compile(r"manifest-\d{8}T\d{6}-[0-9a-f]{6}\.json")
+
+# A Parquet shard's key-value metadata: where its rows came from.
+OUT_ID_KEY, RUN_KEY = "eagle_data.out_id", "eagle_data.run"
+FINGERPRINT_KEY, CONFIG_KEY = "eagle_data.fingerprint", "eagle_data.config"  # the phase config's hash, and the config
+PROVENANCE = (OUT_ID_KEY, RUN_KEY, FINGERPRINT_KEY, CONFIG_KEY)
+PHASE_OF_FOLDER = {"prompts": "prompts", "skipped": "prompts", "data": "generate", "failed": "generate",
+                   "stopped": "generate", HIDDEN_FAILED: "hidden_states"}
+# The phase record's key holding the config that decides its rows (job/fingerprints.py).
+PHASE_CONFIG = {"prompts": "prompt_config", "generate": "generate_config", "hidden_states": "hidden_states_config"}
 
 
 def is_ours(relative: str) -> bool:
     """Whether a file at this path inside OUT is one the project writes."""
     parts = relative.split("/")
     if len(parts) == 1:
-        return parts[0] in (MANIFEST, LOCK, *REPORT_FILES)
+        return parts[0] in OWNED_FILES
     top, name = parts[0], parts[-1]
     if top in (STAGING, VOCAB):
         return True
-    if top == "report":
+    if top == REPORT_FIGURES:
         return len(parts) == 2 and name.endswith(".png")
     if top == QUARANTINE:
+        if len(parts) == 2:
+            return bool(QUARANTINED_MANIFEST.fullmatch(name))
         return len(parts) == 3 and (parts[1] in FOLDERS and bool(SHARD_NAME.fullmatch(name))
                                     or parts[1] == HIDDEN_STATES and bool(HIDDEN_SHARD_NAME.fullmatch(name)))
     if top == HIDDEN_STATES:

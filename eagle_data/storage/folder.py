@@ -11,27 +11,40 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from eagle_data.storage import manifest as mf
-from eagle_data.errors import ForeignFiles, NotAnOut, NotWritable
-from eagle_data.storage.contract import FOLDERS, HIDDEN_STATES, MANIFEST, QUARANTINE, STAGING, is_ours
+from eagle_data.errors import EagleDataError, ForeignFiles, NotAnOut, NotWritable
+from eagle_data.storage.contract import FOLDERS, LOCK, MANIFEST, OWNED_FILES, OWNED_FOLDERS, STAGING, is_ours
 from eagle_data.storage.files import filesystem
-from eagle_data.storage.shards import ShardWriter
+from eagle_data.storage.shards import ShardWriter, shard_files
+
+# How a lost or damaged manifest.json is recovered, keeping the data (docs/robustness.md).
+REBUILD = ("rerun the job with the config that made this OUT: it rebuilds manifest.json from the "
+           "shards' footers and keeps the data")
 
 log = logging.getLogger("eagle_data")
 
 
 class Output:
-    def __init__(self, path: str, fs=None):
+    def __init__(self, path: str, fs=None, fresh: bool = False):
+        """`fresh`: opened to be wiped (--fresh), so an OUT of another manifest version is no error."""
         self.fs, self.root = filesystem(path, fs)
-        self.manifest = mf.Manifest(self.fs, self.root)
+        self.manifest = mf.Manifest(self.fs, self.root, check_version=not fresh)
 
     @classmethod
     def existing(cls, path: str, fs=None) -> "Output":
         """An OUT a tool or the reader reads: refused unless a job made it (it has a manifest.json)."""
         out = cls(path, fs)
+        if out.manifest.damaged:
+            raise EagleDataError(f"{out.manifest.path} is damaged ({out.manifest.damaged}); {REBUILD} "
+                                 "(the damaged file is moved to quarantine/)")
         if not out.manifest.exists:
             info = out.fs.get_file_info(out.root)
-            raise NotAnOut(path, "no such folder" if info.type == pafs.FileType.NotFound else f"no {MANIFEST}")
+            if info.type == pafs.FileType.NotFound:
+                raise NotAnOut(path, "no such folder")
+            raise NotAnOut(path, f"no {MANIFEST}" + (f"; it holds eagle-data shards: {REBUILD}" if out.has_shards() else ""))
         return out
+
+    def has_shards(self) -> bool:
+        return any(shard_files(self.fs, self.folder(name)) for name in FOLDERS)
 
     def folder(self, name: str) -> str:
         return f"{self.root}/{name}"
@@ -47,14 +60,17 @@ class Output:
     def writer(self, folder: str, schema: pa.Schema, run_id: str, rows_per_shard: int,
                flush_seconds: float = float("inf")) -> ShardWriter:
         """Shards of `rows_per_shard` rows, or fewer once `flush_seconds` passed since the last."""
-        return ShardWriter(self.fs, self.root, folder, schema, run_id, rows_per_shard, flush_seconds)
+        return ShardWriter(self.fs, self.root, folder, schema, run_id, rows_per_shard, flush_seconds,
+                           metadata=self.manifest.shard_metadata(folder, run_id))
 
     def wipe(self) -> None:
-        """--fresh: delete what earlier runs made (not the lock this run holds)."""
-        self.remove(*FOLDERS, HIDDEN_STATES, QUARANTINE, STAGING)
-        if self.fs.get_file_info(self.manifest.path).is_file:
-            self.fs.delete_file(self.manifest.path)
-        self.manifest = mf.Manifest(self.fs, self.root)
+        """--fresh: delete everything earlier runs made (the report and vocab/ too: derived from
+        the deleted rows), but not the lock this run holds. check_ours ran first: all of it is ours."""
+        self.remove(*OWNED_FOLDERS)
+        for name in OWNED_FILES:
+            if name != LOCK and self.fs.get_file_info(self.folder(name)).is_file:
+                self.fs.delete_file(self.folder(name))
+        self.manifest = mf.Manifest(self.fs, self.root)  # a new OUT: a new out_id
 
     def check_writable(self) -> None:
         probe = f"{self.folder(STAGING)}/probe-{uuid.uuid4().hex}"

@@ -9,6 +9,7 @@ the run's record, so a reader always sees the settings of the latest run (a reru
 from __future__ import annotations
 
 import datetime
+import hashlib
 import importlib.metadata
 import json
 import platform
@@ -17,7 +18,8 @@ import uuid
 
 import eagle_data
 from eagle_data.errors import EagleDataError, OutputMismatch
-from eagle_data.storage.contract import MANIFEST, MANIFEST_VERSION
+from eagle_data.storage.contract import (CONFIG_KEY, FINGERPRINT_KEY, MANIFEST, MANIFEST_VERSION, OUT_ID_KEY,
+                                         PHASE_CONFIG, PHASE_OF_FOLDER, RUN_KEY)
 from eagle_data.storage.files import read_json, write_json
 
 
@@ -39,26 +41,51 @@ def library_versions() -> dict:
     return versions
 
 
+def fingerprint(config: dict) -> str:
+    """A phase config's short hash: what a shard's footer names (FINGERPRINT_KEY)."""
+    return hashlib.sha256(config_text(config).encode()).hexdigest()[:16]
+
+
+def config_text(config: dict) -> str:
+    return json.dumps(normalised(config), sort_keys=True)
+
+
+def shard_metadata(out_id: str, run_id: str, config: dict) -> dict[str, str]:
+    """The footer of a shard made by `run_id` under its phase's `config` (contract.PROVENANCE)."""
+    return {OUT_ID_KEY: out_id, RUN_KEY: run_id, FINGERPRINT_KEY: fingerprint(config), CONFIG_KEY: config_text(config)}
+
+
 class Manifest:
-    def __init__(self, fs, out: str):
+    def __init__(self, fs, out: str, check_version: bool = True):
+        """`check_version` False: --fresh, which deletes an OUT of another version too."""
         self.fs, self.out = fs, out
         self.path = f"{out}/{MANIFEST}"
-        try:
-            found = read_json(fs, self.path)
-        except ValueError:  # not JSON: not ours
-            found = {"unreadable": True}
+        found, self.damaged = read_manifest(fs, self.path)
         # A manifest.json of ours has `phases`; another one (a user's) is not ours.
         self.foreign = found is not None and "phases" not in found
         self.exists = found is not None and not self.foreign
         found = None if self.foreign else found
-        self.data = found or {"schema_version": MANIFEST_VERSION}
+        # A new OUT's identity: every shard written into it names it (contract.OUT_ID_KEY).
+        self.data = found or {"schema_version": MANIFEST_VERSION, "out_id": uuid.uuid4().hex}
         self.data.setdefault("phases", {})
         version = self.data.get("schema_version", 1)
-        if version != MANIFEST_VERSION:
+        if version != MANIFEST_VERSION and check_version:
             raise EagleDataError(f"{self.path} has schema_version {version}; this eagle-data reads "
                                  f"{MANIFEST_VERSION}: " + ("upgrade eagle-data to read this OUT" if version > MANIFEST_VERSION
-                                                            else "it was made by an older eagle-data, whose rows lack columns this one "
-                                                                 "writes; make it again (--fresh) or use a new output.path"))
+                                                            else "it was made by an older eagle-data, whose shards lack columns or "
+                                                                 "footers this one relies on; make it again (--fresh) or use a new output.path"))
+
+    @property
+    def out_id(self) -> str | None:
+        return self.data.get("out_id")
+
+    def phase_config(self, phase: str) -> dict | None:
+        """The config that decides `phase`'s rows (contract.PHASE_CONFIG), None before it ran."""
+        return self.data["phases"].get(phase, {}).get(PHASE_CONFIG[phase])
+
+    def shard_metadata(self, folder: str, run_id: str) -> dict[str, str]:
+        """The footer of a shard `run_id` writes into `folder` (after its phase's start_run)."""
+        return shard_metadata(self.out_id, run_id, self.phase_config(PHASE_OF_FOLDER[folder]) or {})
 
     def save(self) -> None:
         self.data["schema_version"] = MANIFEST_VERSION
@@ -170,6 +197,20 @@ class Manifest:
             "data set. Use another output.path, or rerun with --fresh to delete this OUT and "
             "start over."
         )
+
+
+def read_manifest(fs, path: str) -> tuple[dict | None, str | None]:
+    """(its JSON, None), (None, None) when there is none, or (None, why) for a manifest.json
+    of ours that does not parse (cut short, zeroed): the job rebuilds it from the shards.
+    Text that is not a JSON object from its first byte is another tool's file, not ours."""
+    try:
+        found = read_json(fs, path)
+    except ValueError as e:
+        with fs.open_input_stream(path) as f:
+            start = f.read(64).lstrip()
+        ours = start[:1] in (b"{", b"", b"\0")  # ours, cut short (or zeroed by a disk fault)
+        return ({"unreadable": True}, None) if not ours else (None, f"{type(e).__name__}: {e}")
+    return (found if isinstance(found, dict) else {"unreadable": True}), None
 
 
 def normalised(config: dict) -> dict:

@@ -17,12 +17,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
+import pyarrow.fs as pafs
 
 from eagle_data.storage import manifest as mf
 from eagle_data.storage.folder import Output
 from eagle_data.storage.status import SampleStatus
 from eagle_data.storage.contract import HIDDEN_STATES, SCHEMAS, STAGING, VOCAB_SUMMARY
 from eagle_data.storage.hidden_states import Index
+from eagle_data.storage.provenance import data_identity
 from eagle_data.storage.files import check_replaceable, read_json, write_bytes, write_json
 from eagle_data.storage.shards import shard_files
 
@@ -150,6 +152,7 @@ def build_report(out: Output) -> dict:
 
     completion = col("num_reasoning_tokens") + col("num_response_tokens") if data.num_rows else np.empty(0)
     prompt_phase = manifest.phase("prompts")
+    made_from = data_identity(out)
     return {
         "out": out.root,
         "generated_at": mf.now(),
@@ -179,7 +182,8 @@ def build_report(out: Output) -> dict:
         "throughput": throughput(out, manifest.generate_runs),
         # Written by `python -m eagle_data vocab OUT` (OUT/vocab/vocab.json): how many masked
         # tokens the top-D ids cover, to choose the draft vocabulary size D.
-        "vocab": read_json(out.fs, f"{out.root}/{VOCAB_SUMMARY}"),
+        **vocab_section(out, made_from),
+        "made_from": made_from,  # the data this report was computed from
         "hidden_states": hidden_states_section(out),
         # Each run's config stays in manifest.json.
         "runs": {"prompts": {k: v for k, v in prompt_phase.items() if k not in ("prompt_config", "runs")},
@@ -189,6 +193,17 @@ def build_report(out: Output) -> dict:
             "prompt": col("num_prompt_tokens") if data.num_rows else np.empty(0),
         },
     }
+
+
+def vocab_section(out: Output, made_from: dict) -> dict:
+    """vocab/vocab.json's summary, only when it was computed from the data/ there now: a
+    vocabulary of other rows (a resumed run added some, a shard was quarantined) would show
+    a coverage those rows do not have. Otherwise `vocab_stale` says why."""
+    found = read_json(out.fs, f"{out.root}/{VOCAB_SUMMARY}")
+    if found is None or found.get("made_from") == made_from:
+        return {"vocab": found, "vocab_stale": None}
+    return {"vocab": None, "vocab_stale": f"vocab/ was made from other data ({found.get('made_from')}; data/ now: "
+                                          f"{made_from}): run `python -m eagle_data vocab {out.root}` again"}
 
 
 def plots(report: dict) -> dict[str, bytes]:
@@ -298,7 +313,8 @@ def to_html(report: dict, figures: dict[str, bytes]) -> str:
            f"{table({r['run_id']: r for r in report['hidden_states']['runs']}, ('run', 'figures'))}"
            if report["hidden_states"] else "")
         + (f"<h2>Draft vocabulary coverage</h2>{table(report['vocab']['coverage'], ('top D ids', 'share of masked tokens'))}"
-           if report["vocab"] else "") +
+           if report["vocab"] else "")
+        + (f"<h2>Draft vocabulary coverage</h2><p>{html.escape(report['vocab_stale'])}</p>" if report["vocab_stale"] else "") +
         f"<h2>Plots</h2>{images}"
     )
 
@@ -314,5 +330,8 @@ def write_report(out: Output) -> dict:
     staging = out.folder(STAGING)
     for name, png in figures.items():
         write_bytes(out.fs, f"{out.root}/report/{name}", png, staging)
+    for found in out.fs.get_file_info(pafs.FileSelector(f"{out.root}/report", allow_not_found=True)):
+        if found.is_file and found.base_name.endswith(".png") and found.base_name not in figures:
+            out.fs.delete_file(found.path)  # a figure of what is no longer there (a stale vocab_coverage.png)
     write_bytes(out.fs, f"{out.root}/report.html", to_html(public, figures).encode(), staging)
     return public

@@ -3,7 +3,8 @@
 A shard is written under OUT/.staging/ and then moved into its folder under its final
 name (storage/files.py write_atomically), so a reader or a resume never sees a
 half-written file: a kill -9 leaves at most a file in .staging/, which nothing reads and
-the next run deletes.
+the next run deletes. Every shard's footer names where its rows came from (contract.PROVENANCE:
+the OUT, the run, its phase's config fingerprint): `ShardWriter(metadata=...)` puts it there.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from eagle_data.storage.contract import STAGING
+from eagle_data.storage.contract import PROVENANCE, STAGING
 from eagle_data.storage.files import write_atomically
 
 
@@ -26,6 +27,13 @@ def shard_files(fs: pafs.FileSystem, folder: str) -> list[str]:
         if info.is_file and info.base_name.endswith(".parquet")
         and not info.base_name.startswith((".", "_"))
     )
+
+
+def read_provenance(fs: pafs.FileSystem, path: str) -> dict[str, str]:
+    """The PROVENANCE keys of a shard's footer ({} for a shard without them); reads the footer only."""
+    with fs.open_input_file(path) as f:
+        found = pq.read_metadata(f).metadata or {}
+    return {k.decode(): v.decode() for k, v in found.items() if k.decode() in PROVENANCE}
 
 
 def publish_table(fs: pafs.FileSystem, out: str, folder: str, name: str, table: pa.Table) -> str:
@@ -43,8 +51,9 @@ class ShardWriter:
     when `flush_seconds` passed since the last one (bounding what a kill can lose)."""
 
     def __init__(self, fs, out: str, folder: str, schema: pa.Schema, run_id: str,
-                 rows_per_shard: int, flush_seconds: float = float("inf")):
-        self.fs, self.out, self.folder, self.schema = fs, out, folder, schema
+                 rows_per_shard: int, flush_seconds: float = float("inf"), metadata: dict[str, str] | None = None):
+        self.fs, self.out, self.folder = fs, out, folder
+        self.schema = schema.with_metadata(metadata or {})  # each shard's footer (provenance)
         self.run_id, self.rows_per_shard, self.flush_seconds = run_id, rows_per_shard, flush_seconds
         self.buffer: list[pa.Table] = []
         self.buffered = 0

@@ -1,6 +1,7 @@
 """`python -m eagle_data verify OUT`: check the invariants a finished or killed OUT must hold.
 
-- every shard in prompts/, skipped/, data/, failed/ reads completely;
+- every shard in prompts/, skipped/, data/, failed/ reads completely, and its footer names
+  this OUT (out_id) and the config fingerprint the manifest records for its phase;
 - sample_id is unique in prompts/ and in data/ (exactly-once, per turn under turns: all);
 - data/, failed/ and stopped/ hold only conversations of prompts/;
 - every data/ row is consistent: len(loss_mask) == len(input_ids) ==
@@ -32,6 +33,7 @@ import pyarrow.parquet as pq
 
 from eagle_data.storage.contract import FOLDERS, HIDDEN_STATES, turn_sample_id
 from eagle_data.storage.folder import Output
+from eagle_data.storage.provenance import shard_problem
 from eagle_data.storage.hidden_states import ShardHeaderError, read_bytes, read_header, shard_paths
 from eagle_data.storage.status import SampleStatus
 from eagle_data.storage.shards import shard_files
@@ -58,6 +60,9 @@ def verify(path: str) -> tuple[list[str], dict]:
             except Exception as e:
                 problems.append(f"{f}: unreadable shard ({type(e).__name__}: {e})")
                 continue
+            foreign = shard_problem(out, folder, f)
+            if foreign:  # the next run quarantines it and redoes its samples
+                problems.append(f"{f}: not this OUT's shard: {foreign}")
             ids[folder].update(table.column("sample_id").to_pylist())
             if folder in ("data", "failed", "stopped"):
                 conversations[folder].update(table.column("conversation_id").to_pylist())

@@ -65,6 +65,7 @@ import pyarrow.parquet as pq
 from eagle_data.errors import NotWritable, VocabError
 from eagle_data.storage.files import check_replaceable, filesystem, not_a_regular_file, write_bytes
 from eagle_data.storage.folder import Output
+from eagle_data.storage.provenance import data_identity
 from eagle_data.reader.samples import Out
 from eagle_data.storage.report import write_report
 from eagle_data.tools.token_counts import count_tokens
@@ -226,6 +227,7 @@ def build_vocab(out: str, draft_vocab_size: int = DEFAULT_DRAFT_VOCAB_SIZE,
                          "(the target's config.json vocab_size, recorded since eagle-data 0.1.0): "
                          "run the generate phase on this OUT, or make it again")
     check_sizes(draft_vocab_size, vocab_size)
+    made_from = data_identity(Output.existing(out))  # before counting: a vocabulary of these rows
     counted = count_tokens(out, vocab_size, finish_reason, source)
     ids = select_ids(counted.counts, draft_vocab_size)
     d2t, t2d = mappings(ids, vocab_size)
@@ -236,6 +238,7 @@ def build_vocab(out: str, draft_vocab_size: int = DEFAULT_DRAFT_VOCAB_SIZE,
         "tokens": counted.tokens, "distinct_ids": int(np.count_nonzero(counted.counts)),
         "coverage": coverage(counted.counts, [draft_vocab_size]),
         "coverage_curve": coverage_curve(counted.counts),
+        "made_from": made_from,  # the report shows this coverage only while data/ is still this
     }
     summary["files"] = write_files(dest or f"{out.rstrip('/')}/vocab", formats, d2t, t2d, counted.counts, summary)
     if dest is None:  # OUT/vocab/vocab.json: the report shows the coverage curve

@@ -40,7 +40,7 @@ def test_verify_checks_the_logprob_columns(tmp_path):
     rows[2]["token_logprobs"] = [0.5, float("nan")]
     out = write_out(tmp_path / "out", rows, rows_per_shard=3)
     [shard] = (out / "data").glob("*.parquet")
-    pq.write_table(pa.Table.from_pylist(rows, schema=data_schema(2)), shard)
+    pq.write_table(pa.Table.from_pylist(rows, schema=data_schema(2).with_metadata(pq.read_schema(shard).metadata)), shard)
     problems, _ = verify(str(out))
     logprob_problems = [p for p in problems if "log" in p]
     assert len(logprob_problems) == 3, problems
@@ -96,3 +96,19 @@ def test_text_in_the_plots_is_literal(tmp_path, capsys, monkeypatch):
     assert [text for text, math in drawn if math] == []
     assert set(json.loads((out / "report.json").read_text())["by_source"]) == set(sources)
     assert (out / "report" / "lengths.png").stat().st_size > 0
+
+
+def test_verify_names_a_shard_of_another_out(tmp_path):
+    import pyarrow.parquet as pq
+
+    from eagle_data.storage.contract import OUT_ID_KEY
+
+    out = write_out(tmp_path / "out", [synthetic_row(i, 2, 1, 1, "stop", "s") for i in range(3)], rows_per_shard=3)
+    assert not [p for p in verify(str(out))[0] if "shard" in p]
+    other = write_out(tmp_path / "other", [synthetic_row(7, 2, 1, 1, "stop", "s")], rows_per_shard=3)
+    table = pq.read_table(other / "data" / "part-00000.parquet")  # as another OUT's job wrote it
+    table = table.replace_schema_metadata({**table.schema.metadata, OUT_ID_KEY.encode(): b"another"})
+    pq.write_table(table, out / "data" / "part-00001.parquet")  # copied in
+    foreign = [p for p in verify(str(out))[0] if "not this OUT's shard" in p]
+    assert foreign == [f"{out}/data/part-00001.parquet: not this OUT's shard: written for another OUT "
+                       "(out_id another; this OUT's is synthetic)"]

@@ -372,3 +372,25 @@ def test_no_option_overrides_the_recorded_vocab_size(tmp_path, capsys):
     assert e.value.code == 2 and "unrecognized arguments: --vocab-size" in capsys.readouterr().err
     assert not (out / "vocab").exists()
     assert build_vocab(str(out), 20, 200, str(tmp_path / "v"))["vocab_size"] == 200  # the same size is no override
+
+
+def test_vocab_records_its_data_and_the_report_shows_it_only_while_data_is_unchanged(tmp_path):
+    import shutil
+
+    from support import synthetic_row, write_out
+
+    out = write_out(tmp_path / "out", [synthetic_row(i, 3, 1, 4, "stop", "s") for i in range(6)], rows_per_shard=3)
+    summary = build_vocab(str(out), 8, 1000)  # OUT/vocab/, and the report rewritten
+    made_from = json.loads((out / "vocab" / "vocab.json").read_text())["made_from"]
+    assert made_from == summary["made_from"] and made_from["out_id"] == "synthetic" and made_from["data_shards"] == 2
+    report = json.loads((out / "report.json").read_text())
+    assert report["made_from"] == made_from and report["vocab"]["draft_vocab_size"] == 8 and not report["vocab_stale"]
+    assert (out / "report" / "vocab_coverage.png").is_file()
+
+    shutil.copy(out / "data" / "part-00001.parquet", out / "data" / "part-00002.parquet")  # rows added since
+    assert main(["report", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["vocab"] is None and "vocab/ was made from other data" in report["vocab_stale"]
+    assert f"python -m eagle_data vocab {out}" in report["vocab_stale"]
+    assert not (out / "report" / "vocab_coverage.png").exists()  # no figure of other rows
+    assert "vocab/ was made from other data" in (out / "report.html").read_text()

@@ -239,3 +239,46 @@ def test_a_full_disk_is_a_message_and_the_rerun_resumes(ray_local, tmp_path, sma
     again = job_cli(config, "--phase", "prompts", env=attached(ray_local))
     assert again.returncode == 0, again.stderr
     assert verify(str(out))[0] == []
+
+
+@pytest.mark.slow
+def test_rows_of_another_out_or_config_are_never_taken_as_this_outs(ray_local, tmp_path, tiny_qwen3, caplog):
+    """A data shard copied in from another OUT is quarantined and its samples made again; a
+    lost manifest.json with a changed sampling config is refused (the old rows would be
+    labelled with the new config); a damaged one is rebuilt from the shards' footers,
+    keeping every row and the damaged file."""
+    from eagle_data.errors import OutputMismatch
+    from eagle_data.storage.contract import OUT_ID_KEY
+
+    cfg = job_config(tmp_path / "out", tiny_qwen3, source__sample=6, output__rows_per_shard=3)
+    out = tmp_path / "out"
+    run(cfg)
+    out_id = Output(str(out)).manifest.out_id
+    victim = shards(out, "data")[0]
+    table = pq.read_table(victim)  # the same samples, as another OUT's job wrote them
+    pq.write_table(table.replace_schema_metadata({**table.schema.metadata, OUT_ID_KEY.encode(): b"0" * 32}), victim)
+    assert any(victim.name in p and "written for another OUT" in p for p in verify(str(out))[0])
+    with caplog.at_level("WARNING", logger="eagle_data"):
+        again = run(cfg)["generate"]
+    assert (out / "quarantine" / "data" / victim.name).exists()
+    assert any(victim.name in r.getMessage() and "written for another OUT" in r.getMessage() for r in caplog.records)
+    runs = Output(str(out)).manifest.generate_runs
+    assert runs[-1]["todo"] == table.num_rows and again["ok"] == again["prompts"] == len(read(out, "data"))
+    assert verify(str(out))[0] == []
+
+    manifest = (out / "manifest.json").read_bytes()
+    data = sorted(p.name for p in shards(out, "data"))
+    (out / "manifest.json").unlink()
+    hot = job_config(tmp_path / "out", tiny_qwen3, source__sample=6, output__rows_per_shard=3, sampling__temperature=0.7)
+    with pytest.raises(OutputMismatch, match=r"data was generated with different settings \(changed: sampling.temperature\)"):
+        run(hot)
+    assert sorted(p.name for p in shards(out, "data")) == data and not (out / "manifest.json").exists()
+
+    (out / "manifest.json").write_bytes(manifest[:300])  # cut short
+    assert run(cfg)["generate"]["ok"] == len(read(out, "data"))
+    rebuilt = Output(str(out)).manifest
+    assert rebuilt.out_id == out_id and rebuilt.generate_runs[-1]["todo"] == 0  # every row kept
+    assert sorted(p.name for p in shards(out, "data")) == data
+    [kept] = (out / "quarantine").glob("manifest-*.json")
+    assert kept.read_bytes() == manifest[:300]
+    assert verify(str(out))[0] == []

@@ -27,6 +27,7 @@ from eagle_data.model_files import check_tokenizer_path, hub_reachable, is_hub_i
 from eagle_data.storage.damage import check_prompts_record, quarantine_corrupt
 from eagle_data.storage.folder import Output
 from eagle_data.storage.lock import lock
+from eagle_data.storage.provenance import keep_rebuilt, rebuild_manifest
 from eagle_data.storage.report import write_report
 
 log = logging.getLogger("eagle_data")
@@ -45,14 +46,17 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow
         raise ValueError(f"phase {phase!r} is not one of {PHASES}")
     check_engine_kwargs(cfg)
     hidden = phase == "hidden_states" or (phase == "all" and cfg.hidden_states.enabled)
-    out = open_output(cfg.output.path)
+    out = open_output(cfg.output.path, fresh)
     out.check_ours()  # before anything is written, moved or deleted there
     # Exists, supported files only, and apart from OUT (neither inside the other): checked
     # before check_writable creates OUT, which must not appear inside a dataset folder.
     local_out = out.root if isinstance(out.fs, pafs.LocalFileSystem) else None
     layout = locate(cfg.source, local_out) if phase in ("prompts", "all") else None
     out.check_writable()
+    rebuilt = False
     if not fresh:
+        # A lost or damaged manifest.json: the shards' footers say which configs made them.
+        rebuilt = rebuild_manifest(out)
         if phase != "hidden_states":
             out.manifest.check_prompts_config(prompt_config(cfg))
         if phase in ("generate", "all"):
@@ -65,6 +69,8 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow
         if fresh:
             log.warning("--fresh: deleting what earlier runs wrote in %s", out.root)
             out.wipe()
+        elif rebuilt or out.manifest.damaged:
+            keep_rebuilt(out)
         out.clear_staging()
         quarantine_corrupt(out)
         check_prompts_record(out)
@@ -128,9 +134,9 @@ def check_hub(cfg: Config, uses_hub_dataset: bool) -> None:
         use_hub_cache_only()
 
 
-def open_output(path: str) -> Output:
+def open_output(path: str, fresh: bool = False) -> Output:
     try:
-        return Output(path)
+        return Output(path, fresh=fresh)
     # An unreachable filesystem, or a URI neither pyarrow nor fsspec knows (ValueError) or
     # whose fsspec package is not installed (ImportError).
     except (OSError, ValueError, ImportError, pa.ArrowException) as e:
