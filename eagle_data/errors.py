@@ -12,7 +12,9 @@ The lowest layer: this module imports nothing from the project.
 from __future__ import annotations
 
 import errno
+import signal
 import sys
+import threading
 from typing import Callable
 
 
@@ -94,6 +96,42 @@ class NotEnoughSpace(EagleDataError):
     exit_code = 4
 
 
+class Stopped(KeyboardInterrupt):
+    """A stop signal (SIGTERM: `ray job stop`, `kill`; SIGINT: Ctrl-C) raised in the main
+    thread, so that the job unwinds as on Ctrl-C: the lock is released and Ray shut down.
+    A KeyboardInterrupt, so that no `except Exception` catches it; `cli` exits 128 + its
+    number (130, 143), the shell's convention for a process stopped by a signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def stop_on_signals() -> None:
+    """SIGTERM and SIGINT raise Stopped. Called again after ray.init, which replaces the
+    SIGTERM handler: Ray's own kills the local Ray processes under the running job, whose
+    driver then aborts (exit 134, a C++ stack). Signals reach only the main thread."""
+    if threading.current_thread() is threading.main_thread():
+        for s in STOP_SIGNALS:
+            signal.signal(s, _stop)
+
+
+def ignore_stop_signals() -> None:
+    """From the first stop signal on: a second one (Ctrl-C twice) would cut the unwinding or
+    Ray's shutdown short, with a traceback, and leave Ray's processes running."""
+    if threading.current_thread() is threading.main_thread():
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+
+
+def _stop(signum: int, frame) -> None:
+    ignore_stop_signals()
+    raise Stopped(signum)
+
+
 def no_space(e: BaseException) -> OSError | None:
     """The OSError with errno ENOSPC behind `e`, if any. Looked for by errno, not text, through
     a Ray task's error (its `.cause`) and what `e` was raised from or while handling."""
@@ -106,10 +144,12 @@ def no_space(e: BaseException) -> OSError | None:
     return None
 
 
-def cli(command: Callable[[], int], writing: Callable[[], str | None] = lambda: None) -> int:
+def cli(command: Callable[[], int], writing: Callable[[], str | None] = lambda: None, on_stop: str = "") -> int:
     """Run a command and return its exit code. A user error prints `error: <message>` on
     stderr and returns the error's exit_code; a full disk while writing `writing()` (OUT or a
-    destination) is a DiskFull. Anything else propagates with its traceback."""
+    destination) is a DiskFull; a stop signal (Stopped, or Ctrl-C before stop_on_signals)
+    prints `error: stopped by SIG...<on_stop>` and returns 128 + its number. Anything else
+    propagates with its traceback."""
     try:
         try:
             return command()
@@ -123,3 +163,8 @@ def cli(command: Callable[[], int], writing: Callable[[], str | None] = lambda: 
     except EagleDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
+    except KeyboardInterrupt as e:
+        ignore_stop_signals()  # the process is on its way out: no second message or traceback
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"error: stopped by {signal.Signals(signum).name}{on_stop}", file=sys.stderr)
+        return 128 + signum
