@@ -46,10 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         out = cfg.output.path
         try:
             result = run(cfg, phase=args.phase, fresh=args.fresh, allow_empty=args.allow_empty)
+            close_ray()
         except KeyboardInterrupt:  # a stop signal (errors.Stopped) or Ctrl-C: the lock is released by now
             leave_ray()
             raise
-        close_ray()
         print(summary(out, result))
         return 0
 

@@ -47,10 +47,15 @@ def ray_tmpdir():
 def stop(job: subprocess.Popen, signum: int) -> None:
     if signum == signal.SIGTERM:  # `kill PID`; `ray job stop` sends it to the driver's process tree
         os.kill(job.pid, signal.SIGTERM)
-    else:  # Ctrl-C twice: the terminal sends SIGINT to the whole foreground process group
-        os.killpg(job.pid, signal.SIGINT)
-        time.sleep(0.3)
-        os.killpg(job.pid, signal.SIGINT)
+    else:  # Ctrl-C, then again every 0.3 s until the job is gone (so some land while Ray shuts
+        # down); the terminal sends SIGINT to the whole foreground process group
+        deadline = time.monotonic() + 60
+        while job.poll() is None and time.monotonic() < deadline:
+            try:
+                os.killpg(job.pid, signal.SIGINT)
+            except ProcessLookupError:
+                break
+            time.sleep(0.3)
 
 
 @pytest.mark.slow
@@ -69,19 +74,24 @@ def test_a_stopped_job_exits_128_plus_the_signal_with_one_line_and_leaves_no_ray
                                                   sampling__max_tokens=32, source__sample=8)))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(PYTHONPATH=str(REPO), RAY_TMPDIR=ray_tmpdir)
-    job = subprocess.Popen([sys.executable, "-m", "ray_jobs.generate", "--config", str(config)], cwd=REPO, env=env,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    log = tmp_path / "stderr.txt"  # a file, not a pipe: nothing reads it while the job runs
+    with open(log, "w") as stderr_file:
+        job = subprocess.Popen([sys.executable, "-m", "ray_jobs.generate", "--config", str(config)], cwd=REPO, env=env,
+                               stdout=subprocess.DEVNULL, stderr=stderr_file, start_new_session=True)
     try:
         deadline = time.monotonic() + 180
         while not shards(out, "data") and job.poll() is None:
             assert time.monotonic() < deadline, "no data shard"
             time.sleep(0.05)
         assert job.poll() is None, "the job finished before it could be stopped"
+        stopped = time.monotonic()
         stop(job, signum)
-        _, stderr = job.communicate(timeout=60)
+        job.wait(timeout=60)
+        print(f"\n{signal.Signals(signum).name}: the job exited {time.monotonic() - stopped:.1f} s after the signal")
     finally:
         if job.poll() is None:
             job.kill()
+    stderr = log.read_text()
     name = signal.Signals(signum).name
     assert job.returncode == 128 + signum, stderr[-3000:]
     assert "Traceback" not in stderr and "Aborted" not in stderr and "SIGTERM received" not in stderr, stderr[-3000:]

@@ -102,6 +102,7 @@ def close_ray() -> None:
     Ray: what the job prints after this (its summary) is the last thing in its log."""
     if ray.is_initialized():
         wait_for_actors_to_exit(ENGINE_CLASSES)
+        ignore_stop_signals()  # the job is done: a Ctrl-C now would only cut the shutdown short
         ray.shutdown()
 
 
@@ -109,10 +110,11 @@ def leave_ray() -> None:
     """After a stop signal: leave Ray at once, without waiting for the replicas (`ray job
     stop` SIGKILLs 3 s after its SIGTERM). ray.shutdown stops every process of the local
     instance this job started, and only disconnects from a cluster it joined; with further
-    stop signals ignored, a second Ctrl-C cannot cut it short and leave Ray's agents running."""
+    stop signals ignored, a second Ctrl-C cannot cut it short and leave Ray's agents running.
+    Called even when Ray looks shut down: a shutdown cut short has disconnected but may not
+    have stopped the local processes yet, and ray.shutdown stops what is left."""
     ignore_stop_signals()
-    if ray.is_initialized():
-        ray.shutdown()
+    ray.shutdown()
 
 
 def report(out: Output) -> None:
