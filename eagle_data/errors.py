@@ -3,8 +3,10 @@
 Every error meant for a user is an EagleDataError, defined here: it says what is wrong and
 what to do, and carries the exit code the command returns (`exit_code`). The entry points
 (`ray_jobs.generate`, `python -m eagle_data`) run through `cli`, which prints
-`error: <message>` and returns that code instead of a traceback. Anything else is a bug and
-keeps its traceback. Subclasses keep the built-in type a caller may already catch.
+`error: <message>` and returns that code instead of a traceback. A stop signal (SIGTERM,
+Ctrl-C) is a Stopped, not an error: `cli` prints one line for it too and returns 128 + the
+signal's number. Anything else is a bug and keeps its traceback. Subclasses keep the
+built-in type a caller may already catch.
 
 The lowest layer: this module imports nothing from the project.
 """

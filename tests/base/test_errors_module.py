@@ -171,3 +171,17 @@ def test_ctrl_c_before_the_handlers_are_installed_is_a_stop_too(capsys, own_sign
 
     assert cli(job) == 130
     assert capsys.readouterr().err == "error: stopped by SIGINT\n"
+
+
+def test_the_tools_stop_on_sigterm_with_one_line_too(capsys, monkeypatch, own_signal_handlers):
+    """A tool stopped by SIGTERM unwinds (export removes what it wrote aside) and exits 143."""
+    import eagle_data.__main__ as tools
+
+    def stopped(args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        return 0
+
+    monkeypatch.setattr(tools, "run_command", stopped)
+    assert tools.main(["verify", "some-out"]) == 143
+    assert capsys.readouterr().err == "error: stopped by SIGTERM\n"
