@@ -123,15 +123,21 @@ def stop_on_signals() -> None:
 
 def ignore_stop_signals() -> None:
     """From the first stop signal on: a second one (Ctrl-C twice) would cut the unwinding or
-    Ray's shutdown short, with a traceback, and leave Ray's processes running."""
+    Ray's shutdown short, with a traceback, and leave Ray's processes running. A handler
+    that does nothing rather than SIG_IGN: Ray's DeferSigint calls the handler it finds,
+    and child processes would inherit SIG_IGN."""
     if threading.current_thread() is threading.main_thread():
         for s in STOP_SIGNALS:
-            signal.signal(s, signal.SIG_IGN)
+            signal.signal(s, _ignore)
 
 
 def _stop(signum: int, frame) -> None:
     ignore_stop_signals()
     raise Stopped(signum)
+
+
+def _ignore(signum: int, frame) -> None:
+    pass
 
 
 def no_space(e: BaseException) -> OSError | None:
