@@ -8,7 +8,7 @@ import argparse
 import json
 import sys
 
-from eagle_data.errors import cli, stop_on_signals
+from eagle_data.errors import cli, exit_with, stop_on_signals
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,4 +66,4 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

@@ -14,10 +14,11 @@ The lowest layer: this module imports nothing from the project.
 from __future__ import annotations
 
 import errno
+import os
 import signal
 import sys
 import threading
-from typing import Callable
+from typing import Callable, NoReturn
 
 
 class EagleDataError(Exception):
@@ -176,3 +177,15 @@ def cli(command: Callable[[], int], writing: Callable[[], str | None] = lambda: 
         signum = getattr(e, "signum", signal.SIGINT)
         print(f"error: stopped by {signal.Signals(signum).name}{on_stop}", file=sys.stderr)
         return 128 + signum
+
+
+def exit_with(code: int) -> NoReturn:
+    """The entry points' exit. After a stop signal at once, without the interpreter's
+    finalization: with Ray loaded it takes seconds (`ray job stop` SIGKILLs 3 s after its
+    SIGTERM), and Python puts the default handlers back in it, so a Ctrl-C pressed again
+    then would kill the process with another status than the one `cli` returned."""
+    if code - 128 in STOP_SIGNALS:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

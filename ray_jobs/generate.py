@@ -9,13 +9,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 
 import pyarrow.parquet as pq
 
 import eagle_data
 from eagle_data.config import load_config
-from eagle_data.errors import EmptyResult, cli, stop_on_signals
+from eagle_data.errors import EmptyResult, cli, exit_with, stop_on_signals
 from eagle_data.job.phases.run import PHASES, close_ray, leave_ray, run
 from eagle_data.storage.files import filesystem
 from eagle_data.storage.shards import shard_files
@@ -101,4 +100,4 @@ def first_sample(out: str) -> dict | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

@@ -188,3 +188,11 @@ def test_the_tools_stop_on_sigterm_with_one_line_too(capsys, monkeypatch, own_si
     monkeypatch.setattr(tools, "run_command", stopped)
     assert tools.main(["verify", "some-out"]) == 143
     assert capsys.readouterr().err == "error: stopped by SIGTERM\n"
+
+
+@pytest.mark.parametrize("code, finalized", [(143, False), (130, False), (2, True), (0, True)])
+def test_after_a_stop_the_process_exits_without_the_interpreters_finalization(code, finalized):
+    """Seconds with Ray loaded, and a Ctrl-C in it would meet Python's default handlers again."""
+    script = f"import atexit; from eagle_data.errors import exit_with; atexit.register(print, 'finalized'); exit_with({code})"
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == code and ("finalized" in result.stdout) == finalized, result

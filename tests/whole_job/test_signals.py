@@ -93,7 +93,7 @@ def test_a_stopped_job_exits_128_plus_the_signal_with_one_line_and_leaves_no_ray
             job.kill()
     stderr = log.read_text()
     name = signal.Signals(signum).name
-    assert job.returncode == 128 + signum, stderr[-3000:]
+    assert job.returncode == 128 + signum, (job.returncode, stderr[-3000:])
     assert "Traceback" not in stderr and "Aborted" not in stderr and "SIGTERM received" not in stderr, stderr[-3000:]
     errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
     assert errors == [stderr.strip().splitlines()[-1]] and errors[0].startswith(f"error: stopped by {name}"), errors
