@@ -115,8 +115,9 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 def stop_on_signals() -> None:
     """SIGTERM and SIGINT raise Stopped. Called again after ray.init, which replaces the
-    SIGTERM handler: Ray's own kills the local Ray processes under the running job, whose
-    driver then aborts (exit 134, a C++ stack). Signals reach only the main thread."""
+    SIGTERM handler (Ray's Python ones, and its core worker's C++ failure handler): with
+    Ray's, the driver printed a C++ stack and aborted (exit 134). Python runs signal
+    handlers in the main thread only, so only there can they be installed."""
     if threading.current_thread() is threading.main_thread():
         for s in STOP_SIGNALS:
             signal.signal(s, _stop)
