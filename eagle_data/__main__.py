@@ -8,7 +8,7 @@ import argparse
 import json
 import sys
 
-from eagle_data.errors import cli
+from eagle_data.errors import cli, exit_with, stop_on_signals
 from eagle_data.tools.terminal import literal
 
 
@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     add_export(commands)
     add_vocab(commands)
     args = parser.parse_args(argv)
+    stop_on_signals()  # SIGTERM unwinds like Ctrl-C: a file half written aside is removed
     # What a command writes: export's and vocab's destination, else OUT (report, vocab).
     return cli(lambda: run_command(args), writing=lambda: getattr(args, "dest", None) or args.out)
 
@@ -66,4 +67,4 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

@@ -3,8 +3,10 @@
 Every error meant for a user is an EagleDataError, defined here: it says what is wrong and
 what to do, and carries the exit code the command returns (`exit_code`). The entry points
 (`ray_jobs.generate`, `python -m eagle_data`) run through `cli`, which prints
-`error: <message>` and returns that code instead of a traceback. Anything else is a bug and
-keeps its traceback. Subclasses keep the built-in type a caller may already catch.
+`error: <message>` and returns that code instead of a traceback. A stop signal (SIGTERM,
+Ctrl-C) is a Stopped, not an error: `cli` prints one line for it too and returns 128 + the
+signal's number. Anything else is a bug and keeps its traceback. Subclasses keep the
+built-in type a caller may already catch.
 
 The lowest layer: this module imports nothing from the project.
 """
@@ -12,8 +14,11 @@ The lowest layer: this module imports nothing from the project.
 from __future__ import annotations
 
 import errno
+import os
+import signal
 import sys
-from typing import Callable
+import threading
+from typing import Callable, NoReturn
 
 
 class EagleDataError(Exception):
@@ -99,6 +104,49 @@ class NotEnoughSpace(EagleDataError):
     exit_code = 4
 
 
+class Stopped(KeyboardInterrupt):
+    """A stop signal (SIGTERM: `ray job stop`, `kill`; SIGINT: Ctrl-C) raised in the main
+    thread, so that the job unwinds as on Ctrl-C: the lock is released and Ray shut down.
+    A KeyboardInterrupt, so that no `except Exception` catches it; `cli` exits 128 + its
+    number (130, 143), the shell's convention for a process stopped by a signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def stop_on_signals() -> None:
+    """SIGTERM and SIGINT raise Stopped. Called again after ray.init, which replaces the
+    SIGTERM handler (Ray's Python ones, and its core worker's C++ failure handler): with
+    Ray's, the driver printed a C++ stack and aborted (exit 134). Python runs signal
+    handlers in the main thread only, so only there can they be installed."""
+    if threading.current_thread() is threading.main_thread():
+        for s in STOP_SIGNALS:
+            signal.signal(s, _stop)
+
+
+def ignore_stop_signals() -> None:
+    """From the first stop signal on: a second one (Ctrl-C twice) would cut the unwinding or
+    Ray's shutdown short, with a traceback, and leave Ray's processes running. A handler
+    that does nothing rather than SIG_IGN: Ray's DeferSigint calls the handler it finds,
+    and child processes would inherit SIG_IGN."""
+    if threading.current_thread() is threading.main_thread():
+        for s in STOP_SIGNALS:
+            signal.signal(s, _ignore)
+
+
+def _stop(signum: int, frame) -> None:
+    ignore_stop_signals()
+    raise Stopped(signum)
+
+
+def _ignore(signum: int, frame) -> None:
+    pass
+
+
 def no_space(e: BaseException) -> OSError | None:
     """The OSError with errno ENOSPC behind `e`, if any. Looked for by errno, not text, through
     a Ray task's error (its `.cause`) and what `e` was raised from or while handling."""
@@ -111,10 +159,12 @@ def no_space(e: BaseException) -> OSError | None:
     return None
 
 
-def cli(command: Callable[[], int], writing: Callable[[], str | None] = lambda: None) -> int:
+def cli(command: Callable[[], int], writing: Callable[[], str | None] = lambda: None, on_stop: str = "") -> int:
     """Run a command and return its exit code. A user error prints `error: <message>` on
     stderr and returns the error's exit_code; a full disk while writing `writing()` (OUT or a
-    destination) is a DiskFull. Anything else propagates with its traceback."""
+    destination) is a DiskFull; a stop signal (Stopped, or Ctrl-C before stop_on_signals)
+    prints `error: stopped by SIG...<on_stop>` and returns 128 + its number. Anything else
+    propagates with its traceback."""
     try:
         try:
             return command()
@@ -128,3 +178,20 @@ def cli(command: Callable[[], int], writing: Callable[[], str | None] = lambda: 
     except EagleDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
+    except KeyboardInterrupt as e:
+        ignore_stop_signals()  # the process is on its way out: no second message or traceback
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"error: stopped by {signal.Signals(signum).name}{on_stop}", file=sys.stderr)
+        return 128 + signum
+
+
+def exit_with(code: int) -> NoReturn:
+    """The entry points' exit. After a stop signal at once, without the interpreter's
+    finalization: with Ray loaded it takes seconds (`ray job stop` SIGKILLs 3 s after its
+    SIGTERM), and Python puts the default handlers back in it, so a Ctrl-C pressed again
+    then would kill the process with another status than the one `cli` returned."""
+    if code - 128 in STOP_SIGNALS:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -9,14 +9,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 
 import pyarrow.parquet as pq
 
 import eagle_data
 from eagle_data.config import load_config
-from eagle_data.errors import EmptyResult, cli
-from eagle_data.job.phases.run import PHASES, close_ray, run
+from eagle_data.errors import EmptyResult, cli, exit_with, stop_on_signals
+from eagle_data.job.phases.run import PHASES, close_ray, leave_ray, run
 from eagle_data.storage.files import filesystem
 from eagle_data.storage.shards import shard_files
 
@@ -44,12 +43,17 @@ def main(argv: list[str] | None = None) -> int:
         nonlocal out
         cfg = load_config(args.config, args.overrides)
         out = cfg.output.path
-        result = run(cfg, phase=args.phase, fresh=args.fresh, allow_empty=args.allow_empty)
-        close_ray()
+        try:
+            result = run(cfg, phase=args.phase, fresh=args.fresh, allow_empty=args.allow_empty)
+            close_ray()
+        except KeyboardInterrupt:  # a stop signal (errors.Stopped) or Ctrl-C: the lock is released by now
+            leave_ray()
+            raise
         print(summary(out, result))
         return 0
 
-    return cli(job, writing=lambda: out)
+    stop_on_signals()  # SIGTERM before Ray starts, too: the same exit as after
+    return cli(job, writing=lambda: out, on_stop="; what was published is kept: run the same command to resume")
 
 
 def summary(out: str, result: dict) -> str:
@@ -96,4 +100,4 @@ def first_sample(out: str) -> dict | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

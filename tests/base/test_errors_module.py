@@ -7,9 +7,12 @@ import ast
 import errno
 import importlib
 import inspect
+import os
 import pkgutil
+import signal
 import subprocess
 import sys
+import time
 
 import pyarrow as pa
 import pytest
@@ -135,3 +138,61 @@ def test_a_wiring_bug_propagates_through_cli_with_its_traceback(capsys):
     assert result.returncode == 1 and "Traceback (most recent call last)" in result.stderr
     assert "MissingColumns: turn stage requires columns ['messages']" in result.stderr
     assert "error: " not in result.stderr
+
+
+@pytest.fixture
+def own_signal_handlers():
+    """The test process's SIGINT and SIGTERM handlers, put back after the test."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_exits_128_plus_its_number_with_one_line(capsys, own_signal_handlers, signum):
+    from eagle_data.errors import stop_on_signals
+
+    def job():
+        stop_on_signals()
+        os.kill(os.getpid(), signum)  # delivered to this (the main) thread at the next bytecode
+        time.sleep(5)
+        return 0
+
+    assert cli(job, on_stop="; what was published is kept") == 128 + signum
+    assert capsys.readouterr().err == f"error: stopped by {signal.Signals(signum).name}; what was published is kept\n"
+    # Further stop signals are ignored, so that the shutdown that follows cannot be cut short.
+    for again in (signal.SIGINT, signal.SIGTERM):
+        os.kill(os.getpid(), again)
+        time.sleep(0.1)  # a handler that raised would raise here
+    assert capsys.readouterr().err == ""
+
+
+def test_ctrl_c_before_the_handlers_are_installed_is_a_stop_too(capsys, own_signal_handlers):
+    def job():
+        raise KeyboardInterrupt  # Python's own SIGINT handler: before the job installs its own
+
+    assert cli(job) == 130
+    assert capsys.readouterr().err == "error: stopped by SIGINT\n"
+
+
+def test_the_tools_stop_on_sigterm_with_one_line_too(capsys, monkeypatch, own_signal_handlers):
+    """A tool stopped by SIGTERM unwinds (export removes what it wrote aside) and exits 143."""
+    import eagle_data.__main__ as tools
+
+    def stopped(args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        return 0
+
+    monkeypatch.setattr(tools, "run_command", stopped)
+    assert tools.main(["verify", "some-out"]) == 143
+    assert capsys.readouterr().err == "error: stopped by SIGTERM\n"
+
+
+@pytest.mark.parametrize("code, finalized", [(143, False), (130, False), (2, True), (0, True)])
+def test_after_a_stop_the_process_exits_without_the_interpreters_finalization(code, finalized):
+    """Seconds with Ray loaded, and a Ctrl-C in it would meet Python's default handlers again."""
+    script = f"import atexit; from eagle_data.errors import exit_with; atexit.register(print, 'finalized'); exit_with({code})"
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == code and ("finalized" in result.stdout) == finalized, result

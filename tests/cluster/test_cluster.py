@@ -311,6 +311,11 @@ def test_ray_job_stop_then_the_same_submit_resumes(head, tiny_qwen3):
     assert stopped.returncode == 0, stopped.stderr[-2000:]
     assert finished(client, first, 60).status == "STOPPED", "the job ended before it could be stopped"
     lock_left = (out / ".lock").exists()
+    # Our SIGTERM handler, not Ray's (which aborted the driver with a C++ stack): one line,
+    # printed before Ray's SIGKILL; the cluster is only disconnected from (the resubmit runs on it).
+    stop_log = client.get_job_logs(first)
+    assert "error: stopped by SIGTERM; what was published is kept" in stop_log, stop_log[-3000:]
+    assert "Traceback" not in stop_log and "SIGTERM received" not in stop_log, stop_log[-3000:]
 
     second = client.submit_job(entrypoint=command, runtime_env=RUNTIME_ENV)
     info = finished(client, second)

@@ -15,7 +15,7 @@ import pyarrow.fs as pafs
 import ray
 
 from eagle_data.config import Config
-from eagle_data.errors import EmptyResult, MissingInput, NotWritable
+from eagle_data.errors import EmptyResult, MissingInput, NotWritable, ignore_stop_signals, stop_on_signals
 from eagle_data.job.stages.engines import ENGINE_CLASSES, check_engine_kwargs
 from eagle_data.job.fingerprints import generate_config, hidden_states_config, prompt_config
 from eagle_data.job.phases.generate import run_generate
@@ -77,6 +77,7 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow
         started = time.monotonic()
         if not ray.is_initialized():
             ray.init()  # joins the cluster when there is one, else starts a local instance
+            stop_on_signals()  # instead of the SIGTERM handlers ray.init installed (errors.stop_on_signals)
         quiet_worker_logs()
         ray_data_progress(cfg.output.ray_data_progress)
         result = {"seconds": {"ray start": time.monotonic() - started}}
@@ -110,7 +111,19 @@ def close_ray() -> None:
     Ray: what the job prints after this (its summary) is the last thing in its log."""
     if ray.is_initialized():
         wait_for_actors_to_exit(ENGINE_CLASSES)
+        ignore_stop_signals()  # the job is done: a Ctrl-C now would only cut the shutdown short
         ray.shutdown()
+
+
+def leave_ray() -> None:
+    """After a stop signal: leave Ray at once, without waiting for the replicas (`ray job
+    stop` SIGKILLs 3 s after its SIGTERM). ray.shutdown stops every process of the local
+    instance this job started, and only disconnects from a cluster it joined; with further
+    stop signals ignored, a second Ctrl-C cannot cut it short and leave Ray's agents running.
+    Called even when Ray looks shut down: a shutdown cut short has disconnected but may not
+    have stopped the local processes yet, and ray.shutdown stops what is left."""
+    ignore_stop_signals()
+    ray.shutdown()
 
 
 def report(out: Output) -> None:

@@ -1,0 +1,107 @@
+"""A stopped job (`ray job stop`, `kill`: SIGTERM; Ctrl-C: SIGINT) exits with 128 + the
+signal's number and one line, keeps what it published, and leaves none of the Ray
+processes it started behind."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil
+import pytest
+import yaml
+
+from support import REPO, job_settings, shards
+from eagle_data.tools.verify import verify
+
+
+def ray_processes_of(ray_tmpdir: str) -> list[psutil.Process]:
+    """The live processes of the Ray instance started with RAY_TMPDIR=ray_tmpdir: every one
+    of them (gcs_server, raylet, the agents, the workers, whatever its title) inherits the
+    driver's environment."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("RAY_TMPDIR") == ray_tmpdir and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+@pytest.fixture
+def ray_tmpdir():
+    # Short, under /tmp: Ray's socket paths inside it must fit in 107 bytes.
+    path = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    yield path
+    for p in ray_processes_of(path):  # whatever the test found left, so it leaks nothing
+        p.kill()
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def stop(job: subprocess.Popen, signum: int) -> None:
+    if signum == signal.SIGTERM:  # `kill PID`; `ray job stop` sends it to the driver's process tree
+        os.kill(job.pid, signal.SIGTERM)
+    else:  # Ctrl-C, then again every 0.3 s until the job is gone (so some land while Ray shuts
+        # down); the terminal sends SIGINT to the whole foreground process group
+        deadline = time.monotonic() + 60
+        while job.poll() is None and time.monotonic() < deadline:
+            try:
+                os.killpg(job.pid, signal.SIGINT)
+            except ProcessLookupError:
+                break
+            time.sleep(0.3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stopped_job_exits_128_plus_the_signal_with_one_line_and_leaves_no_ray(tmp_path, tiny_qwen3, ray_tmpdir,
+                                                                               signum):
+    """The job starts its own local Ray instance (no RAY_ADDRESS) and is stopped once it
+    has published a data shard: rc 128 + signum, one `error:` line and no traceback nor
+    C++ stack (Ray's own SIGTERM handler aborted, exit 134), the published data valid, and
+    no process of its Ray instance alive a few seconds later (two Ctrl-Cs cut ray.shutdown
+    short and left the dashboard and runtime-env agents running)."""
+    out = tmp_path / "out"
+    config = tmp_path / "job.yaml"
+    # One row per engine batch and shard, so that the stop lands between shards.
+    config.write_text(yaml.safe_dump(job_settings(out, tiny_qwen3, engine__batch_size=1, output__rows_per_shard=1,
+                                                  sampling__max_tokens=32, source__sample=8)))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(PYTHONPATH=str(REPO), RAY_TMPDIR=ray_tmpdir)
+    log = tmp_path / "stderr.txt"  # a file, not a pipe: nothing reads it while the job runs
+    with open(log, "w") as stderr_file:
+        job = subprocess.Popen([sys.executable, "-m", "ray_jobs.generate", "--config", str(config)], cwd=REPO, env=env,
+                               stdout=subprocess.DEVNULL, stderr=stderr_file, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not shards(out, "data") and job.poll() is None:
+            assert time.monotonic() < deadline, "no data shard"
+            time.sleep(0.05)
+        assert job.poll() is None, "the job finished before it could be stopped"
+        stopped = time.monotonic()
+        stop(job, signum)
+        job.wait(timeout=60)
+        print(f"\n{signal.Signals(signum).name}: the job exited {time.monotonic() - stopped:.1f} s after the signal")
+    finally:
+        if job.poll() is None:
+            job.kill()
+    stderr = log.read_text()
+    name = signal.Signals(signum).name
+    assert job.returncode == 128 + signum, (job.returncode, stderr[-3000:])
+    assert "Traceback" not in stderr and "Aborted" not in stderr and "SIGTERM received" not in stderr, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [stderr.strip().splitlines()[-1]] and errors[0].startswith(f"error: stopped by {name}"), errors
+    assert "run the same command to resume" in errors[0]
+    problems, counts = verify(str(out))
+    assert problems == [] and counts["ok"] >= 1, problems
+    deadline = time.monotonic() + 10
+    while ray_processes_of(ray_tmpdir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [" ".join(p.cmdline()[:1]) or p.pid for p in ray_processes_of(ray_tmpdir)]
+    assert left == [], left
