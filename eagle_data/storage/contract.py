@@ -145,7 +145,8 @@ OUT_ID_KEY, RUN_KEY = "eagle_data.out_id", "eagle_data.run"
 FINGERPRINT_KEY, CONFIG_KEY = "eagle_data.fingerprint", "eagle_data.config"  # the phase config's hash, and the config
 PROVENANCE = (OUT_ID_KEY, RUN_KEY, FINGERPRINT_KEY, CONFIG_KEY)
 PHASE_OF_FOLDER = {"prompts": "prompts", "skipped": "prompts", "data": "generate", "failed": "generate",
-                   "stopped": "generate", HIDDEN_FAILED: "hidden_states"}
+                   "stopped": "generate", HIDDEN_FAILED: "hidden_states",
+                   HIDDEN_STATES: "hidden_states"}  # (hidden_states/: in each shard's header)
 # The phase record's key holding the config that decides its rows (job/fingerprints.py).
 PHASE_CONFIG = {"prompts": "prompt_config", "generate": "generate_config", "hidden_states": "hidden_states_config"}
 

@@ -8,10 +8,10 @@ import os
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle_data.storage.contract import FOLDERS, HIDDEN_STATES, QUARANTINE
-from eagle_data.storage.hidden_states import ShardHeaderError, read_header, shard_paths
+from eagle_data.storage.contract import HIDDEN_STATES, QUARANTINE
+from eagle_data.storage.hidden_states import ShardHeaderError, read_header
 from eagle_data.storage.folder import Output
-from eagle_data.storage.provenance import shard_problem
+from eagle_data.storage.provenance import all_shards, shard_problem
 from eagle_data.storage.shards import shard_files
 
 log = logging.getLogger("eagle_data")
@@ -24,13 +24,12 @@ def quarantine_corrupt(out: Output) -> list[str]:
     samples are then simply not done and get generated again; a damaged prompts/ or
     skipped/ shard makes the prompts phase run again. Cost: one read of OUT's Parquet per
     run; of hidden-states shards only the headers and sizes (hidden_problem). A Parquet shard
-    whose footer names another OUT or config than the manifest (copied in from another OUT,
+    whose footer (a hidden-states shard: header) names another OUT or config than the manifest (copied in from another OUT,
     or made by an older eagle-data) is quarantined the same way (storage/provenance.py)."""
     moved = []
-    shards = [(folder, path, read_problem) for folder in FOLDERS for path in shard_files(out.fs, out.folder(folder))]
-    shards += [(HIDDEN_STATES, path, hidden_problem) for path in shard_paths(out.fs, out.folder(HIDDEN_STATES))]
-    for folder, path, problem_of in shards:
-        problem = problem_of(out.fs, path) or (folder in FOLDERS and shard_problem(out, folder, path))
+    for folder, path in all_shards(out):
+        problem_of = hidden_problem if folder == HIDDEN_STATES else read_problem
+        problem = problem_of(out.fs, path) or shard_problem(out, folder, path)
         if problem:
             dest = f"{out.folder(QUARANTINE)}/{folder}/{os.path.basename(path)}"
             out.fs.create_dir(os.path.dirname(dest), recursive=True)

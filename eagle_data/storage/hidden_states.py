@@ -71,12 +71,15 @@ def tensor_bytes(tensor) -> "memoryview":
 
 
 def write_shard(fs: pafs.FileSystem, path: str, layout: dict[str, tuple[tuple[int, ...], int, int]],
-                payloads: Iterable, dtype: str, run_id: str, layer_ids: list[int]) -> int:
+                payloads: Iterable, dtype: str, run_id: str, layer_ids: list[int],
+                provenance: dict[str, str]) -> int:
     """Write one shard at `path`: `layout` is name -> (shape, nbytes, crc32) in file order,
     `payloads` yields each tensor's bytes in that order (one sample in memory at a time).
-    Returns its size in bytes. Not atomic: write under OUT/.staging/ and move."""
+    `provenance`: the OUT, run and config it is made under (contract.PROVENANCE, as a Parquet
+    shard's footer). Returns its size in bytes. Not atomic: write under OUT/.staging/ and move."""
     metadata = {"format": FORMAT, "layer_ids": json.dumps(layer_ids), "final_norm": "pre", "dtype": dtype,
-                "run_id": run_id, "crc32": json.dumps({n: crc for n, (_, _, crc) in layout.items()})}
+                "run_id": run_id, "crc32": json.dumps({n: crc for n, (_, _, crc) in layout.items()}),
+                **provenance}
     header = encode_header({n: (shape, nbytes) for n, (shape, nbytes, _) in layout.items()}, dtype, metadata)
     size = len(header)
     with fs.open_output_stream(path) as f:

@@ -14,9 +14,10 @@ from collections import defaultdict
 
 from eagle_data.errors import OutputMismatch
 from eagle_data.storage import manifest as mf
-from eagle_data.storage.contract import (CONFIG_KEY, FINGERPRINT_KEY, FOLDERS, OUT_ID_KEY, PHASE_CONFIG,
-                                         PHASE_OF_FOLDER, QUARANTINE)
+from eagle_data.storage.contract import (CONFIG_KEY, FINGERPRINT_KEY, FOLDERS, HIDDEN_STATES, OUT_ID_KEY,
+                                         PHASE_CONFIG, PHASE_OF_FOLDER, PROVENANCE, QUARANTINE)
 from eagle_data.storage.folder import Output
+from eagle_data.storage.hidden_states import read_header, shard_paths
 from eagle_data.storage.shards import read_provenance, shard_files
 
 log = logging.getLogger("eagle_data")
@@ -39,8 +40,22 @@ def foreign_reason(manifest: mf.Manifest, folder: str, found: dict[str, str]) ->
     return None
 
 
+def footer(fs, folder: str, path: str) -> dict[str, str]:
+    """A shard's PROVENANCE keys: a Parquet shard's footer, a hidden-states shard's header."""
+    if folder == HIDDEN_STATES:
+        metadata, _ = read_header(fs, path)
+        return {k: v for k, v in metadata.items() if k in PROVENANCE}
+    return read_provenance(fs, path)
+
+
 def shard_problem(out: Output, folder: str, path: str) -> str | None:
-    return foreign_reason(out.manifest, folder, read_provenance(out.fs, path))
+    return foreign_reason(out.manifest, folder, footer(out.fs, folder, path))
+
+
+def all_shards(out: Output) -> list[tuple[str, str]]:
+    """(folder, path) of every shard in OUT's folders, Parquet and hidden-states."""
+    return ([(folder, path) for folder in FOLDERS for path in shard_files(out.fs, out.folder(folder))]
+            + [(HIDDEN_STATES, path) for path in shard_paths(out.fs, out.folder(HIDDEN_STATES))])
 
 
 def rebuild_manifest(out: Output) -> bool:
@@ -52,8 +67,7 @@ def rebuild_manifest(out: Output) -> bool:
     footers name no OUT, or several OUTs or configs: which rows belong here cannot be told."""
     if out.manifest.exists or not out.has_shards():
         return False
-    footers = {(folder, path): read_provenance(out.fs, path)
-               for folder in FOLDERS for path in shard_files(out.fs, out.folder(folder))}
+    footers = {(folder, path): footer(out.fs, folder, path) for folder, path in all_shards(out)}
     unnamed = [path for (_, path), found in footers.items() if not found.get(OUT_ID_KEY)]
     if unnamed:
         refuse(out, f"shards whose footer names no OUT (written by an older eagle-data): {shown(unnamed)}")

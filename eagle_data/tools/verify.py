@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 
 from eagle_data.storage.contract import FOLDERS, HIDDEN_STATES, turn_sample_id
 from eagle_data.storage.folder import Output
-from eagle_data.storage.provenance import shard_problem
+from eagle_data.storage.provenance import foreign_reason, shard_problem
 from eagle_data.storage.hidden_states import ShardHeaderError, read_bytes, read_header, shard_paths
 from eagle_data.storage.status import SampleStatus
 from eagle_data.storage.shards import shard_files
@@ -142,6 +142,9 @@ def check_hidden_states(out: Output, failed: set[str]) -> tuple[list[str], dict]
         expected = {k: features.get(k) for k in recorded}
         if recorded != expected:
             problems.append(f"{path}: holds {recorded}, the manifest records {expected}")
+        foreign = foreign_reason(out.manifest, HIDDEN_STATES, meta)
+        if foreign:  # the next run quarantines it and redoes its samples
+            problems.append(f"{path}: not this OUT's shard: {foreign}")
         for sample_id, entry in entries.items():
             seen[sample_id] += 1
             shape = (lengths.get(sample_id), len(features.get("layer_ids", ())), features.get("hidden_size"))

@@ -107,6 +107,57 @@ def test_verify_finds_a_flipped_byte_and_a_cut_shard(hidden_out, tmp_path):
     assert lost and not lost & set(hidden_index(out).entries)
 
 
+def with_header(src, dest, **changes):
+    """A copy of hidden-states shard `src` whose header metadata has `changes` (None: the key
+    removed): another OUT's shard, or one an older eagle-data wrote. Offsets are relative to
+    the header's end, so the tensors' bytes follow unchanged."""
+    import struct
+
+    raw = open(src, "rb").read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    for key, value in changes.items():
+        header["__metadata__"].pop(key) if value is None else header["__metadata__"].update({key: value})
+    text = json.dumps(header).encode()
+    with open(dest, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+
+
+@pytest.mark.slow  # reads hidden_out, made by the whole job
+def test_a_hidden_states_shard_of_another_out_or_config_is_named_and_quarantined(hidden_out, tmp_path):
+    """Every hidden-states shard's header names its OUT, run and config fingerprint, like a
+    Parquet shard's footer; one copied in from another OUT, made under another
+    hidden_states config, or without them is named by verify and moved aside at start."""
+    from eagle_data.storage.contract import FINGERPRINT_KEY, OUT_ID_KEY, RUN_KEY
+    from eagle_data.storage.manifest import fingerprint
+
+    out = tmp_path / "out"
+    shutil.copytree(hidden_out, out)
+    o = Output.existing(str(out))
+    expected = fingerprint(o.manifest.phase_config("hidden_states"))
+    shards = shard_paths(o.fs, str(out / "hidden_states"))
+    for shard in shards:
+        meta, _ = read_header(o.fs, shard)
+        assert meta[OUT_ID_KEY] == o.manifest.out_id and meta[FINGERPRINT_KEY] == expected
+        assert meta[RUN_KEY] == meta["run_id"] and os.path.basename(shard).startswith(f"part-{meta['run_id']}-")
+    assert verify(str(out))[0] == []
+    src = shards[0]
+    lost = read_header(o.fs, src)[1]
+    os.remove(src)  # its samples come back, three times over, from shards that are not this OUT's
+    made = {name: str(out / "hidden_states" / f"part-20260101T000000-{name}-00000.safetensors")
+            for name in ("aaaaaa", "bbbbbb", "cccccc")}
+    with_header(os.path.join(hidden_out, "hidden_states", os.path.basename(src)), made["aaaaaa"], **{OUT_ID_KEY: "0" * 32})
+    with_header(os.path.join(hidden_out, "hidden_states", os.path.basename(src)), made["bbbbbb"], **{FINGERPRINT_KEY: "f" * 16})
+    with_header(os.path.join(hidden_out, "hidden_states", os.path.basename(src)), made["cccccc"], **{OUT_ID_KEY: None})
+    problems = [p for p in verify(str(out))[0] if "not this OUT's shard" in p]
+    assert [p.split(":")[0] for p in problems] == sorted(made.values()), problems
+    assert "another OUT" in problems[0] and "another hidden_states config" in problems[1] and "names no OUT" in problems[2]
+    assert sorted(quarantine_corrupt(Output(str(out)))) == sorted(made.values())
+    # Its samples are now simply not done: verify says so (the next run of the phase redoes them).
+    [missing] = verify(str(out))[0]
+    assert missing.startswith(f"{len(lost)} selected data/ rows have neither hidden states"), missing
+
+
 @pytest.mark.slow
 def test_sigkill_mid_phase_then_rerun_gives_every_row_once(ray_local, hidden_out, deep_qwen3, tmp_path):
     out = without_hidden_states(hidden_out, tmp_path / "out")

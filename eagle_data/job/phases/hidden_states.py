@@ -115,7 +115,8 @@ def run_hidden_states(cfg: Config, out: Output, engine=None) -> dict:
                             batch_format="pyarrow")
         ds = one_batch_per_block(ds, cfg.engine.batch_size)
         ds = (engine or apply_hidden_states_engine)(ds, cfg, ids, dtype, scratch)
-        ds = ds.map_batches(HiddenStatesPacker(out.root, run["run_id"], ids, hidden_size, dtype),
+        ds = ds.map_batches(HiddenStatesPacker(out.root, run["run_id"], ids, hidden_size, dtype,
+                                               out.manifest.shard_metadata(HIDDEN_STATES, run["run_id"])),
                             batch_size=cfg.hidden_states.rows_per_shard, batch_format="pyarrow")
         with publisher, engine_start_errors(cfg):
             publisher.publish(ds)

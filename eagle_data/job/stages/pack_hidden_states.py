@@ -70,8 +70,9 @@ class HiddenStatesPacker(Stage):
     reads = columns(*IDS, "input_ids", "hidden_states_path", ENGINE_ERROR)
     makes = columns(*IDS, "shard", "num_tokens", "error")
 
-    def __init__(self, out: str, run_id: str, layer_ids: list[int], hidden_size: int, dtype: str):
-        self.out, self.run_id, self.layer_ids = out, run_id, layer_ids
+    def __init__(self, out: str, run_id: str, layer_ids: list[int], hidden_size: int, dtype: str,
+                 provenance: dict[str, str]):
+        self.out, self.run_id, self.layer_ids, self.provenance = out, run_id, layer_ids, provenance
         self.hidden_size, self.dtype = hidden_size, dtype
 
     def _load(self, path: str, input_ids: list[int]):
@@ -103,7 +104,7 @@ class HiddenStatesPacker(Stage):
             fs.create_dir(f"{root}/{STAGING}", recursive=True)
             paths = {r["sample_id"]: r["hidden_states_path"] for r in rows}
             payloads = (tensor_bytes(self._reload(paths[s])) for s in layout)
-            write_shard(fs, shard, layout, payloads, self.dtype, self.run_id, self.layer_ids)
+            write_shard(fs, shard, layout, payloads, self.dtype, self.run_id, self.layer_ids, self.provenance)
         for row in rows:
             remove_request_file(row["hidden_states_path"])
         return pa.table({
