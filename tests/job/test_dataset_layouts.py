@@ -471,3 +471,20 @@ def test_a_damaged_save_to_disk_folder_is_an_error_naming_it(tmp_path):
     arrow.write_bytes(arrow.read_bytes()[:arrow.stat().st_size // 2])
     with pytest.raises(UnsupportedDataset, match=r"the datasets.save_to_disk folder .*saved cannot be read \(OSError: "):
         read_source(SourceConfig(dataset=str(saved)))
+
+
+def test_a_subfolder_that_cannot_be_listed_is_an_error_naming_it(tmp_path, monkeypatch):
+    """os.walk drops a folder it cannot list (permission denied) without a word: its files
+    were silently not read. The tests run as root, who can list any folder, so the refusal
+    is provoked by making os.scandir fail for that one folder."""
+    data = dataset_tree(tmp_path)
+    real_scandir = os.scandir
+
+    def scandir(path="."):
+        if os.path.realpath(path) == str((data / "sub").resolve()):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    with pytest.raises(MissingInput, match=r"sub cannot be listed \(Permission denied\)"):
+        located(data)

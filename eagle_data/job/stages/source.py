@@ -108,7 +108,7 @@ def _walk(folder: str):
     """os.walk following symlinked folders, each real folder once (a link back up the tree
     is not a loop), hidden folders (.git, .cache, ...) left out, in sorted order."""
     seen = set()
-    for root, dirs, names in os.walk(folder, followlinks=True):
+    for root, dirs, names in os.walk(folder, followlinks=True, onerror=_unlisted):
         st = os.stat(root)
         if (st.st_dev, st.st_ino) in seen:  # reached again through a symlink
             dirs[:] = []
@@ -116,6 +116,11 @@ def _walk(folder: str):
         seen.add((st.st_dev, st.st_ino))
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         yield root, dirs, sorted(names)
+
+
+def _unlisted(error: OSError) -> None:
+    """os.walk would skip a folder it cannot list, and its files would silently go unread."""
+    raise MissingInput(f"source.dataset: the folder {error.filename} cannot be listed ({error.strerror})")
 
 
 def _folder_files(dataset: str, folder: str, folders: list[str]) -> list[str]:
