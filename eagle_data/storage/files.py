@@ -41,6 +41,11 @@ KINDS = ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO
          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
+def kind_of(mode: int) -> str:
+    """What a non-regular st_mode is, with its article ("a FIFO (named pipe)", ...)."""
+    return next((name for test, name in KINDS if test(mode)), "not a regular file")
+
+
 def not_a_regular_file(fs: pafs.FileSystem, path: str) -> str | None:
     """What is at `path` when it is something other than a regular file ("a FIFO (named
     pipe)", "a symlink to ...", ...), None for a regular file or nothing. A local path is
@@ -55,8 +60,7 @@ def not_a_regular_file(fs: pafs.FileSystem, path: str) -> str | None:
             return None
         if stat.S_ISREG(mode):
             return None
-        kind = next((name for test, name in KINDS if test(mode)), "not a regular file")
-        return f"{kind} to {os.readlink(path)}" if stat.S_ISLNK(mode) else kind
+        return f"a symlink to {os.readlink(path)}" if stat.S_ISLNK(mode) else kind_of(mode)
     kind = fs.get_file_info(path).type
     if kind in (pafs.FileType.File, pafs.FileType.NotFound):
         return None

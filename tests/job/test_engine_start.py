@@ -49,14 +49,15 @@ def test_the_cpu_kv_cache_is_owned_on_cpu_only():
 
 def test_every_engine_kwarg_the_typed_keys_set_is_owned():
     """What the builders pass is exactly what the check knows, for every backend and device."""
-    from eagle_data.job.stages.engines.transformers_backend import from_pretrained_kwargs, typed_from_pretrained
+    from eagle_data.job.stages.engines import with_passed
+    from eagle_data.job.stages.engines.transformers_backend import typed_from_pretrained
     from eagle_data.job.stages.engines.vllm_backend import engine_kwargs, typed_engine_kwargs
 
     for extra in ([], ["engine.device=cpu"], ["model.tokenizer=/t"]):
         cfg = load_config(None, BASE + extra)
         assert set(engine_kwargs(cfg)) <= set(typed_engine_kwargs(cfg))
     cfg = load_config(None, BASE + ["engine.backend=transformers", "engine.engine_kwargs.dtype=float32"])
-    kwargs = from_pretrained_kwargs("/m/model.gguf", True, cfg.engine.engine_kwargs)
+    kwargs = with_passed(typed_from_pretrained("/m/model.gguf", True), cfg.engine.engine_kwargs)
     assert kwargs == {"pretrained_model_name_or_path": "/m", "gguf_file": "model.gguf",
                       "trust_remote_code": True, "dtype": "float32"}
     assert set(kwargs) - {"dtype"} <= set(typed_from_pretrained("/m/model.gguf", True))

@@ -34,6 +34,7 @@ from eagle_data.config import SourceConfig
 from eagle_data.model_files import is_hub_id
 from eagle_data.errors import EagleDataError, MissingInput, UnsupportedDataset
 from eagle_data.job.stages.columns import Stage, columns
+from eagle_data.storage.files import kind_of
 
 log = logging.getLogger("eagle_data")
 
@@ -222,7 +223,7 @@ def _check_file(dataset: str, path: str) -> None:
             raise MissingInput(f"{where} is a dangling symlink (to {os.readlink(path)!r})") from None
         raise MissingInput(f"{where} cannot be read ({e.strerror})") from None
     if not stat.S_ISREG(mode):
-        raise UnsupportedDataset(f"{where} is a {_kind(mode)}, not a regular file")
+        raise UnsupportedDataset(f"{where} is {kind_of(mode)}, not a regular file")
     lower = path.lower()
     if not lower.endswith(JSON_SUFFIXES + PARQUET_SUFFIXES):
         if lower.endswith(".arrow"):
@@ -238,15 +239,6 @@ def _check_file(dataset: str, path: str) -> None:
             open(path, "rb").close()
     except (OSError, pa.ArrowException) as e:
         raise UnsupportedDataset(f"{where} cannot be read: {e}") from None
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "FIFO (named pipe)"), (stat.S_ISSOCK, "socket"),
-                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
-                       (stat.S_ISDIR, "folder")):
-        if test(mode):
-            return name
-    return "special file"
 
 
 def _is_saved(folder: str) -> bool:

@@ -65,6 +65,13 @@ def refuse_owned(typed: dict[str, tuple[str, Any]], passed: dict) -> None:
                               "(the job uses that value elsewhere too)")
 
 
+def with_passed(typed: dict[str, tuple[str, Any]], passed: dict) -> dict:
+    """A builder's kwargs: what the typed keys set (None: not passed, the library's default),
+    then the pass-through ones, none of which may be one a typed key owns."""
+    refuse_owned(typed, passed)
+    return {**{k: v for k, (_, v) in typed.items() if v is not None}, **passed}
+
+
 def check_engine_kwargs(cfg: Config) -> None:
     """At start, before any work: refuse_owned against the configured backend's builder."""
     if cfg.engine.backend == "vllm":

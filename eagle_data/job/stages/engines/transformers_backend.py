@@ -18,7 +18,7 @@ import ray
 
 from eagle_data.config import Config
 from eagle_data.job.stages.columns import Stage, columns
-from eagle_data.job.stages.engines import LOGPROB_COLUMNS, logprob_values, refuse_owned
+from eagle_data.job.stages.engines import LOGPROB_COLUMNS, logprob_values, with_passed
 from eagle_data.job.ray_internals import ENGINE_ERROR, VLLM_OUTPUT_DEFAULTS
 from eagle_data.model_files import pretrained_args
 
@@ -36,12 +36,6 @@ def typed_from_pretrained(model_path: str, trust_remote_code: bool) -> dict[str,
             "trust_remote_code": ("model.trust_remote_code", trust_remote_code)}
 
 
-def from_pretrained_kwargs(model_path: str, trust_remote_code: bool, passed: dict) -> dict:
-    typed = typed_from_pretrained(model_path, trust_remote_code)
-    refuse_owned(typed, passed)
-    return {**{k: v for k, (_, v) in typed.items() if v is not None}, **passed}
-
-
 def load_model(model_path: str, trust_remote_code: bool, from_pretrained: dict, cpu_threads: int | None):
     """(torch, device, the model in eval mode) for a replica: torch on `cpu_threads` (null = all
     cores of the node; Ray would otherwise limit it to the actor's CPUs), on CUDA when there
@@ -51,7 +45,7 @@ def load_model(model_path: str, trust_remote_code: bool, from_pretrained: dict, 
 
     torch.set_num_threads(cpu_threads or os.cpu_count() or 1)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    kwargs = from_pretrained_kwargs(model_path, trust_remote_code, from_pretrained)
+    kwargs = with_passed(typed_from_pretrained(model_path, trust_remote_code), from_pretrained)
     model = AutoModelForCausalLM.from_pretrained(**kwargs).to(device).eval()
     print(f"engine replica on node {ray.get_runtime_context().get_node_id()}", flush=True)
     return torch, device, model

@@ -20,7 +20,7 @@ from typing import Any
 
 from eagle_data.config import Config
 from eagle_data.errors import NoReplicaResources
-from eagle_data.job.stages.engines import refuse_owned
+from eagle_data.job.stages.engines import with_passed
 from eagle_data.job.ray_internals import vllm_stage_udf
 from eagle_data.model_files import resolve_model_path
 
@@ -51,10 +51,7 @@ def typed_engine_kwargs(cfg: Config) -> dict[str, tuple[str, Any]]:
 
 
 def engine_kwargs(cfg: Config) -> dict:
-    typed = typed_engine_kwargs(cfg)
-    refuse_owned(typed, cfg.engine.engine_kwargs)
-    # Anything else passes through.
-    return {**{k: v for k, (_, v) in typed.items() if v is not None}, **cfg.engine.engine_kwargs}
+    return with_passed(typed_engine_kwargs(cfg), cfg.engine.engine_kwargs)  # anything else passes through
 
 
 def replica_needs(cfg: Config) -> dict[str, float]:
