@@ -287,6 +287,28 @@ def test_errors_say_what_to_do(tmp_path):
     assert not (tmp_path / "out" / "vocab").exists()  # nothing written on an error
 
 
+def test_only_mask_ones_count_and_malformed_rows_are_refused(tmp_path):
+    """The numpy path counts exactly `loss_mask == 1` (not every non-zero, not a null entry)
+    and refuses what would misalign ids and mask."""
+    schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8()))])
+
+    def out_of(name, ids, mask):
+        (tmp_path / name / "data").mkdir(parents=True)
+        pq.write_table(pa.table({"input_ids": ids, "loss_mask": mask}, schema=schema),
+                       tmp_path / name / "data" / "part-00000.parquet")
+        (tmp_path / name / "manifest.json").write_text(json.dumps({"schema_version": MANIFEST_VERSION, "phases": {}}))
+        return str(tmp_path / name)
+
+    odd = out_of("odd", [[1, 2, 3, 4], [5, 6]], [[0, 2, 1, None], [1, -1]])
+    assert np.flatnonzero(count_tokens(odd, 10).counts).tolist() == [3, 5]
+    with pytest.raises(VocabError, match="differ in length"):
+        count_tokens(out_of("short", [[1, 2, 3]], [[1, 1]]), 10)
+    with pytest.raises(VocabError, match="null input_ids or loss_mask"):
+        count_tokens(out_of("null_list", [[1, 2], [3]], [[1, 1], None]), 10)
+    with pytest.raises(VocabError, match="null token id"):
+        count_tokens(out_of("null_id", [[1, None]], [[1, 1]]), 10)
+
+
 def cli(argv: list[str]) -> int:
     return main(["vocab", *argv])
 
