@@ -122,7 +122,7 @@ def _row_groups(fs: pafs.FileSystem, files: list[str]) -> Iterator[tuple[str, in
 
 class _Tally:
     """counts += bincount(ids). A bincount costs O(V) on top of its ids, so row groups with
-    fewer than FLUSH masked ids (the job's shards can be a few rows) are pooled up to FLUSH
+    fewer than V masked ids (the job's shards can be a few rows) are pooled up to FLUSH
     first; larger ones are counted as they come (no copy into a pool). Memory O(V + FLUSH).
     np.bincount holds the GIL: it runs here, in the folding thread, while the readers decode."""
 
@@ -132,7 +132,7 @@ class _Tally:
         self.counts, self.pending, self.n = counts, [], 0
 
     def add(self, ids: np.ndarray) -> None:
-        if ids.size >= self.FLUSH:
+        if ids.size >= self.counts.size:
             self._count(ids)
             return
         self.pending.append(ids)
