@@ -110,3 +110,27 @@ def test_sample_threshold_is_the_nth_smallest_and_holds_at_most_2n_scores():
         tracemalloc.stop()
     largest_block = max(b.nbytes for b in blocks)
     assert peak <= 16 * n + 2 * largest_block + 4096, f"{peak / n:.1f} bytes per sample row"
+
+
+def test_report_by_variant_holds_no_python_object_per_prompts_row():
+    from eagle_data.storage.report import by_variant
+
+    n = 100_000
+    prompts = pa.table({"sample_id": [prompt_id(i) for i in range(n)],
+                        "variant": pa.array(["default", "cold"] * (n // 2)).dictionary_encode().cast(pa.string())})
+    data = pa.table({c: pa.array([], t) for c, t in [("variant", pa.string()), ("finish_reason", pa.string()),
+                                                     ("num_prompt_tokens", pa.int32()),
+                                                     ("num_reasoning_tokens", pa.int32()),
+                                                     ("num_response_tokens", pa.int32())]})
+    failed = pa.table({"conversation_id_last": [prompt_id(3), prompt_id(4), "not-a-prompt"]})
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        found = by_variant(prompts, data, failed)
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    assert {name: v["failed"] for name, v in found.items()} == {"default": 1, "cold": 1}
+    assert {name: v["conversations"] for name, v in found.items()} == {"default": n // 2, "cold": n // 2}
+    assert peak / n < 20, f"{peak / n:.0f} bytes per prompts/ row"
