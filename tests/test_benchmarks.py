@@ -21,7 +21,7 @@ SMOKE = {
     # --logprobs: about 13 s more, nearly all of it importing Ray's vLLM stage (torch, vllm).
     "postprocess_throughput.py": (["--rows", "40", "--repeats", "1", "--logprobs", "2", "--logprobs-rows", "4"],
                                   "ours (Postprocessor)"),
-    "prompts_memory.py": (["--rows", "200", "400"], "driver peak RSS"),
+    "prompts_memory.py": (["--smoke"], "driver peak RSS growth"),
     "reader_memory.py": (["--rows", "400", "--tokens", "50", "--rows-per-shard", "100"], "samples"),
     "resume_cost.py": (["--rows", "2000", "--rows-per-shard", "500", "--failed", "50", "--repeats", "1"], "resume reads what it needs"),
     "vocab_count.py": (["--smoke"], "counts equal: True"),

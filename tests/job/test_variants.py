@@ -11,7 +11,7 @@ import pytest
 
 from support import as_config, job_settings
 from eagle_data.errors import ConfigError
-from eagle_data.job.phases.prompts import split_duplicates
+from eagle_data.job.phases.prompts import SeenPrompts, split_duplicates
 from eagle_data.job.stages.prompts import PromptBuilder
 from eagle_data.job.variants import Assigner, conversation_ids, variants
 from eagle_data.model_files import load_tokenizer
@@ -79,7 +79,7 @@ def test_a_prompt_becomes_k_conversations_each_rendered_as_its_variant_says(tmp_
     too_long = {"messages": [{"role": "user", "content": "tea " * 40}]}
     batch = raw_batch([question, "not json", too_long, question])
     made = PromptBuilder.from_config(cfg)(batch)
-    good, bad = split_duplicates(made, set())
+    good, bad = split_duplicates(made, SeenPrompts())
     tokenizer = load_tokenizer(str(qwen3_tokenizer_dir))
     rows = good.to_pylist()
     assert [r["answer"] for r in rows] == [0, 1, 2] and len({r["prompt_id"] for r in rows}) == 1
