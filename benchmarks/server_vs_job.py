@@ -133,13 +133,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: Path, slots: int, log_path: Path) -> tuple[subprocess.Popen, str, float]:
+def start_server(model: Path, kwargs: dict, log_path: Path) -> tuple[subprocess.Popen, str, float]:
     """`vllm serve` (its module) with the job's engine kwargs, in its own process group so
     that stop_server kills its engine process too; returns once /health answers."""
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enforce-eager",
-           "--max-num-seqs", str(slots), "--max-model-len", str(MAX_MODEL_LEN),
+           "--max-num-seqs", str(kwargs["max_num_seqs"]), "--max-num-batched-tokens",
+           str(kwargs["max_num_batched_tokens"]), "--max-model-len", str(MAX_MODEL_LEN),
            "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--disable-uvicorn-access-log"]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True,
@@ -261,7 +262,12 @@ def main() -> None:
         probs = {**{w: (1 - p_stop) / len(WORDS) for w in WORDS}, "<|im_end|>": p_stop}
         model = build_babbling_model(qwen3_dir(tmp), tmp / "babble", ["<|im_end|>", "<|endoftext|>"], probs, head_dim=64)
         write_chat_rows(tmp / "rows.jsonl", args.rows, (5, 40))
-        kwargs = {"dtype": "bfloat16", "enforce_eager": True, "max_num_seqs": args.slots}
+        # max_num_batched_tokens set, not left to vLLM: its CPU default is 4096 for LLM and
+        # 2048 for the server and Ray's stage, and a prefill split over two steps crashes a
+        # seeded request on the CPU build ("CPU Generator does not use offset"); 8192 holds
+        # every prefill of a step here (slots x the longest prompt).
+        kwargs = {"dtype": "bfloat16", "enforce_eager": True, "max_num_seqs": args.slots,
+                  "max_num_batched_tokens": 8192}
         b = 4  # the project's feeding rule for batches of 4 (eagle_data/job/stages/engines/vllm_backend.py)
         c = math.ceil((2 + b / 8) * args.slots / b)
         base = [f"source.dataset={tmp / 'rows.jsonl'}", f"model.path={model}", "engine.backend=vllm",
@@ -314,7 +320,7 @@ def main() -> None:
 
         tight = args.timeout_s or SEED_BUDGET_IN_MEANS * args.mean * max(args.concurrency) / bare_rate
         timeouts = {"tight": tight, "raised": args.raised_timeout_s}
-        proc, url, load_s = start_server(model, args.slots, tmp / "server.log")
+        proc, url, load_s = start_server(model, kwargs, tmp / "server.log")
         loads.append(f"vllm serve (start to /health) {load_s:.1f} s")
         mismatches = 0
         try:
