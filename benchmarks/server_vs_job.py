@@ -331,7 +331,7 @@ def main() -> None:
                     row = server_row(result, prompts, bare_ids, tokenizer, stop_ids)
                     mismatches += row["prompt_mismatch"]
                     lost = ", ".join(f"{n} {k}" for k, n in sorted(row["lost"].items())) or "0"
-                    table.append((f"server, {name} timeout", conc, f"{timeouts[name]:.0f}", row["ok"], lost,
+                    table.append((f"server, {name} timeout", conc, f"{timeouts[name]:.1f}", row["ok"], lost,
                                   row["retries"], row["tokens"], row["seconds"], row["exact"]))
                     print(f"server C={conc} {name}: {row['ok']} ok, lost {lost}, {row['seconds']:.1f} s", flush=True)
         finally:
