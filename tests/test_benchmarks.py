@@ -24,6 +24,7 @@ SMOKE = {
     "prompts_memory.py": (["--smoke"], "driver peak RSS growth"),
     "reader_memory.py": (["--rows", "400", "--tokens", "50", "--rows-per-shard", "100"], "samples"),
     "resume_cost.py": (["--rows", "2000", "--rows-per-shard", "500", "--failed", "50", "--repeats", "1"], "resume reads what it needs"),
+    "server_vs_job.py": (["--smoke"], "| server, tight timeout | 2 |"),
     "vocab_count.py": (["--smoke"], "counts equal: True"),
     "vllm_vs_job.py": (["--smoke"], "| bare vLLM (LLM.generate) |"),
 }
@@ -36,6 +37,7 @@ def test_every_benchmark_has_a_smoke_size():
 
 # Each smoke run of a whole job (its own Ray instance, tens of seconds) is `slow`; vLLM's is `vllm`.
 MARKS = {"vllm_vs_job.py": pytest.mark.vllm, "hidden_states_throughput.py": pytest.mark.vllm,
+         "server_vs_job.py": pytest.mark.vllm,
          "driver_memory.py": pytest.mark.slow, "prompts_memory.py": pytest.mark.slow,
          "engine_feeding.py": pytest.mark.slow}
 
