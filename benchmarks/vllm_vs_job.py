@@ -88,6 +88,7 @@ class CpuSampler:
 
     def __init__(self, front: str | None = None, every_s: float = 0.5):
         self.front, self.every_s = front, every_s  # front: the kind of this process itself
+        self.pid = os.getpid()  # the sampled process (bare's samples are read by its parent)
         # (time, {pid: (kind, cpu s, nice)}, the sampler thread's own CPU s so far: the
         # driver's figure includes it)
         self.samples: list[tuple[float, dict, float]] = []
@@ -157,7 +158,7 @@ class CpuSampler:
         kinds: dict = {"sampler thread": [own1 - own0, set()]}
         for pid, (kind, cpu, nice) in last.items():
             entry = kinds.setdefault(kind, [0.0, set()])
-            entry[0] += cpu - (first[pid][1] if pid in first else 0.0) - (own1 - own0 if pid == os.getpid() else 0)
+            entry[0] += cpu - (first[pid][1] if pid in first else 0.0) - (own1 - own0 if pid == self.pid else 0)
             entry[1].add(nice)
         return kinds
 
@@ -210,7 +211,7 @@ def bare_vllm(spec_path: str, result_path: str) -> None:
     spans = spans_of([dataclasses.asdict(o.metrics) for o in outs]) if all(o.metrics for o in outs) else []
     Path(result_path).write_text(json.dumps({"load_s": load, "engine_s": engine_s, "tokens": sum(lengths),
                                              "rows": len(outs), "max_len": max(lengths), "spans": spans,
-                                             "samples": cpu.samples}))
+                                             "samples": cpu.samples, "pid": cpu.pid}))
 
 
 def timed_engine(events: str):
@@ -237,6 +238,7 @@ def run_bare(tmp: Path, spec: Path, repeat: int, slots: int) -> dict:
                    env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
     bare = json.loads(result.read_text())
     cpu = CpuSampler()
+    cpu.pid = bare["pid"]
     cpu.samples = [(t, {int(pid): tuple(v) for pid, v in snap.items()}, own) for t, snap, own in bare["samples"]]
     engine = occupancy(bare["spans"], slots) if bare["spans"] else None
     window = (engine["start"], engine["end"]) if engine else (cpu.samples[0][0], cpu.samples[-1][0])
