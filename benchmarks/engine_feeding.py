@@ -8,10 +8,10 @@ engine stage sits, for several batch_size x max_concurrent_batches settings.
 The real job runs (`eagle_data.job.phases.run.run`: prompts phase once with the real Qwen3
 tokenizer on synthetic English prompts, then the generate phase per setting on a copy of
 that OUT: requests, repartition, engine, the real postprocess, the real shard writers)
-with `engine=` a stage mapped exactly like Ray's vLLM stage maps its engine
-(ray/llm/_internal/batch/processor/vllm_engine_proc.py): `map_batches(SimEngine,
-batch_size=B, compute=ActorPoolStrategy(size=1, max_tasks_in_flight_per_actor=2*C),
-max_concurrency=C)` with an async callable class.
+with `engine=` a stage mapped exactly like the job maps Ray's vLLM stage
+(eagle_data/job/stages/engines/vllm_backend.py `vllm_stage`: blocks of B rows, each one
+batch): `map_batches(SimEngine, batch_size=None, compute=ActorPoolStrategy(size=1,
+max_tasks_in_flight_per_actor=2*C), max_concurrency=C)` with an async callable class.
 
 SimEngine models one continuous-batching replica: N sequence slots (one asyncio semaphore
 shared by every concurrent call of the actor, FIFO), a row holds a slot for
@@ -145,7 +145,7 @@ def sim_stage_factory(slots: int, token_s: float, measure_s: float, events: str,
                                        events=events, think=special.reasoning_start_id,
                                        end=special.reasoning_end_id, eos=special.eos_ids[0],
                                        mean_tokens=mean_tokens),
-            batch_size=cfg.engine.batch_size,
+            batch_size=None,  # each block is one engine batch, as the job's engine stages take them
             batch_format="pyarrow",
             zero_copy_batch=True,
             compute=ray.data.ActorPoolStrategy(size=cfg.engine.replicas,

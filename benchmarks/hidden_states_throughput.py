@@ -100,7 +100,7 @@ def scripted_engine(gen: tuple[int, int], special):
         return pa.table(out)
 
     def stage(ds, cfg, pad_id):
-        return ds.map_batches(answer, batch_size=cfg.engine.batch_size, batch_format="pyarrow")
+        return ds.map_batches(answer, batch_format="pyarrow")  # each block is one engine batch
 
     return stage
 

@@ -19,6 +19,7 @@ SMOKE = {
                            "--no-model-table"], "util"),
     "hidden_states_throughput.py": (["--smoke"], "| bare vLLM, generate + files written |"),
     # --logprobs: about 13 s more, nearly all of it importing Ray's vLLM stage (torch, vllm).
+    "multi_turn_loads.py": (["--smoke"], "loads per run (this checkout)"),
     "postprocess_throughput.py": (["--rows", "40", "--repeats", "1", "--logprobs", "2", "--logprobs-rows", "4"],
                                   "ours (Postprocessor)"),
     "prompts_memory.py": (["--smoke"], "driver peak RSS growth"),
@@ -37,7 +38,7 @@ def test_every_benchmark_has_a_smoke_size():
 
 # Each smoke run of a whole job (its own Ray instance, tens of seconds) is `slow`; vLLM's is `vllm`.
 MARKS = {"vllm_vs_job.py": pytest.mark.vllm, "hidden_states_throughput.py": pytest.mark.vllm,
-         "server_vs_job.py": pytest.mark.vllm,
+         "server_vs_job.py": pytest.mark.vllm, "multi_turn_loads.py": pytest.mark.vllm,
          "driver_memory.py": pytest.mark.slow, "prompts_memory.py": pytest.mark.slow,
          "engine_feeding.py": pytest.mark.slow}
 

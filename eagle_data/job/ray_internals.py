@@ -472,3 +472,28 @@ def one_batch_per_block(ds: ray.data.Dataset, rows: int) -> ray.data.Dataset:
     reaches data/ at the end). It also spares Ray 2.60's vLLM stage a task mixing an
     all-failed batch with an answered one, which fails (`_backfill_missing_fields`)."""
     return ds.repartition(target_num_rows_per_block=rows, strict=True)
+
+
+def read_unshaped(datasource_type: type) -> None:
+    """Reads of `datasource_type` hand on each block their read function yields as it
+    comes. Ray Data's read task buffers them into blocks of `target_max_block_size` (128
+    MiB) and hands them on only then, or at the task's end; job/stages/feed.py's one read
+    task lasts the whole run, and a turn depth's last prompt block must not wait for the
+    next depth, which waits for that block's answers. Planning runs in the driver: once there."""
+    from ray.data._internal.logical.operators.read_operator import Read
+    from ray.data._internal.output_buffer import OutputBlockSizeOption
+    from ray.data._internal.planner.planner import Planner
+
+    plan_read = Planner._DEFAULT_PLAN_FNS[Read]
+    if getattr(plan_read, "unshaped", None) is datasource_type:
+        return
+
+    def plan(op, physical_children, data_context):
+        physical = plan_read(op, physical_children, data_context)
+        if isinstance(op.datasource, datasource_type):
+            for fn in physical._map_transformer._transform_fns:
+                fn._output_block_size_option = OutputBlockSizeOption.of(disable_block_shaping=True)
+        return physical
+
+    plan.unshaped = datasource_type
+    Planner._DEFAULT_PLAN_FNS[Read] = plan

@@ -364,7 +364,10 @@ def test_multi_turn_on_deepseek_r1_template(ray_local, tmp_path, babble_r1, capf
     assert greedy and all(len(answers) == 1 for answers in greedy.values())
     assert {r["variant"] for r in rows} == set(values)
     verify_ok(out)
-    # One dataset per turn depth in one driver: Ray Data's stats actor must know each (no
+    # Both turn depths through one pipeline: the vLLM replica loaded the model once.
+    loads = json.loads((out / "manifest.json").read_text())["phases"]["generate"]["runs"][-1]["engine_load_s"]
+    assert len(loads) == 1, loads
+    # Several datasets in one driver: Ray Data's stats actor must know each (no
     # `_StatsActor.update_execution_metrics` KeyError printed while they run).
     printed = capfd.readouterr()
     assert "Traceback" not in printed.out + printed.err, (printed.out + printed.err)[-4000:]

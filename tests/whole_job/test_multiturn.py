@@ -19,6 +19,7 @@ import yaml
 from support import REPO, as_config, attached, build_babbling_model, job_settings, read, shards, write_jsonl
 from eagle_data.model_files import load_tokenizer
 from eagle_data.job.phases.run import run
+from eagle_data.job.stages.engines import apply_engine
 from eagle_data.tools.verify import verify
 
 WORDS = [" the", " cat", " sat", " on", " mat", " and", " dog", " ran", "."]
@@ -154,7 +155,15 @@ def test_each_turn_is_asked_with_the_targets_own_answers(ray_local, tmp_path, mo
     rows = conversations()
     settings = job_settings(tmp_path / "out", model_dir, write_jsonl(tmp_path / "chats.jsonl", rows), preset=CHATS,
                             **variants)
-    result = run(as_config(settings))
+    pipelines = []
+
+    def counted_engine(ds, cfg, pad_id):  # the real engine stage, counted: one per pipeline built
+        pipelines.append(ds)
+        return apply_engine(ds, cfg, pad_id)
+
+    result = run(as_config(settings), engine=counted_engine)
+    # Three turn depths through one pipeline: one actor pool, so the replicas loaded once.
+    assert len(pipelines) == 1
     out = tmp_path / "out"
     tokenizer = load_tokenizer(str(model_dir))
     answers = settings["sampling"].get("answers_per_prompt", 1)

@@ -1,8 +1,9 @@
 """Phase 2, generate (engine): OUT/prompts minus what is done -> engine -> postprocess ->
 OUT/data + OUT/failed (+ OUT/stopped under turns: all).
 
-One engine pass per turn depth (turns: all): turn d is asked once turn d-1's answers are
-published (job/stages/turns.py). first_user has only turn 0.
+Every turn depth (turns: all) goes through one pipeline, so the engine replicas load once
+per run; turn d is asked once turn d-1's answers are published (job/stages/feed.py,
+job/stages/turns.py). first_user has only turn 0.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -21,6 +23,7 @@ from eagle_data.config import Config
 from eagle_data.errors import MissingInput
 from eagle_data.job.stages.engines import ENGINE_CLASSES, apply_engine, engine_start_errors
 from eagle_data.job.fingerprints import generate_config
+from eagle_data.job.stages.feed import EngineFeed
 from eagle_data.job.stages.postprocess import Postprocessor
 from eagle_data.job.stages.requests import Askable, FirstTurn, Requests, engine_sampling
 from eagle_data.job.progress import EngineWatch, Progress
@@ -39,7 +42,9 @@ PROMPT_COLUMNS = ["sample_id", "source", "prompt_id", "answer", "variant", "mess
 
 def run_generate(cfg: Config, out: Output, engine=None) -> dict:
     """Record the run, answer every turn depth, record the totals. `engine(ds, cfg, pad_id)
-    -> ds` replaces the configured engine stage (benchmarks put a simulated one there)."""
+    -> ds` replaces the configured engine stage (benchmarks put a simulated one there); like
+    it, it must take each block as one batch (map_batches' batch_size=None): the blocks are
+    engine batches, and one held back for more rows would wait forever (job/stages/feed.py)."""
     if not out.manifest.prompts_complete():
         raise MissingInput(f"{out.root} has no finished prompts phase: run with --phase prompts (or all) first")
     special, run, total, finished = start_run(cfg, out)
@@ -74,24 +79,53 @@ def start_run(cfg: Config, out: Output) -> tuple[SpecialTokens, dict, int, set[s
 
 def answer_turns(cfg: Config, out: Output, special: SpecialTokens, finished: set[str], writers: dict,
                  progress: Progress, run_id: str, engine) -> None:
-    """One engine pass per turn depth (turns: all), each reading the last one's answers."""
+    """Every turn depth (turns: all) through one pipeline, so the engine replicas load once:
+    depth d is sent to it once depth d-1's answers are all published (job/stages/feed.py)."""
     finished_ref = ray.put(pa.array(sorted(finished), pa.string()))  # shared by every task
+    depths = depths_to_ask(cfg, out, special, finished_ref, writers, run_id)
+    first = next(depths, None)
+    if first is None:
+        return
+    feed = EngineFeed()
+    try:
+        with engine_start_errors(cfg):
+            feed.send(*first)
+            for batch in feed.results(answers(feed.dataset(), cfg, special, engine)):
+                publish(batch, writers["data"], writers["failed"], progress, run_id)
+                if feed.depth_done(batch.num_rows):
+                    following = next(depths, None)  # built from the answers just published
+                    if following is None:
+                        feed.end()
+                    else:
+                        feed.send(*following)
+    except Exception:
+        if feed.error is not None:  # the pipeline failed because a depth could not be sent
+            raise feed.error from None
+        raise
+    finally:
+        feed.close()
+
+
+def depths_to_ask(cfg: Config, out: Output, special: SpecialTokens, finished: ray.ObjectRef, writers: dict,
+                  run_id: str) -> Iterator[tuple[ray.data.Dataset, int]]:
+    """(engine requests, how many) of each turn depth that has any to ask (first_user: turn
+    0 only), in blocks of one engine batch. Each depth is built once every earlier answer is
+    published: its prompts hold those answers."""
     for turn in itertools.count() if cfg.prompt.turns == "all" else [0]:
+        for writer in writers.values():  # publish the rest now: this depth reads these answers
+            writer.close()
         if turn == 0:
-            ds, to_ask = first_turn_prompts(cfg, out, finished_ref)
+            ds, to_ask = first_turn_prompts(cfg, out, finished)
         else:
-            ds = later_turn_prompts(cfg, out, turn, finished_ref)
+            ds = later_turn_prompts(cfg, out, turn, finished)
             if ds is not None:
                 to_ask = record_stops(ds, writers["stopped"], run_id)
                 ds = ds.map_batches(Askable(), batch_format="pyarrow")
         if ds is None:
-            break
+            return
         log.info("generate: turn %d: %d to ask", turn, to_ask)
         if to_ask:  # starting the engine replicas alone is a model load
-            with engine_start_errors(cfg):
-                publish(answers(ds, cfg, special, engine), writers["data"], writers["failed"], progress, run_id)
-        for writer in writers.values():  # publish the rest now: the next pass reads these answers
-            writer.close()
+            yield requests(ds, cfg, special), to_ask
 
 
 def finish_run(cfg: Config, out: Output, run: dict, total: int, writers: dict, progress: Progress,
@@ -179,25 +213,33 @@ def record_stops(ds: ray.data.Dataset, stopped: ShardWriter, run_id: str) -> int
     return to_ask
 
 
-def answers(ds: ray.data.Dataset, cfg: Config, special: SpecialTokens, engine) -> ray.data.Dataset:
-    """Prompts -> requests -> engine -> postprocess: rows for data/ and failed/."""
+def requests(ds: ray.data.Dataset, cfg: Config, special: SpecialTokens) -> ray.data.Dataset:
+    """Prompts -> engine requests, one engine batch per block: finished rows leave the
+    engine batch by batch, and the engine stage takes each block as one batch."""
     ds = ds.map_batches(Requests(engine_sampling(cfg), cfg.sampling.seed, list(special.eos_ids)),
                         batch_format="pyarrow")
-    ds = one_batch_per_block(ds, cfg.engine.batch_size)  # finished rows leave the engine batch by batch
+    return one_batch_per_block(ds, cfg.engine.batch_size)
+
+
+def answers(ds: ray.data.Dataset, cfg: Config, special: SpecialTokens, engine) -> ray.data.Dataset:
+    """Requests -> engine -> postprocess: rows for data/ and failed/."""
     ds = engine(ds, cfg, special.pad_id)
     ds = ds.map_batches(Postprocessor.from_config(cfg, special), batch_format="pyarrow")
     # Queued blocks live in the driver: at most the engine's in-flight batches between two steps.
     bound_queues(ds, max_blocks=2 * cfg.engine.max_concurrent_batches * cfg.engine.replicas)
+    # Ray Data reserves CPUs per operator and frees an operator's share when its inputs end;
+    # this source ends only after the last depth, so on a 2-CPU node the idle preprocess map
+    # kept the CPU the postprocess needed, and the pipeline stopped (tests/vllm, turns: all).
+    ds.context.op_resource_reservation_enabled = False
     return ds
 
 
-def publish(ds: ray.data.Dataset, data: ShardWriter, failed: ShardWriter, progress: Progress, run_id: str) -> None:
-    for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
-        ok = pc.equal(batch.column(ERROR), "")
-        good = batch.filter(ok)
-        data.add(good)
-        failed.add(with_run_id(batch.filter(pc.invert(ok)), run_id))
-        progress.update(good)
+def publish(batch: pa.Table, data: ShardWriter, failed: ShardWriter, progress: Progress, run_id: str) -> None:
+    ok = pc.equal(batch.column(ERROR), "")
+    good = batch.filter(ok)
+    data.add(good)
+    failed.add(with_run_id(batch.filter(pc.invert(ok)), run_id))
+    progress.update(good)
 
 
 def with_run_id(batch: pa.Table, run_id: str) -> pa.Table:

@@ -1,7 +1,8 @@
 """Turn policy `all`: every user turn answered by the target, conditioned on its own answers.
 
-The generate phase makes one engine pass per turn depth (eagle_data/job/phases/generate.py). The
-pass for turn d starts from the published data/ rows of turn d-1: each row's prompt
+The generate phase asks turn d once turn d-1 is published, all depths through one pipeline
+(eagle_data/job/phases/generate.py, job/stages/feed.py). Turn d starts from the published
+data/ rows of turn d-1: each row's prompt
 messages, plus the target's answer to them, plus the conversation's next user text, make
 turn d's conversation, which the chat template renders as a chat client would send it back
 at inference: the answer as `content` and its reasoning as `reasoning_content` (the field

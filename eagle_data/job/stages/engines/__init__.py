@@ -135,11 +135,11 @@ def start_settings(cfg: Config, cause: str) -> str:
 
 def apply_engine(ds: ray.data.Dataset, cfg: Config, pad_id: int) -> ray.data.Dataset:
     if cfg.engine.backend == "vllm":
-        from eagle_data.job.stages.engines.vllm_backend import build_vllm_processor, describe, wait_for_replica_resources
+        from eagle_data.job.stages.engines.vllm_backend import describe, vllm_stage, wait_for_replica_resources
 
         wait_for_replica_resources(cfg)  # before the pipeline starts: never hang on a missing GPU
         log.info("engine: %s", describe(cfg))
-        return build_vllm_processor(cfg)(ds)
+        return vllm_stage(ds, cfg)
     from eagle_data.job.stages.engines.transformers_backend import transformers_stage
 
     log.info("engine: transformers generate in a Ray actor pool, %d replica(s), model %s",

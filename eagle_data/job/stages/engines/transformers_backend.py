@@ -156,14 +156,15 @@ def engine_output(prompt: list[int] | None = None, generated: list[int] = (), er
             "generated_tokens": list(generated), "num_generated_tokens": len(generated), ENGINE_ERROR: error}
 
 
-def actor_pool(ds: ray.data.Dataset, cfg: Config, engine: type, **constructor_kwargs) -> ray.data.Dataset:
+def actor_pool(ds: ray.data.Dataset, cfg: Config, engine: type, batch_size: int | None,
+               **constructor_kwargs) -> ray.data.Dataset:
     """`engine` as a pool of engine.replicas actors (one GPU each when the cluster has one)."""
     gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
     return ds.map_batches(
         engine,
         fn_constructor_kwargs=dict(model_path=cfg.model.path, trust_remote_code=cfg.model.trust_remote_code,
                                    cpu_threads=cfg.engine.cpu_threads, **constructor_kwargs),
-        batch_size=cfg.engine.batch_size,
+        batch_size=batch_size,
         batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(size=cfg.engine.replicas),
         num_cpus=cfg.engine.num_cpus,
@@ -173,4 +174,6 @@ def actor_pool(ds: ray.data.Dataset, cfg: Config, engine: type, **constructor_kw
 
 
 def transformers_stage(ds: ray.data.Dataset, cfg: Config, pad_id: int) -> ray.data.Dataset:
-    return actor_pool(ds, cfg, TransformersEngine, engine_kwargs=cfg.engine.engine_kwargs, pad_id=pad_id)
+    # Each block is one engine batch (job/stages/feed.py): taken whole, never held back for more rows.
+    return actor_pool(ds, cfg, TransformersEngine, batch_size=None, engine_kwargs=cfg.engine.engine_kwargs,
+                      pad_id=pad_id)

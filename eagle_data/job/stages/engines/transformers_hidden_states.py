@@ -80,4 +80,4 @@ class TransformersHiddenStates(Stage):
 
 def transformers_hidden_states_stage(ds: ray.data.Dataset, cfg: Config, layer_ids: list[int],
                                      dtype: str) -> ray.data.Dataset:
-    return actor_pool(ds, cfg, TransformersHiddenStates, layer_ids=layer_ids, dtype=dtype)
+    return actor_pool(ds, cfg, TransformersHiddenStates, cfg.engine.batch_size, layer_ids=layer_ids, dtype=dtype)

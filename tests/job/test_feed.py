@@ -1,0 +1,82 @@
+"""job/stages/feed.py on a real local Ray: every turn depth through one running pipeline.
+Each test drains the pipeline in a thread with a deadline, since the failure this module
+guards against is a pipeline that waits forever."""
+
+from __future__ import annotations
+
+import threading
+
+import pyarrow as pa
+import pytest
+import ray
+
+from eagle_data.job.stages.feed import EngineFeed
+
+
+def depth(values: list[list[int]]) -> ray.data.Dataset:
+    """A depth's blocks, of the sizes given (the last one smaller, as a depth's last batch is)."""
+    return ray.data.from_arrow([pa.table({"x": v}) for v in values])
+
+
+def drain(depths: list[tuple[ray.data.Dataset, int]], deadline_s: float = 90) -> dict:
+    """Send each depth once the last one is back, as answer_turns does; what came back."""
+    got = {"batches": [], "depth_ends": [], "error": None}
+
+    def loop():
+        feed = EngineFeed()
+        pending = iter(depths)
+        try:
+            feed.send(*next(pending))
+            ds = feed.dataset().map_batches(lambda b: b, batch_format="pyarrow")  # a stage taking blocks whole
+            for batch in feed.results(ds):
+                got["batches"].append(batch.column("x").to_pylist())
+                if feed.depth_done(batch.num_rows):
+                    got["depth_ends"].append(len(got["batches"]))
+                    following = next(pending, None)
+                    if following is None:
+                        feed.end()
+                    else:
+                        feed.send(*following)
+        except Exception as e:  # noqa: BLE001
+            got["error"] = feed.error or e
+        finally:
+            feed.close()
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    thread.join(deadline_s)
+    assert not thread.is_alive(), f"the pipeline waited forever; it had returned {got['batches']}"
+    return got
+
+
+def test_each_depth_comes_back_whole_before_the_next_is_sent(ray_local):
+    # A depth's last block is smaller than the others and nothing comes after it until the
+    # depth is back: the read, the stages and the driver's iterator must all hand it on.
+    got = drain([(depth([[0, 1, 2], [3, 4, 5], [6]]), 7), (depth([[10, 11], [12]]), 3)])
+    assert got["error"] is None
+    assert sorted(x for b in got["batches"][:got["depth_ends"][0]] for x in b) == list(range(7))
+    assert sorted(x for b in got["batches"][got["depth_ends"][0]:] for x in b) == [10, 11, 12]
+    assert got["depth_ends"] == [3, 5]
+
+
+def test_a_depth_that_cannot_be_built_fails_the_pipeline_with_its_own_error(ray_local):
+    def broken(batch):
+        raise ValueError("this depth's prompts cannot be rendered")
+
+    got = drain([(depth([[0, 1]]), 2), (depth([[5]]).map_batches(broken, batch_format="pyarrow"), 1)])
+    assert got["batches"] == [[0, 1]]  # the first depth was answered
+    assert "cannot be rendered" in str(got["error"])
+
+
+def test_a_depth_with_fewer_rows_than_counted_is_an_error_not_a_wait(ray_local):
+    got = drain([(depth([[0, 1]]), 3)])
+    assert isinstance(got["error"], RuntimeError)
+    assert "sent 2 prompts where 3 were counted" in str(got["error"])
+
+
+def test_the_queue_actor_is_gone_after_close(ray_local):
+    feed = EngineFeed()
+    actor = feed.queue.actor
+    feed.close()
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(actor.qsize.remote(), timeout=30)
