@@ -59,6 +59,18 @@ def test_each_depth_comes_back_whole_before_the_next_is_sent(ray_local):
     assert got["depth_ends"] == [3, 5]
 
 
+def test_a_repartitioned_depth_sends_each_row_once_one_batch_per_block(ray_local):
+    # The depth's own pass cuts its requests into engine batches with a strict repartition,
+    # which hands on slices of blocks: every row must arrive once, in batches of 4.
+    from eagle_data.job.ray_internals import one_batch_per_block
+
+    rows = one_batch_per_block(depth([list(range(0, 7)), list(range(7, 10)), list(range(10, 19))]), 4)
+    got = drain([(rows, 19)])
+    assert got["error"] is None
+    assert sorted(x for b in got["batches"] for x in b) == list(range(19))
+    assert sorted(len(b) for b in got["batches"]) == [3, 4, 4, 4, 4]
+
+
 def test_a_depth_that_cannot_be_built_fails_the_pipeline_with_its_own_error(ray_local):
     def broken(batch):
         raise ValueError("this depth's prompts cannot be rendered")

@@ -31,7 +31,7 @@ from typing import Iterator
 
 import pyarrow as pa
 import ray
-from ray.data.block import BlockMetadata
+from ray.data.block import BlockAccessor, BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 from ray.util.queue import Queue
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -64,7 +64,10 @@ class QueueSource(Datasource):
                     return
                 if item == FAILED:
                     raise RuntimeError("the driver could not build the next turn depth's prompts (see its log)")
-                yield ray.get(item[0])  # [ref]: a bare ref would be resolved by the queue actor
+                # One engine batch: its rows as (block, start, end) pieces (a repartition
+                # hands on slices of blocks, not blocks).
+                yield pa.concat_tables([BlockAccessor.for_block(ray.get(ref)).slice(start, end)
+                                        for ref, start, end in item])
 
         meta = BlockMetadata(num_rows=None, size_bytes=None, input_files=None, exec_stats=None)
         return [ReadTask(read, meta)]
@@ -99,10 +102,11 @@ class EngineFeed:
         sent = 0
         try:
             for bundle in depth.iter_internal_ref_bundles():
-                for ref, meta in zip(bundle.block_refs, bundle.metadata):
-                    if meta.num_rows:
-                        self.queue.put([ref])
-                        sent += meta.num_rows
+                pieces = [(ref, cut.start_offset, cut.end_offset) if cut else (ref, 0, meta.num_rows)
+                          for ref, meta, cut in zip(bundle.block_refs, bundle.metadata, bundle.slices)]
+                if bundle.num_rows():
+                    self.queue.put(pieces)
+                    sent += bundle.num_rows()
             if sent != rows:  # the driver would wait for rows that never come
                 raise RuntimeError(f"a turn depth sent {sent} prompts where {rows} were counted")
         except BaseException as e:  # noqa: BLE001  (said by the driver, which re-raises it)
@@ -116,7 +120,9 @@ class EngineFeed:
     def depth_done(self, rows: int) -> bool:
         """Count `rows` answers of the depth in flight; True once all of them are back."""
         self.received += rows
-        return self.received >= self.expected
+        if self.received > self.expected:  # a request answered twice, or rows from nowhere
+            raise RuntimeError(f"a turn depth got {self.received} answers to {self.expected} requests")
+        return self.received == self.expected
 
     def end(self) -> None:
         self.queue.put(END)
