@@ -10,7 +10,8 @@ command a user runs (`python -m ray_jobs.generate --config FILE`, its own local 
 same rows, model and config, from a clean tree (--compare-rev is extracted with `git
 archive`). Model loads are counted twice, from what each run leaves: the manifest's
 `engine_load_s` (the driver's record of each spell of replicas loading the model) and vLLM's
-own "Initializing a V1 LLM engine" line in the job's output (one per engine started).
+own "Initializing a V1 LLM engine" line in the job's output (one per engine started). Each
+OUT must pass `python -m eagle_data verify` (every answer exactly once).
 `--smoke` runs this checkout alone at a tiny size (tests/test_benchmarks.py).
 """
 
@@ -68,6 +69,10 @@ def run_job(tree: Path, config: Path, out: Path) -> dict:
     printed = proc.stdout + proc.stderr
     if proc.returncode != 0:
         raise SystemExit(f"the job from {tree} exited {proc.returncode}:\n{printed[-4000:]}")
+    verify = subprocess.run([sys.executable, "-m", "eagle_data", "verify", str(out)], cwd=tree,
+                            env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True)
+    if verify.returncode != 0:  # every answer once, every count consistent
+        raise SystemExit(f"verify of the run from {tree} failed:\n{(verify.stdout + verify.stderr)[-4000:]}")
     generate = json.loads((out / "manifest.json").read_text())["phases"]["generate"]["runs"][-1]
     return {"wall_s": wall, "generate_s": generate["wall_s"], "load_spells": generate.get("engine_load_s", []),
             "engines_started": len(ENGINE_STARTED.findall(printed)), "ok": generate["ok"],
