@@ -112,8 +112,7 @@ def depths_to_ask(cfg: Config, out: Output, special: SpecialTokens, finished: ra
     0 only), in blocks of one engine batch. Each depth is built once every earlier answer is
     published: its prompts hold those answers."""
     for turn in itertools.count() if cfg.prompt.turns == "all" else [0]:
-        for writer in writers.values():  # publish the rest now: this depth reads these answers
-            writer.close()
+        publish_the_rest(writers)  # this depth reads these answers
         if turn == 0:
             ds, to_ask = first_turn_prompts(cfg, out, finished)
         else:
@@ -122,10 +121,16 @@ def depths_to_ask(cfg: Config, out: Output, special: SpecialTokens, finished: ra
                 to_ask = record_stops(ds, writers["stopped"], run_id)
                 ds = ds.map_batches(Askable(), batch_format="pyarrow")
         if ds is None:
-            return
+            break
         log.info("generate: turn %d: %d to ask", turn, to_ask)
         if to_ask:  # starting the engine replicas alone is a model load
             yield requests(ds, cfg, special), to_ask
+    publish_the_rest(writers)  # the last depth's
+
+
+def publish_the_rest(writers: dict) -> None:
+    for writer in writers.values():
+        writer.close()
 
 
 def finish_run(cfg: Config, out: Output, run: dict, total: int, writers: dict, progress: Progress,
