@@ -89,7 +89,7 @@ def answer_turns(cfg: Config, out: Output, special: SpecialTokens, finished: set
     feed = EngineFeed()
     try:
         with engine_start_errors(cfg):
-            feed.send(*first)
+            feed.send(*first, last=cfg.prompt.turns != "all")  # first_user: its only depth
             for batch in feed.results(answers(feed.dataset(), cfg, special, engine)):
                 publish(batch, writers["data"], writers["failed"], progress, run_id)
                 if feed.depth_done(batch.num_rows):

@@ -83,6 +83,7 @@ class EngineFeed:
         self.expected = self.received = 0
         self.sender: threading.Thread | None = None
         self.error: BaseException | None = None
+        self.ended = False
 
     def dataset(self) -> ray.data.Dataset:
         read_unshaped(QueueSource)  # each block goes on as it comes (see there)
@@ -91,14 +92,17 @@ class EngineFeed:
         return ray.data.read_datasource(QueueSource(self.queue), override_num_blocks=1, ray_remote_args={
             "num_cpus": 0, "max_retries": 0, "scheduling_strategy": self.on_driver_node})
 
-    def send(self, depth: ray.data.Dataset, rows: int) -> None:
+    def send(self, depth: ray.data.Dataset, rows: int, last: bool = False) -> None:
         """Queue one depth's prompts (`rows` of them) from a thread: the driver keeps
-        publishing answers meanwhile, or the pipeline, and then the queue, would stall."""
+        publishing answers meanwhile, or the pipeline, and then the queue, would stall.
+        `last`: END follows its blocks, so the source ends with them, as a read of finished
+        files does, and Ray Data can release a replica with nothing left to do (after a lost
+        node, the restarted replica may need that replica's node)."""
         self.expected, self.received = rows, 0
-        self.sender = threading.Thread(target=self._send, args=(depth, rows), daemon=True, name="eagle-feed")
+        self.sender = threading.Thread(target=self._send, args=(depth, rows, last), daemon=True, name="eagle-feed")
         self.sender.start()
 
-    def _send(self, depth: ray.data.Dataset, rows: int) -> None:
+    def _send(self, depth: ray.data.Dataset, rows: int, last: bool) -> None:
         sent = 0
         try:
             for bundle in depth.iter_internal_ref_bundles():
@@ -109,6 +113,8 @@ class EngineFeed:
                     sent += bundle.num_rows()
             if sent != rows:  # the driver would wait for rows that never come
                 raise RuntimeError(f"a turn depth sent {sent} prompts where {rows} were counted")
+            if last:
+                self.end()
         except BaseException as e:  # noqa: BLE001  (said by the driver, which re-raises it)
             self.error = e
             self.queue.put(FAILED)
@@ -125,7 +131,9 @@ class EngineFeed:
         return self.received == self.expected
 
     def end(self) -> None:
-        self.queue.put(END)
+        if not self.ended:
+            self.ended = True
+            self.queue.put(END)
 
     def close(self) -> None:
         ray.kill(self.queue.actor)
