@@ -25,7 +25,6 @@ blocks its first attempt had taken, and the driver would wait for their rows for
 
 from __future__ import annotations
 
-import logging
 import threading
 from typing import Iterator
 
@@ -37,8 +36,6 @@ from ray.util.queue import Queue
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from eagle_data.job.ray_internals import read_unshaped
-
-log = logging.getLogger("eagle_data")
 
 END = "end"  # the last item of the queue: no more depths
 FAILED = "failed"  # the driver could not build a depth (its exception is in EngineFeed.error)
@@ -64,8 +61,8 @@ class QueueSource(Datasource):
                     return
                 if item == FAILED:
                     raise RuntimeError("the driver could not build the next turn depth's prompts (see its log)")
-                # One engine batch: its rows as (block, start, end) pieces (a repartition
-                # hands on slices of blocks, not blocks).
+                # One engine batch: its rows as (block, start, end) pieces (a Ray Data
+                # bundle may hold slices of blocks, not whole blocks).
                 yield pa.concat_tables([BlockAccessor.for_block(ray.get(ref)).slice(start, end)
                                         for ref, start, end in item])
 
