@@ -10,14 +10,11 @@ import argparse
 import logging
 import os
 
-import pyarrow.parquet as pq
-
 import eagle_data
 from eagle_data.config import load_config
 from eagle_data.errors import EmptyResult, cli, exit_with, stop_on_signals
-from eagle_data.job.phases.run import PHASES, close_ray, leave_ray, run
-from eagle_data.storage.files import filesystem
-from eagle_data.storage.shards import shard_files
+from eagle_data.job.phases import PHASES
+from eagle_data.job.phases.run import PHASE_CHOICES, close_ray, leave_ray, run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="YAML config (configs/*.yaml)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. --set source.sample=100 (repeatable)")
-    parser.add_argument("--phase", choices=PHASES, default="all",
+    parser.add_argument("--phase", choices=PHASE_CHOICES, default="all",
                         help="all = prompts, generate, and hidden_states when hidden_states.enabled")
     parser.add_argument("--fresh", action="store_true",
                         help="delete everything in output.path first and start over")
@@ -58,45 +55,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def summary(out: str, result: dict) -> str:
     lines = [f"OUT = {out}"]
-    if "prompts" in result:
-        p = result["prompts"]
-        reasons = ", ".join(f"{k} {v}" for k, v in p["skipped_by_reason"].items()) or "none"
-        answers = (f", {p['conversations']} conversations ({p['answers_per_prompt']} answers each)"
-                   if p.get("answers_per_prompt", 1) > 1 else "")
-        variants = p.get("conversations_by_variant", {})
-        by_variant = ("; variants " + ", ".join(f"{k} {v}" for k, v in variants.items())) if len(variants) > 1 else ""
-        lines.append(f"  prompts/  {p['prompts']} prompts ({p['prompt_tokens']} tokens) of "
-                     f"{p['selected']} selected rows{answers}{by_variant}")
-        lines.append(f"  skipped/  {p['skipped']} rows ({reasons})")
-    if "generate" in result:
-        g = result["generate"]
-        turns = f" of {g['user_turns']} user turns" if g["user_turns"] != g["conversations"] else ""
-        lines.append(f"  data/     {g['ok']} ok samples{turns}")
-        lines.append(f"  failed/   {g['failed_rows']} failed attempts; {g['failed_final']} samples gave up, "
-                     f"{g['pending_retry']} to retry (rerun the same command)")
-        if g["stopped"]:
-            lines.append(f"  stopped/  {g['stopped']} conversations stopped before their last turn")
-        example = first_sample(out)
-        if example:
-            lines.append(f"  example:  Q: {example['messages'][-1]['content'][:200]!r}")
-            lines.append(f"            A: {example['response'][:300]!r}")
-    if "hidden_states" in result:
-        h = result["hidden_states"]
-        lines.append(f"  hidden_states/ {h['ok']} of {h['selected']} selected samples; {h['failed_rows']} failed "
-                     f"attempts, {h['failed_final']} gave up, {h['pending_retry']} to retry")
+    for phase in PHASES:
+        if phase.name in result:
+            lines += phase.summary(out, result[phase.name])
     times = [f"{name} {seconds:.0f}s" for name, seconds in result.get("seconds", {}).items()]
     lines.append(f"  time:     {', '.join(times)}")
     lines.append(f"  manifest: {out}/manifest.json")
     return "\n".join(lines)
-
-
-def first_sample(out: str) -> dict | None:
-    fs, root = filesystem(out)
-    files = shard_files(fs, f"{root}/data")
-    if not files:
-        return None
-    table = pq.read_table(files[0], filesystem=fs, columns=["messages", "response"])
-    return table.slice(0, 1).to_pylist()[0]
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The progress line of the generate phase, logged every `output.log_every_s` seconds.
+"""The progress lines of the engine phases, logged every `output.log_every_s` seconds
+(`PeriodicLine`), and the generate phase's (`Progress`).
 
 Its counts are exact: done/ok/failed are the rows published to OUT (the shard writers'
 counts), and the driver receives every row whichever node produced it. Work of earlier runs on the same OUT
@@ -38,8 +39,7 @@ class Progress:
         self.started = time.monotonic()
         self.samples = collections.deque([(self.started, 0, 0)])  # (time, rows, tokens)
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="eagle-progress")
+        self._periodic = PeriodicLine(every_s, self._logged_line, poll=engine.look if engine else None)
 
     def update(self, ok: pa.Table) -> None:
         """Token statistics of the ok rows the driver received."""
@@ -81,24 +81,43 @@ class Progress:
                 f"ETA {_duration(eta)}"
             )
 
+    def _logged_line(self) -> str:
+        self.on_line()
+        return self.line()
+
+    def __enter__(self) -> "Progress":
+        self._periodic.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._periodic.__exit__(*exc)
+
+
+class PeriodicLine:
+    """Logs `line()` every `every_s` seconds from a background thread, on time also while no
+    row arrives (long stragglers), and once more at the end; `poll()` (what the engine is
+    doing) is called every second in between."""
+
+    def __init__(self, every_s: float, line, poll=None, name: str = "eagle-progress"):
+        self.every_s, self.line, self.poll = every_s, line, poll or (lambda: None)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name=name)
+
     def _run(self) -> None:
         due = time.monotonic() + self.every_s
         while not self._stop.wait(min(1.0, self.every_s)):
-            if self.engine:
-                self.engine.look()
+            self.poll()
             if time.monotonic() >= due:
                 due += self.every_s
-                self.on_line()
                 log.info(self.line())
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> "PeriodicLine":
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-        self.on_line()
         log.info(self.line())
 
 

@@ -62,6 +62,7 @@ from eagle_data.errors import ConfigError, EagleDataError, MissingInput
 from eagle_data.storage.contract import HIDDEN_STATES, LOGPROB_COLUMNS
 from eagle_data.storage.folder import Output
 from eagle_data.storage.hidden_states import DTYPES, Index, ShardHeaderError
+from eagle_data.storage.selection import row_filter
 from eagle_data.storage.shards import shard_files
 
 TOKEN_COLUMNS = ("input_ids", "loss_mask")
@@ -108,30 +109,6 @@ class Out:
     def read_row_group(self, file: str, group: int, columns: Sequence[str]) -> pa.Table:
         with self.fs.open_input_file(file) as f:
             return pq.ParquetFile(f).read_row_group(group, columns=list(columns))
-
-
-def row_filter(finish_reason: Sequence[str] | None = None, source: Sequence[str] | None = None,
-               min_len: int | None = None, max_len: int | None = None) -> pc.Expression | None:
-    """A pyarrow expression over the small columns; None when nothing is filtered.
-    Lengths are total lengths (prompt + generated), bounds inclusive."""
-    conds = []
-    if finish_reason is not None:
-        conds.append(pc.field("finish_reason").isin(list(finish_reason)))
-    if source is not None:
-        conds.append(pc.field("source").isin(list(source)))
-    if min_len is not None or max_len is not None:
-        total = (pc.field("num_prompt_tokens").cast(pa.int64())
-                 + pc.field("num_reasoning_tokens") + pc.field("num_response_tokens"))
-        if min_len is not None:
-            conds.append(total >= min_len)
-        if max_len is not None:
-            conds.append(total <= max_len)
-    if not conds:
-        return None
-    expr = conds[0]
-    for c in conds[1:]:
-        expr = expr & c
-    return expr
 
 
 def keeps_a_loss_token(max_len: int, train_on: str | None, expr: pc.Expression | None) -> pc.Expression:

@@ -42,6 +42,7 @@ Read it through storage/manifest.py's accessors, not by key chains.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -144,11 +145,27 @@ QUARANTINED_MANIFEST = re.compile(r"manifest-\d{8}T\d{6}-[0-9a-f]{6}\.json")
 OUT_ID_KEY, RUN_KEY = "eagle_data.out_id", "eagle_data.run"
 FINGERPRINT_KEY, CONFIG_KEY = "eagle_data.fingerprint", "eagle_data.config"  # the phase config's hash, and the config
 PROVENANCE = (OUT_ID_KEY, RUN_KEY, FINGERPRINT_KEY, CONFIG_KEY)
-PHASE_OF_FOLDER = {"prompts": "prompts", "skipped": "prompts", "data": "generate", "failed": "generate",
-                   "stopped": "generate", HIDDEN_FAILED: "hidden_states",
-                   HIDDEN_STATES: "hidden_states"}  # (hidden_states/: in each shard's header)
-# The phase record's key holding the config that decides its rows (job/fingerprints.py).
-PHASE_CONFIG = {"prompts": "prompt_config", "generate": "generate_config", "hidden_states": "hidden_states_config"}
+
+
+@dataclass(frozen=True)
+class PhaseRecord:
+    """What OUT holds of one phase: its record in manifest.json (`phases.<name>`), the key
+    there of the config that decides its rows, and the folders it writes (its done rows
+    first)."""
+
+    name: str
+    config_key: str
+    folders: tuple[str, ...]
+
+
+# In the order they run; each reads what the ones before it wrote.
+PHASES = (
+    PhaseRecord("prompts", "prompt_config", ("prompts", "skipped")),
+    PhaseRecord("generate", "generate_config", ("data", "failed", "stopped")),
+    PhaseRecord("hidden_states", "hidden_states_config", (HIDDEN_STATES, HIDDEN_FAILED)),
+)
+PHASE_OF_FOLDER = {folder: phase.name for phase in PHASES for folder in phase.folders}
+PHASE_CONFIG = {phase.name: phase.config_key for phase in PHASES}
 
 
 def is_ours(relative: str) -> bool:

@@ -37,7 +37,7 @@ def quarantine_corrupt(out: Output) -> list[str]:
             log.warning("quarantined shard %s -> %s (%s)", path, dest, problem)
             moved.append(path)
             if folder in ("prompts", "skipped"):
-                out.manifest.mark_prompts("damaged")
+                out.manifest.mark("prompts", "damaged")
     if moved:
         out.manifest.save()
     return moved
@@ -46,15 +46,15 @@ def check_prompts_record(out: Output) -> None:
     """A finished prompts phase whose prompts/ or skipped/ no longer hold the rows it
     recorded (a shard deleted) is made again: prompts are deterministic, so the ids
     already in data/ stay valid."""
-    if not out.manifest.prompts_complete():
+    if not out.manifest.finished("prompts"):
         return
-    counts = out.manifest.prompts_counts
+    counts = out.manifest.counts("prompts")
     for folder in ("prompts", "skipped"):
         rows = sum(_rows(out.fs, f) for f in shard_files(out.fs, out.folder(folder)))
         if rows != counts.get(folder):
             log.warning("%s/ holds %d rows, the prompts phase recorded %s: making the prompts again",
                         folder, rows, counts.get(folder))
-            out.manifest.mark_prompts("damaged")
+            out.manifest.mark("prompts", "damaged")
             out.manifest.save()
             return
 

@@ -19,8 +19,10 @@ import uuid
 import eagle_data
 from eagle_data.errors import EagleDataError, OutputMismatch
 from eagle_data.storage.contract import (CONFIG_KEY, FINGERPRINT_KEY, MANIFEST, MANIFEST_VERSION, OUT_ID_KEY,
-                                         PHASE_CONFIG, PHASE_OF_FOLDER, RUN_KEY)
+                                         PHASE_CONFIG, PHASE_OF_FOLDER, PHASES, RUN_KEY)
 from eagle_data.storage.files import read_json, write_json
+
+FOLDERS_OF_PHASE = {phase.name: phase.folders for phase in PHASES}
 
 
 def now() -> str:
@@ -104,20 +106,21 @@ class Manifest:
         run = {"run_id": new_run_id(), "started_at": now(), "status": "running",
                "config": config, "versions": library_versions(), **run_fields}
         record = self._phase(phase)
-        record.update(phase_fields or {}, run_id=run["run_id"], started_at=run["started_at"])  # the latest run
+        record.update(phase_fields or {}, status="running", run_id=run["run_id"], started_at=run["started_at"])
         record.setdefault("runs", []).append(run)
         self.save()
         return run
 
     def finish_run(self, phase: str, run: dict, counts: dict, **fields) -> None:
-        """Mark `run` complete with its own figures (`fields`); `counts` are the phase's
-        totals over every run so far."""
+        """Mark `run` and its phase complete, with the run's own figures (`fields`); `counts`
+        are the phase's totals over every run so far."""
         run.update(status="complete", finished_at=now(), **fields)
-        self._phase(phase).update(counts=counts, finished_at=run["finished_at"])
+        self._phase(phase).update(status="complete", counts=counts, finished_at=run["finished_at"])
         self.save()
 
-    def mark_prompts(self, status: str) -> None:
-        self._phase("prompts")["status"] = status
+    def mark(self, phase: str, status: str) -> None:
+        """Set a phase's status (`damaged`: its rows must be made again); saved by the caller."""
+        self._phase(phase)["status"] = status
 
     # -- reading --------------------------------------------------------------------------
 
@@ -125,26 +128,24 @@ class Manifest:
         """A copy of one phase's record ({} when it never ran)."""
         return json.loads(json.dumps(self.data["phases"].get(name, {})))
 
-    @property
-    def prompts_status(self) -> str | None:
-        return self.data["phases"].get("prompts", {}).get("status")
+    def status(self, phase: str) -> str | None:
+        """running | complete | damaged; None before it ran. A record without a status
+        (written before phases had one) has its latest run's."""
+        record = self.data["phases"].get(phase, {})
+        runs = record.get("runs", [])
+        return record.get("status", runs[-1].get("status") if runs else None)
 
-    def prompts_complete(self) -> bool:
-        return self.prompts_status == "complete"
+    def finished(self, phase: str) -> bool:
+        """The phase's latest run finished and nothing since made its rows doubtful (a
+        killed run stays `running`)."""
+        return self.status(phase) == "complete"
 
-    @property
-    def prompts_counts(self) -> dict:
-        return dict(self.data["phases"].get("prompts", {}).get("counts", {}))
+    def counts(self, phase: str) -> dict:
+        """The phase's totals over every run so far ({} before a run finished)."""
+        return dict(self.data["phases"].get(phase, {}).get("counts", {}))
 
-    @property
-    def generate_runs(self) -> list[dict]:
-        return list(self.data["phases"].get("generate", {}).get("runs", []))
-
-    @property
-    def generate_finished(self) -> bool:
-        """The latest generate run finished (a killed one stays `running`)."""
-        runs = self.generate_runs
-        return bool(runs) and runs[-1].get("status") == "complete"
+    def runs(self, phase: str) -> list[dict]:
+        return list(self.data["phases"].get(phase, {}).get("runs", []))
 
     @property
     def config(self) -> dict:
@@ -166,36 +167,26 @@ class Manifest:
 
     @property
     def tokenizer(self) -> dict:
-        """The token ids the generate phase used (path, vocab_size, eos_ids, pad_id,
-        reasoning markers); {} before it ran."""
-        return dict(self.data["phases"].get("generate", {}).get("tokenizer", {}))
+        """The token ids the engine was fed with (path, vocab_size, eos_ids, pad_id,
+        reasoning markers), as the phase that answered recorded them; {} before it ran."""
+        records = self.data["phases"].values()
+        return dict(next((r["tokenizer"] for r in records if "tokenizer" in r), {}))
 
     # -- checks before a run --------------------------------------------------------------
 
-    def check_prompts_config(self, prompt_config: dict) -> None:
-        """Refuse to mix prompts made under another prompt-affecting config."""
-        self._check(self.data["phases"].get("prompts", {}).get("prompt_config"), prompt_config,
-                    f"{self.out} holds prompts made with a different prompt config")
-
-    def check_generate_config(self, generate_config: dict) -> None:
-        """Refuse to mix data generated with other model/sampling/mask settings."""
-        self._check(self.data["phases"].get("generate", {}).get("generate_config"), generate_config,
-                    f"{self.out}/data was generated with different settings")
-
-    def check_hidden_states_config(self, hidden_states_config: dict) -> None:
-        """Refuse to mix hidden states of other layers, dtype, rows or model."""
-        self._check(self.data["phases"].get("hidden_states", {}).get("hidden_states_config"), hidden_states_config,
-                    f"{self.out}/hidden_states was made with different settings")
-
-    def _check(self, made: dict | None, config: dict, what: str) -> None:
+    def check_config(self, phase: str, config: dict) -> None:
+        """Refuse to mix rows of `phase` made under another config (the keys that decide
+        its rows, job/fingerprints.py): naming the changed keys."""
+        made = self.data["phases"].get(phase, {}).get(PHASE_CONFIG[phase])
         config = normalised(config)
         if made is None or made == config:
             return
         changed = sorted(k for k in set(made) | set(config) if made.get(k) != config.get(k))
+        folders = ", ".join(f"{f}/" for f in FOLDERS_OF_PHASE[phase])
         raise OutputMismatch(
-            f"{what} (changed: {', '.join(changed)}); mixing them would make an inconsistent "
-            "data set. Use another output.path, or rerun with --fresh to delete this OUT and "
-            "start over."
+            f"{self.out} holds {phase} rows ({folders}) made with different settings (changed: {', '.join(changed)}); "
+            "mixing them would make an inconsistent data set. Use another output.path, or rerun with "
+            "--fresh to delete this OUT and start over."
         )
 
 

@@ -22,7 +22,7 @@ import pyarrow.fs as pafs
 from eagle_data.storage import manifest as mf
 from eagle_data.storage.folder import Output
 from eagle_data.storage.status import SampleStatus
-from eagle_data.storage.contract import HIDDEN_STATES, SCHEMAS, STAGING, VOCAB_SUMMARY
+from eagle_data.storage.contract import HIDDEN_STATES, PHASES, SCHEMAS, STAGING, VOCAB_SUMMARY
 from eagle_data.storage.hidden_states import Index
 from eagle_data.storage.provenance import data_identity
 from eagle_data.storage.files import check_replaceable, read_json, write_bytes, write_json
@@ -99,6 +99,9 @@ def hidden_states_section(out: Output) -> dict | None:
     }
 
 
+PHASE_SECTIONS = {"hidden_states": hidden_states_section}
+
+
 def value_counts(column: pa.ChunkedArray) -> dict:
     """{value: rows}, the most common first (ties: first seen first), like Counter.most_common."""
     counts = pc.value_counts(column)  # in order of first appearance
@@ -145,7 +148,7 @@ def build_report(out: Output) -> dict:
         [("source", "last"), ("conversation_id", "last")])
     for source, n in value_counts(failed_samples.column("source_last")).items():
         by_source[source]["failed"] += n
-    quotas = manifest.prompts_counts.get("sources", {})
+    quotas = manifest.counts("prompts").get("sources", {})
     for source in set(by_source) | set(quotas):  # selected = prompts + skipped; per_source figures
         by_source[source]["selected"] = by_source[source]["prompts"] + by_source[source]["skipped"]
         by_source[source].update(quotas.get(source, {}))
@@ -154,13 +157,12 @@ def build_report(out: Output) -> dict:
         return data.column(name).to_numpy(zero_copy_only=False).astype(np.int64)
 
     completion = col("num_reasoning_tokens") + col("num_response_tokens") if data.num_rows else np.empty(0)
-    prompt_phase = manifest.phase("prompts")
     made_from = data_identity(out)
     return {
         "out": out.root,
         "generated_at": mf.now(),
         "counts": {
-            "selected": manifest.prompts_counts.get("selected"),
+            "selected": manifest.counts("prompts").get("selected"),
             "prompts": first_answers.num_rows,
             "conversations": prompts.num_rows,  # prompts x sampling.answers_per_prompt
             "skipped": skipped.num_rows,
@@ -182,15 +184,16 @@ def build_report(out: Output) -> dict:
             "response": stats(col("num_response_tokens")) if data.num_rows else stats(np.empty(0)),
             "completion": stats(completion),
         },
-        "throughput": throughput(out, manifest.generate_runs),
+        "throughput": throughput(out, manifest.runs("generate")),
         # Written by `python -m eagle_data vocab OUT` (OUT/vocab/vocab.json): how many masked
         # tokens the top-D ids cover, to choose the draft vocabulary size D.
         **vocab_section(out, made_from),
         "made_from": made_from,  # the data this report was computed from
-        "hidden_states": hidden_states_section(out),
+        # A phase that makes more than rows (features) has its own section.
+        **{phase.name: section(out) for phase in PHASES if (section := PHASE_SECTIONS.get(phase.name))},
         # Each run's config stays in manifest.json.
-        "runs": {"prompts": {k: v for k, v in prompt_phase.items() if k not in ("prompt_config", "runs")},
-                 "generate": [{k: v for k, v in r.items() if k != "config"} for r in manifest.generate_runs]},
+        "runs": {phase.name: [{k: v for k, v in r.items() if k != "config"} for r in manifest.runs(phase.name)]
+                 for phase in PHASES},
         "_lengths": {  # for the plots only; not written to report.json
             "data_source": data.column("source"), "completion": completion,
             "prompt": col("num_prompt_tokens") if data.num_rows else np.empty(0),
@@ -312,9 +315,10 @@ def to_html(report: dict, figures: dict[str, bytes]) -> str:
         f"<h2>By source</h2>{table(report['by_source'], ('source', 'rows'))}"
         f"<h2>By sampling variant</h2>{table(report['by_variant'], ('variant', 'rows and lengths'))}"
         f"<h2>Turns</h2>{table(report['turns'], ('', 'rows'))}"
-        + (f"<h2>Hidden states</h2>{table({k: v for k, v in report['hidden_states'].items() if k != 'runs'}, ('', ''))}"
-           f"{table({r['run_id']: r for r in report['hidden_states']['runs']}, ('run', 'figures'))}"
-           if report["hidden_states"] else "")
+        + "".join(f"<h2>{html.escape(name.replace('_', ' ').capitalize())}</h2>"
+                  f"{table({k: v for k, v in report[name].items() if k != 'runs'}, ('', ''))}"
+                  f"{table({r['run_id']: r for r in report[name]['runs']}, ('run', 'figures'))}"
+                  for name in PHASE_SECTIONS if report.get(name))
         + (f"<h2>Draft vocabulary coverage</h2>{table(report['vocab']['coverage'], ('top D ids', 'share of masked tokens'))}"
            if report["vocab"] else "")
         + (f"<h2>Draft vocabulary coverage</h2><p>{html.escape(report['vocab_stale'])}</p>" if report["vocab_stale"] else "") +

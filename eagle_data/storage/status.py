@@ -1,4 +1,5 @@
-"""What is already done in OUT: read only the `sample_id` column of the published shards."""
+"""What a phase already did in OUT: the samples in its published shards (only their ids are
+read) and its failed attempts."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from dataclasses import dataclass
 
 import pyarrow.dataset as pads
 
+from eagle_data.storage.contract import HIDDEN_STATES, PHASES
+from eagle_data.storage.hidden_states import Index
 from eagle_data.storage.shards import shard_files
 
 
@@ -18,6 +21,13 @@ def sample_ids(fs, folder: str) -> list[str]:
     return table.column("sample_id").to_pylist()
 
 
+def done_ids(fs, folder: str) -> list[str]:
+    """The samples a folder of published shards holds (hidden_states/: its headers' entries)."""
+    if folder.rsplit("/", 1)[-1] == HIDDEN_STATES:
+        return list(Index.read(fs, folder).entries)
+    return sample_ids(fs, folder)
+
+
 @dataclass
 class SampleStatus:
     ok: set[str]
@@ -26,9 +36,11 @@ class SampleStatus:
     stopped: set[str] = frozenset()  # turns not asked: the conversation stopped there
 
     @classmethod
-    def read(cls, fs, out: str, max_attempts: int) -> "SampleStatus":
-        return cls.of(sample_ids(fs, f"{out}/data"), sample_ids(fs, f"{out}/failed"),
-                      sample_ids(fs, f"{out}/stopped"), max_attempts)
+    def read(cls, fs, out: str, max_attempts: int, phase: str = "generate") -> "SampleStatus":
+        """Of a phase that answers samples (its folders: done, failed[, stopped])."""
+        done, failed, *stopped = next(p.folders for p in PHASES if p.name == phase)
+        return cls.of(done_ids(fs, f"{out}/{done}"), sample_ids(fs, f"{out}/{failed}"),
+                      sample_ids(fs, f"{out}/{stopped[0]}") if stopped else [], max_attempts)
 
     @classmethod
     def of(cls, data: list[str], failed: list[str], stopped: list[str], max_attempts: int) -> "SampleStatus":

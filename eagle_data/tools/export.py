@@ -130,7 +130,8 @@ import pyarrow.fs as pafs
 from eagle_data.errors import EagleDataError, MissingInput, NotWritable
 from eagle_data.storage.contract import DATA_SCHEMA, LOGPROB_COLUMNS
 from eagle_data.model_files import is_hub_id, model_config, resolve_model_path, text_config_value
-from eagle_data.reader.samples import Out, Samples, row_filter
+from eagle_data.reader.samples import Out, Samples
+from eagle_data.storage.selection import row_filter
 from eagle_data.storage.files import filesystem, not_a_regular_file, write_atomically
 
 

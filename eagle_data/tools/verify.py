@@ -25,16 +25,18 @@ from __future__ import annotations
 import json
 import zlib
 from collections import Counter
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
-from eagle_data.storage.contract import FOLDERS, HIDDEN_STATES, turn_sample_id
+from eagle_data.storage.contract import FOLDERS, HIDDEN_FAILED, HIDDEN_STATES, PHASES, turn_sample_id
 from eagle_data.storage.folder import Output
 from eagle_data.storage.provenance import foreign_reason, shard_problem
 from eagle_data.storage.hidden_states import ShardHeaderError, read_bytes, read_header, shard_paths
+from eagle_data.storage.selection import selected_rows
 from eagle_data.storage.status import SampleStatus
 from eagle_data.storage.shards import shard_files
 
@@ -42,18 +44,35 @@ DATA_CHECK_COLUMNS = ["sample_id", "input_ids", "loss_mask", "num_prompt_tokens"
                       "num_reasoning_tokens", "num_response_tokens"]
 
 
+@dataclass
+class Seen:
+    """What one read of every Parquet shard found, for the phases' checks."""
+
+    ids: dict[str, Counter] = field(default_factory=dict)  # folder -> sample_id -> rows
+    conversations: dict[str, set] = field(default_factory=dict)  # folder -> conversation_ids
+    prompt_ids: Counter = field(default_factory=Counter)  # prompt_id -> its conversations in prompts/
+    num_turns: dict[str, int] = field(default_factory=dict)  # conversation_id -> user turns to answer
+    logprob_k: set[int] = field(default_factory=set)  # k of data/'s log-probability columns (0: none)
+
+
 def verify(path: str) -> tuple[list[str], dict]:
     """(problems, counts); no problems means every invariant holds."""
     out = Output.existing(path)
-    problems: list[str] = []
-    ids: dict[str, Counter] = {}
-    logprob_k: set[int] = set()  # k of the data/ shards' log-probability columns (0: none)
-    vocab = out.manifest.tokenizer.get("model_vocab_size") or out.manifest.tokenizer.get("vocab_size")
-    conversations: dict[str, set] = {}  # folder -> conversation_ids
-    num_turns: dict[str, int] = {}  # conversation_id -> user turns to answer
-    prompt_ids: Counter = Counter()  # prompt_id -> its conversations in prompts/
+    problems, seen = read_every_shard(out)
+    counts: dict = {}
+    for phase in PHASES:
+        found, phase_counts = PHASE_CHECKS[phase.name](out, seen)
+        problems += found
+        counts.update(phase_counts)
+    return problems, counts
+
+
+def read_every_shard(out: Output) -> tuple[list[str], Seen]:
+    """Every Parquet shard read whole (integrity) and its footer checked; the rows' own
+    checks of its folder (SHARD_CHECKS) while it is in memory."""
+    problems, seen = [], Seen()
     for folder in FOLDERS:
-        ids[folder], conversations[folder] = Counter(), set()
+        seen.ids[folder], seen.conversations[folder] = Counter(), set()
         for f in shard_files(out.fs, out.folder(folder)):
             try:
                 table = pq.read_table(f, filesystem=out.fs)  # reads every page: integrity
@@ -63,70 +82,92 @@ def verify(path: str) -> tuple[list[str], dict]:
             foreign = shard_problem(out, folder, f)
             if foreign:  # the next run quarantines it and redoes its samples
                 problems.append(f"{f}: not this OUT's shard: {foreign}")
-            ids[folder].update(table.column("sample_id").to_pylist())
-            if folder in ("data", "failed", "stopped"):
-                conversations[folder].update(table.column("conversation_id").to_pylist())
-            if folder == "prompts":
-                prompt_ids.update(table.column("prompt_id").to_pylist())
-                num_turns.update(zip(table.column("sample_id").to_pylist(),
-                                     pc.list_value_length(table.column("user_turns")).to_pylist()))
-            if folder == "data":
-                problems += _check_data_rows(f, table.select(DATA_CHECK_COLUMNS))
-                problems += _check_logprobs(f, table, vocab, logprob_k)
+            seen.ids[folder].update(table.column("sample_id").to_pylist())
+            if "conversation_id" in table.column_names:
+                seen.conversations[folder].update(table.column("conversation_id").to_pylist())
+            if folder in SHARD_CHECKS:
+                problems += SHARD_CHECKS[folder](out, f, table, seen)
+    return problems, seen
 
-    if len(logprob_k) > 1:
-        problems.append(f"data/ shards disagree on their top-k log-probabilities: k = {sorted(logprob_k)} (0 = none)")
-    prompts = ids["prompts"]
-    problems += [f"sample_id {s} appears {n} times in prompts/" for s, n in prompts.items() if n > 1]
-    problems += [f"sample_id {s} appears {n} times in data/ (exactly-once broken)"
-                 for s, n in ids["data"].items() if n > 1]
-    for folder in ("data", "failed", "stopped"):
-        stray = conversations[folder] - set(prompts)
-        if stray:
-            problems.append(f"{len(stray)} conversations in {folder}/ are not in prompts/, e.g. {sorted(stray)[0]}")
 
-    manifest = out.manifest
-    all_turns = manifest.turns == "all"
-    counts = {"prompts": len(prompt_ids), "conversations": sum(prompts.values()),
-              "skipped": sum(ids["skipped"].values())}
-    if manifest.prompts_complete():
-        counts["selected"] = manifest.prompts_counts["selected"]
+def prompts_shard(out: Output, path: str, table, seen: Seen) -> list[str]:
+    seen.prompt_ids.update(table.column("prompt_id").to_pylist())
+    seen.num_turns.update(zip(table.column("sample_id").to_pylist(),
+                              pc.list_value_length(table.column("user_turns")).to_pylist()))
+    return []
+
+
+def data_shard(out: Output, path: str, table, seen: Seen) -> list[str]:
+    tokenizer = out.manifest.tokenizer
+    vocab = tokenizer.get("model_vocab_size") or tokenizer.get("vocab_size")
+    return _check_data_rows(path, table.select(DATA_CHECK_COLUMNS)) + _check_logprobs(path, table, vocab, seen.logprob_k)
+
+
+def check_prompts(out: Output, seen: Seen) -> tuple[list[str], dict]:
+    """sample_id unique in prompts/; prompts + skipped = selected; answers_per_prompt
+    conversations per prompt."""
+    prompts, manifest = seen.ids["prompts"], out.manifest
+    problems = [f"sample_id {s} appears {n} times in prompts/" for s, n in prompts.items() if n > 1]
+    counts = {"prompts": len(seen.prompt_ids), "conversations": sum(prompts.values()),
+              "skipped": sum(seen.ids["skipped"].values())}
+    if manifest.finished("prompts"):
+        counts["selected"] = manifest.counts("prompts")["selected"]
         if counts["prompts"] + counts["skipped"] != counts["selected"]:
             problems.append(f"prompts ({counts['prompts']}) + skipped ({counts['skipped']}) != "
                             f"selected ({counts['selected']}) recorded by the prompts phase")
-        answers = manifest.prompts_counts.get("answers_per_prompt", 1)
-        uneven = {p: n for p, n in prompt_ids.items() if n != answers}
+        answers = manifest.counts("prompts").get("answers_per_prompt", 1)
+        uneven = {p: n for p, n in seen.prompt_ids.items() if n != answers}
         if uneven:
             problems.append(f"{len(uneven)} prompts have other than {answers} conversations (answers_per_prompt) "
                             f"in prompts/, e.g. {min(uneven)}")
     else:
         problems.append("the prompts phase has not finished (manifest status "
-                        f"{manifest.prompts_status!r}): rerun the job")
+                        f"{manifest.status('prompts')!r}): rerun the job")
+    return problems, counts
 
+
+def check_answers(out: Output, seen: Seen) -> tuple[list[str], dict]:
+    """Exactly-once in data/; answers only of prompts/ conversations; after a finished
+    run, every turn that could be asked has a row."""
+    ids, manifest = seen.ids, out.manifest
+    problems = []
+    if len(seen.logprob_k) > 1:
+        problems.append(f"data/ shards disagree on their top-k log-probabilities: k = {sorted(seen.logprob_k)} (0 = none)")
+    problems += [f"sample_id {s} appears {n} times in data/ (exactly-once broken)"
+                 for s, n in ids["data"].items() if n > 1]
+    for folder in ("data", "failed", "stopped"):
+        stray = seen.conversations[folder] - set(ids["prompts"])
+        if stray:
+            problems.append(f"{len(stray)} conversations in {folder}/ are not in prompts/, e.g. {sorted(stray)[0]}")
+    all_turns = manifest.turns == "all"
     progress = SampleStatus.of(ids["data"], ids["failed"], ids["stopped"], manifest.max_attempts)
     failed_only = set(ids["failed"]) - progress.ok
-    counts.update(ok=len(progress.ok), failed=len(failed_only), failed_final=len(progress.given_up),
-                  failed_retryable=len(failed_only - progress.given_up), stopped=len(progress.stopped))
-    if manifest.generate_finished:
-        missing = unanswered(num_turns, progress, all_turns)
+    counts = {"ok": len(progress.ok), "failed": len(failed_only), "failed_final": len(progress.given_up),
+              "failed_retryable": len(failed_only - progress.given_up), "stopped": len(progress.stopped)}
+    if manifest.finished("generate"):
+        missing = unanswered(seen.num_turns, progress, all_turns)
+        conversations = sum(ids["prompts"].values())
         if missing:
             problems.append(f"{len(missing)} turns that could be asked have no data/, failed/ or stopped/ "
                             f"row after a finished generate run, e.g. {sorted(missing)[0]}")
-        elif not all_turns and counts["ok"] + counts["failed"] != counts["conversations"]:
+        elif not all_turns and counts["ok"] + counts["failed"] != conversations:
             problems.append(f"ok ({counts['ok']}) + failed ({counts['failed']}) != conversations "
-                            f"({counts['conversations']}) in prompts/")
-    counts["generate_finished"] = manifest.generate_finished
-    hidden_problems, hidden_counts = check_hidden_states(out, set(ids["hidden_failed"]))
-    return problems + hidden_problems, {**counts, **hidden_counts}
+                            f"({conversations}) in prompts/")
+    counts["generate_finished"] = manifest.finished("generate")
+    return problems, counts
 
 
-def check_hidden_states(out: Output, failed: set[str]) -> tuple[list[str], dict]:
+def check_hidden_states(out: Output, seen: Seen) -> tuple[list[str], dict]:
+    """Every shard's header reads and matches its bytes and the recorded features; each
+    sample once, a data/ row, of its length and crc32; after a finished run, every selected
+    row has states or a hidden_failed/ row."""
+    failed = set(seen.ids[HIDDEN_FAILED])
     record = out.manifest.phase("hidden_states")
     paths = shard_paths(out.fs, out.folder(HIDDEN_STATES))
     if not record and not paths:
         return [], {}
     features = record.get("features", {})
-    problems, seen = [], Counter()
+    problems, published = [], Counter()
     lengths = data_lengths(out)
     for path in paths:
         try:
@@ -146,7 +187,7 @@ def check_hidden_states(out: Output, failed: set[str]) -> tuple[list[str], dict]
         if foreign:  # the next run quarantines it and redoes its samples
             problems.append(f"{path}: not this OUT's shard: {foreign}")
         for sample_id, entry in entries.items():
-            seen[sample_id] += 1
+            published[sample_id] += 1
             shape = (lengths.get(sample_id), len(features.get("layer_ids", ())), features.get("hidden_size"))
             if sample_id not in lengths:
                 problems.append(f"{path}: sample_id {sample_id} has hidden states but no data/ row")
@@ -155,16 +196,17 @@ def check_hidden_states(out: Output, failed: set[str]) -> tuple[list[str], dict]
             elif entry.crc32 is None or zlib.crc32(read_bytes(out.fs, entry)) != entry.crc32:
                 problems.append(f"{path}: sample_id {sample_id}: its bytes do not match their crc32 (damaged)")
     problems += [f"sample_id {s} appears {n} times in hidden_states/ (exactly-once broken)"
-                 for s, n in seen.items() if n > 1]
-    runs = record.get("runs", [])
-    finished = bool(runs) and runs[-1].get("status") == "complete"
+                 for s, n in published.items() if n > 1]
+    finished = out.manifest.finished("hidden_states")
     if finished:
-        selected = selected_for_hidden_states(out, record.get("hidden_states_config", {}))
-        missing = selected - set(seen) - failed
+        config = record.get("hidden_states_config", {})
+        selected = set(selected_rows(out.fs, out.folder("data"), config.get("hidden_states.finish_reason"),
+                                     config.get("hidden_states.source")).column("sample_id").to_pylist())
+        missing = selected - set(published) - failed
         if missing:
             problems.append(f"{len(missing)} selected data/ rows have neither hidden states nor a hidden_failed/ "
                             f"row after a finished hidden-states run, e.g. {sorted(missing)[0]}")
-    return problems, {"hidden_states": len(seen), "hidden_failed": len(failed - set(seen)),
+    return problems, {"hidden_states": len(published), "hidden_failed": len(failed - set(published)),
                       "hidden_states_finished": finished}
 
 
@@ -176,17 +218,6 @@ def data_lengths(out: Output) -> dict[str, int]:
         columns=["sample_id", "num_prompt_tokens", "num_reasoning_tokens", "num_response_tokens"])
     rows = zip(*(table.column(c).to_pylist() for c in table.column_names))
     return {s: a + b + c for s, a, b, c in rows}
-
-
-def selected_for_hidden_states(out: Output, config: dict) -> set[str]:
-    from eagle_data.reader.samples import row_filter
-
-    files = shard_files(out.fs, out.folder("data"))
-    if not files:
-        return set()
-    expr = row_filter(config.get("hidden_states.finish_reason"), config.get("hidden_states.source"))
-    table = pads.dataset(files, filesystem=out.fs, format="parquet").to_table(columns=["sample_id"], filter=expr)
-    return set(table.column("sample_id").to_pylist())
 
 
 def unanswered(num_turns: dict[str, int], progress: SampleStatus, all_turns: bool) -> set[str]:
@@ -238,3 +269,9 @@ def _check_data_rows(path: str, table) -> list[str]:
         if any(row["loss_mask"][:row["num_prompt_tokens"]]):
             problems.append(f"{path}: sample_id {row['sample_id']}: loss_mask is 1 on a prompt token")
     return problems
+
+
+# Each phase's invariants (every phase of storage.contract.PHASES has one), and the checks of
+# a folder's rows made while its shard is read.
+PHASE_CHECKS = {"prompts": check_prompts, "generate": check_answers, "hidden_states": check_hidden_states}
+SHARD_CHECKS = {"prompts": prompts_shard, "data": data_shard}

@@ -28,9 +28,9 @@ def test_a_run_is_recorded_with_its_config_and_counts(tmp_path):
 def test_a_changed_fingerprint_is_refused_naming_the_keys(tmp_path):
     manifest = Manifest(pafs.LocalFileSystem(), str(tmp_path))
     manifest.start_run("prompts", {}, {"prompt_config": {"source.sample": 3, "source.seed": 0}})
-    manifest.check_prompts_config({"source.sample": 3, "source.seed": 0})  # same: fine
+    manifest.check_config("prompts", {"source.sample": 3, "source.seed": 0})  # same: fine
     with pytest.raises(OutputMismatch, match="source.seed"):
-        manifest.check_prompts_config({"source.sample": 3, "source.seed": 1})
+        manifest.check_config("prompts", {"source.sample": 3, "source.seed": 1})
 
 
 @pytest.mark.parametrize("version, says", [(2, "older eagle-data"), (MANIFEST_VERSION + 1, "upgrade")])

@@ -31,7 +31,7 @@ def make_out(path, prompt_config=PROMPT_CONFIG, generate_config=GENERATE_CONFIG,
     out = Output(str(path))
     run = out.manifest.start_run("prompts", {}, {"status": "running", "prompt_config": prompt_config})
     write(out, "prompts", run["run_id"], PROMPTS_SCHEMA, ids)
-    out.manifest.mark_prompts("complete")
+    out.manifest.mark("prompts", "complete")
     out.manifest.finish_run("prompts", run, {"prompts": len(ids)})
     run = out.manifest.start_run("generate", {}, {"generate_config": generate_config})
     write(out, "data", run["run_id"], IDS, ids)
@@ -53,7 +53,7 @@ def test_every_shard_footer_names_its_out_run_and_phase_config(tmp_path):
     [data] = shard_files(out.fs, out.folder("data"))
     found = read_provenance(out.fs, data)
     assert found[OUT_ID_KEY] == out.manifest.out_id and len(out.manifest.out_id) == 32
-    assert found[RUN_KEY] == out.manifest.generate_runs[-1]["run_id"] and found[RUN_KEY] in data
+    assert found[RUN_KEY] == out.manifest.runs("generate")[-1]["run_id"] and found[RUN_KEY] in data
     assert found[FINGERPRINT_KEY] == fingerprint(GENERATE_CONFIG)
     assert read_provenance(out.fs, prompts)[FINGERPRINT_KEY] == fingerprint(PROMPT_CONFIG) != fingerprint(GENERATE_CONFIG)
     assert pq.read_table(data).column("sample_id").to_pylist() == ["a", "b"]  # the rows themselves unchanged
@@ -92,11 +92,11 @@ def test_a_lost_manifest_is_rebuilt_from_the_footers_and_a_changed_config_refuse
     out = Output(str(tmp_path / "out"))
     assert rebuild_manifest(out)
     assert out.manifest.out_id == made.manifest.out_id
-    out.manifest.check_prompts_config(PROMPT_CONFIG)  # the config that made them: accepted
-    out.manifest.check_generate_config(GENERATE_CONFIG)
-    with pytest.raises(OutputMismatch, match="data was generated with different settings \\(changed: sampling.temperature\\)"):
-        out.manifest.check_generate_config({**GENERATE_CONFIG, "sampling.temperature": 0.7})
-    assert not out.manifest.prompts_complete()  # made again, with its counts
+    out.manifest.check_config("prompts", PROMPT_CONFIG)  # the config that made them: accepted
+    out.manifest.check_config("generate", GENERATE_CONFIG)
+    with pytest.raises(OutputMismatch, match=r"generate rows \(data/, failed/, stopped/\) made with different settings \(changed: sampling.temperature\)"):
+        out.manifest.check_config("generate", {**GENERATE_CONFIG, "sampling.temperature": 0.7})
+    assert not out.manifest.finished("prompts")  # made again, with its counts
     keep_rebuilt(out)
     again = Output.existing(str(tmp_path / "out"))
     assert again.manifest.out_id == made.manifest.out_id and quarantine_corrupt(again) == []  # every shard kept

@@ -290,4 +290,4 @@ def test_bad_setup_fails_fast_with_a_message(ray_local, tmp_path, tiny_qwen3, ca
         run(as_config(base))
     assert f"taking over the lock on {tmp_path / 'out'} left by pid {holder.pid}" in caplog.text
     assert not (tmp_path / "out" / ".lock").exists()
-    assert Output(str(tmp_path / "out")).manifest.prompts_complete()
+    assert Output(str(tmp_path / "out")).manifest.finished("prompts")

@@ -262,7 +262,7 @@ def test_rows_of_another_out_or_config_are_never_taken_as_this_outs(ray_local, t
         again = run(cfg)["generate"]
     assert (out / "quarantine" / "data" / victim.name).exists()
     assert any(victim.name in r.getMessage() and "written for another OUT" in r.getMessage() for r in caplog.records)
-    runs = Output(str(out)).manifest.generate_runs
+    runs = Output(str(out)).manifest.runs("generate")
     assert runs[-1]["todo"] == table.num_rows and again["ok"] == again["prompts"] == len(read(out, "data"))
     assert verify(str(out))[0] == []
 
@@ -270,14 +270,14 @@ def test_rows_of_another_out_or_config_are_never_taken_as_this_outs(ray_local, t
     data = sorted(p.name for p in shards(out, "data"))
     (out / "manifest.json").unlink()
     hot = job_config(tmp_path / "out", tiny_qwen3, source__sample=6, output__rows_per_shard=3, sampling__temperature=0.7)
-    with pytest.raises(OutputMismatch, match=r"data was generated with different settings \(changed: sampling.temperature\)"):
+    with pytest.raises(OutputMismatch, match=r"generate rows \(data/, failed/, stopped/\) made with different settings \(changed: sampling.temperature\)"):
         run(hot)
     assert sorted(p.name for p in shards(out, "data")) == data and not (out / "manifest.json").exists()
 
     (out / "manifest.json").write_bytes(manifest[:300])  # cut short
     assert run(cfg)["generate"]["ok"] == len(read(out, "data"))
     rebuilt = Output(str(out)).manifest
-    assert rebuilt.out_id == out_id and rebuilt.generate_runs[-1]["todo"] == 0  # every row kept
+    assert rebuilt.out_id == out_id and rebuilt.runs("generate")[-1]["todo"] == 0  # every row kept
     assert sorted(p.name for p in shards(out, "data")) == data
     [kept] = (out / "quarantine").glob("manifest-*.json")
     assert kept.read_bytes() == manifest[:300]

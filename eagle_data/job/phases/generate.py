@@ -16,6 +16,7 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
+import pyarrow.parquet as pq
 import ray
 from ray.data.expressions import col, lit
 
@@ -23,14 +24,16 @@ from eagle_data.config import Config
 from eagle_data.errors import MissingInput
 from eagle_data.job.stages.engines import ENGINE_CLASSES, apply_engine, engine_start_errors
 from eagle_data.job.fingerprints import generate_config
+from eagle_data.job.phases.phase import Phase
 from eagle_data.job.stages.feed import EngineFeed
 from eagle_data.job.stages.postprocess import Postprocessor
-from eagle_data.job.stages.requests import Askable, FirstTurn, Requests, engine_sampling
+from eagle_data.job.stages.requests import DropStoppedTurns, Requests, UnfinishedFirstTurns, engine_sampling
 from eagle_data.job.progress import EngineWatch, Progress
 from eagle_data.job.ray_internals import actor_nodes, bound_queues, one_batch_per_block, read_parquet_in_small_tasks
 from eagle_data.job.stages.turns import PREVIOUS_COLUMNS, TurnBuilder, next_user_texts
 from eagle_data.model_files import SpecialTokens, generation_eos_ids, load_tokenizer, model_vocab_size, special_tokens
 from eagle_data.storage.contract import ERROR, FAILED_SCHEMA, STOPPED_SCHEMA, data_schema
+from eagle_data.storage.files import filesystem
 from eagle_data.storage.folder import Output
 from eagle_data.storage.shards import ShardWriter, shard_files
 from eagle_data.storage.status import SampleStatus
@@ -45,7 +48,7 @@ def run_generate(cfg: Config, out: Output, engine=None) -> dict:
     -> ds` replaces the configured engine stage (benchmarks put a simulated one there); like
     it, it must take each block as one batch (map_batches' batch_size=None): the blocks are
     engine batches, and one held back for more rows would wait forever (job/stages/feed.py)."""
-    if not out.manifest.prompts_complete():
+    if not out.manifest.finished("prompts"):
         raise MissingInput(f"{out.root} has no finished prompts phase: run with --phase prompts (or all) first")
     special, run, total, finished = start_run(cfg, out)
     shard = (cfg.output.rows_per_shard, cfg.output.flush_seconds)
@@ -66,7 +69,7 @@ def start_run(cfg: Config, out: Output) -> tuple[SpecialTokens, dict, int, set[s
     """The target's token ids, the run's record, the turns to answer and those already finished."""
     tokenizer = load_tokenizer(cfg.model.tokenizer_path, cfg.model.trust_remote_code)
     special = target_tokens(cfg, tokenizer)
-    total = out.manifest.prompts_counts["user_turns"]  # turns to answer (= prompts under first_user)
+    total = out.manifest.counts("prompts")["user_turns"]  # turns to answer (= prompts under first_user)
     finished = SampleStatus.read(out.fs, out.root, cfg.output.max_attempts).finished()
     run = out.manifest.start_run("generate", cfg.model_dump(mode="json"), {
         "generate_config": generate_config(cfg),
@@ -119,12 +122,12 @@ def depths_to_ask(cfg: Config, out: Output, special: SpecialTokens, finished: ra
             ds = later_turn_prompts(cfg, out, turn, finished)
             if ds is not None:
                 to_ask = record_stops(ds, writers["stopped"], run_id)
-                ds = ds.map_batches(Askable(), batch_format="pyarrow")
+                ds = ds.map_batches(DropStoppedTurns(), batch_format="pyarrow")
         if ds is None:
             break
         log.info("generate: turn %d: %d to ask", turn, to_ask)
         if to_ask:  # starting the engine replicas alone is a model load
-            yield requests(ds, cfg, special), to_ask
+            yield engine_requests(ds, cfg, special), to_ask
     publish_the_rest(writers)  # the last depth's
 
 
@@ -135,7 +138,7 @@ def publish_the_rest(writers: dict) -> None:
 
 def finish_run(cfg: Config, out: Output, run: dict, total: int, writers: dict, progress: Progress,
                replicas: "ReplicaNodes") -> dict:
-    counts = totals(out, cfg, total)
+    counts = phase_counts(out, cfg, total)
     nodes = replicas.report()
     data, failed = writers["data"], writers["failed"]
     out.manifest.finish_run("generate", run, counts, ok=data.written, failed=failed.written,
@@ -189,7 +192,7 @@ def first_turn_prompts(cfg: Config, out: Output, finished: ray.ObjectRef) -> tup
     files = shard_files(out.fs, out.folder("prompts"))
     if not files:
         return None, 0
-    first_turn = FirstTurn(cfg.prompt.turns, finished)
+    first_turn = UnfinishedFirstTurns(cfg.prompt.turns, finished)
     ids = pads.dataset(files, filesystem=out.fs, format="parquet").to_table(columns=["sample_id"])
     ds = read_parquet_in_small_tasks(files, out.fs, PROMPT_COLUMNS)
     return ds.map_batches(first_turn, batch_format="pyarrow"), first_turn.unfinished(ids).num_rows
@@ -218,7 +221,7 @@ def record_stops(ds: ray.data.Dataset, stopped: ShardWriter, run_id: str) -> int
     return to_ask
 
 
-def requests(ds: ray.data.Dataset, cfg: Config, special: SpecialTokens) -> ray.data.Dataset:
+def engine_requests(ds: ray.data.Dataset, cfg: Config, special: SpecialTokens) -> ray.data.Dataset:
     """Prompts -> engine requests, one engine batch per block: finished rows leave the
     engine batch by batch, and the engine stage takes each block as one batch."""
     ds = ds.map_batches(Requests(engine_sampling(cfg), cfg.sampling.seed, list(special.eos_ids)),
@@ -251,12 +254,12 @@ def with_run_id(batch: pa.Table, run_id: str) -> pa.Table:
     return batch.append_column("run_id", pa.array([run_id] * batch.num_rows, pa.string()))
 
 
-def totals(out: Output, cfg: Config, user_turns: int) -> dict:
+def phase_counts(out: Output, cfg: Config, user_turns: int) -> dict:
     """The phase's counts over every run so far, from the shards."""
     status = SampleStatus.read(out.fs, out.root, cfg.output.max_attempts)
     return {
-        "prompts": out.manifest.prompts_counts["prompts"],
-        "conversations": out.manifest.prompts_counts["conversations"],  # prompts x answers_per_prompt
+        "prompts": out.manifest.counts("prompts")["prompts"],
+        "conversations": out.manifest.counts("prompts")["conversations"],  # prompts x answers_per_prompt
         "user_turns": user_turns,
         "ok": len(status.ok),
         "failed_final": len(status.given_up),
@@ -264,3 +267,29 @@ def totals(out: Output, cfg: Config, user_turns: int) -> dict:
         "failed_rows": sum(status.failures.values()),
         "stopped": len(status.stopped),  # conversations that stopped before their last turn
     }
+
+
+def summary(out: str, counts: dict) -> list[str]:
+    turns = f" of {counts['user_turns']} user turns" if counts["user_turns"] != counts["conversations"] else ""
+    lines = [f"  data/     {counts['ok']} ok samples{turns}",
+             f"  failed/   {counts['failed_rows']} failed attempts; {counts['failed_final']} samples gave up, "
+             f"{counts['pending_retry']} to retry (rerun the same command)"]
+    if counts["stopped"]:
+        lines.append(f"  stopped/  {counts['stopped']} conversations stopped before their last turn")
+    example = first_sample(out)
+    if example:
+        lines.append(f"  example:  Q: {example['messages'][-1]['content'][:200]!r}")
+        lines.append(f"            A: {example['response'][:300]!r}")
+    return lines
+
+
+def first_sample(out: str) -> dict | None:
+    fs, root = filesystem(out)
+    files = shard_files(fs, f"{root}/data")
+    if not files:
+        return None
+    table = pq.read_table(files[0], filesystem=fs, columns=["messages", "response"])
+    return table.slice(0, 1).to_pylist()[0]
+
+
+PHASE = Phase("generate", generate_config, run_generate, summary, reads=("prompts",))

@@ -17,31 +17,29 @@ from __future__ import annotations
 
 import logging
 import shutil
-import threading
 import time
-from collections import Counter
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import ray
 
 from eagle_data.config import Config
 from eagle_data.errors import ConfigError, MissingInput, NotEnoughSpace, NotWritable
 from eagle_data.job.fingerprints import hidden_states_config
-from eagle_data.job.progress import EngineWatch
+from eagle_data.job.phases.phase import Phase
+from eagle_data.job.progress import EngineWatch, PeriodicLine
 from eagle_data.job.ray_internals import one_batch_per_block, read_parquet_in_small_tasks
-from eagle_data.job.stages.columns import Stage, columns
 from eagle_data.job.stages.engines import ENGINE_CLASSES, apply_hidden_states_engine, engine_start_errors
 from eagle_data.job.stages.pack_hidden_states import HiddenStatesPacker
+from eagle_data.job.stages.requests import HiddenStatesRequests
 from eagle_data.model_files import model_config, text_config_value
-from eagle_data.reader.samples import row_filter
 from eagle_data.storage.contract import FAILED_SCHEMA, HIDDEN_FAILED, HIDDEN_STATES, IDS, STAGING
 from eagle_data.storage.folder import Output
-from eagle_data.storage.hidden_states import Index, layer_bytes
+from eagle_data.storage.hidden_states import layer_bytes
+from eagle_data.storage.selection import selected_rows
 from eagle_data.storage.shards import shard_files
-from eagle_data.storage.status import sample_ids
+from eagle_data.storage.status import SampleStatus
 
 log = logging.getLogger("eagle_data")
 
@@ -86,19 +84,19 @@ def run_hidden_states(cfg: Config, out: Output, engine=None) -> dict:
     if not isinstance(out.fs, pafs.LocalFileSystem):
         raise NotWritable(f"the hidden-states phase needs output.path on a local or mounted filesystem "
                           f"(every node's engine writes its files there), not {cfg.output.path!r}")
-    if not out.manifest.generate_finished:
+    if not out.manifest.finished("generate"):
         log.warning("hidden states: the latest generate run did not finish; rows it adds later get their "
                     "hidden states on the next run of this phase")
     num_layers, hidden_size = target_shape(cfg)
     ids, dtype = layer_ids(cfg, num_layers), cfg.hidden_states.dtype
-    selected = selected_rows(out, cfg)
-    status = Status.read(out, cfg.output.max_attempts)
+    selected = selected_rows(out.fs, out.folder("data"), cfg.hidden_states.finish_reason, cfg.hidden_states.source)
+    status = SampleStatus.read(out.fs, out.root, cfg.output.max_attempts, "hidden_states")
     todo = selected.filter(pc.invert(pc.is_in(selected.column("sample_id"),
                                               pa.array(sorted(status.finished()), pa.string()))))
     tokens = pc.sum(todo.column("num_tokens")).as_py() or 0
     estimate = layer_bytes(tokens, len(ids), hidden_size, dtype)
     log.info("hidden states: %d rows selected, %d done, %d given up, %d to do; layer ids %s of %d, H %d, %s: "
-             "%d tokens -> %s", selected.num_rows, len(status.done & set(selected.column("sample_id").to_pylist())),
+             "%d tokens -> %s", selected.num_rows, len(status.ok & set(selected.column("sample_id").to_pylist())),
              len(status.given_up), todo.num_rows, ids, num_layers, hidden_size, dtype, tokens, gib(estimate))
     check_space(out, estimate)
     run = out.manifest.start_run("hidden_states", cfg.model_dump(mode="json"), {
@@ -121,7 +119,7 @@ def run_hidden_states(cfg: Config, out: Output, engine=None) -> dict:
         with publisher, engine_start_errors(cfg):
             publisher.publish(ds)
     failed.close()
-    counts = totals(out, cfg)
+    counts = phase_counts(out, cfg)
     out.manifest.finish_run("hidden_states", run, counts, ok=publisher.ok, failed=failed.written,
                             tokens=publisher.tokens, bytes=publisher.bytes,
                             wall_s=round(time.monotonic() - publisher.started, 1),
@@ -131,41 +129,13 @@ def run_hidden_states(cfg: Config, out: Output, engine=None) -> dict:
     return counts
 
 
-def selected_rows(out: Output, cfg: Config) -> pa.Table:
-    """sample_id and num_tokens of the data/ rows the phase is for."""
-    expr = row_filter(cfg.hidden_states.finish_reason, cfg.hidden_states.source)
-    table = pads.dataset(shard_files(out.fs, out.folder("data")), filesystem=out.fs, format="parquet").to_table(
-        columns=["sample_id", "num_prompt_tokens", "num_reasoning_tokens", "num_response_tokens"], filter=expr)
-    n = pc.add(pc.add(table.column("num_prompt_tokens").cast(pa.int64()), table.column("num_reasoning_tokens")),
-               table.column("num_response_tokens"))
-    return pa.table({"sample_id": table.column("sample_id"), "num_tokens": n})
-
-
-class Status:
-    """What the phase already did: samples published in hidden_states/, and failed attempts."""
-
-    def __init__(self, done: set[str], failures: Counter, max_attempts: int):
-        self.done, self.failures, self.max_attempts = done, failures, max_attempts
-
-    @classmethod
-    def read(cls, out: Output, max_attempts: int) -> "Status":
-        return cls(set(Index.read(out.fs, out.folder(HIDDEN_STATES)).entries),
-                   Counter(sample_ids(out.fs, out.folder(HIDDEN_FAILED))), max_attempts)
-
-    @property
-    def given_up(self) -> set[str]:
-        return {s for s, n in self.failures.items() if n >= self.max_attempts} - self.done
-
-    def finished(self) -> set[str]:
-        return self.done | self.given_up
-
-
-def totals(out: Output, cfg: Config) -> dict:
-    status = Status.read(out, cfg.output.max_attempts)
-    selected = set(selected_rows(out, cfg).column("sample_id").to_pylist())
-    return {"selected": len(selected), "ok": len(status.done & selected), "failed_final": len(status.given_up),
-            "pending_retry": len(set(status.failures) - status.finished()),
-            "failed_rows": sum(status.failures.values())}
+def phase_counts(out: Output, cfg: Config) -> dict:
+    """The phase's counts over every run so far, from the shards."""
+    status = SampleStatus.read(out.fs, out.root, cfg.output.max_attempts, "hidden_states")
+    selected = set(selected_rows(out.fs, out.folder("data"), cfg.hidden_states.finish_reason,
+                                 cfg.hidden_states.source).column("sample_id").to_pylist())
+    return {"selected": len(selected), "ok": len(status.ok & selected), "failed_final": len(status.given_up),
+            "pending_retry": len(status.retryable), "failed_rows": sum(status.failures.values())}
 
 
 def check_space(out: Output, estimate: int) -> None:
@@ -184,26 +154,10 @@ def gib(n: int) -> str:
     return f"{n} B"
 
 
-class HiddenStatesRequests(Stage):
-    """The data/ rows still to do, each with the file its engine writes (under OUT/.staging/)."""
-
-    reads = columns("sample_id", "input_ids")
-    makes = columns("sample_id", "input_ids", "hidden_states_path")
-
-    def __init__(self, todo: ray.ObjectRef, scratch: str):
-        self.todo, self.scratch = todo, scratch
-
-    def apply(self, batch: pa.Table) -> pa.Table:
-        todo = self.todo if isinstance(self.todo, (pa.Array, pa.ChunkedArray)) else ray.get(self.todo)
-        batch = batch.filter(pc.is_in(batch.column("sample_id"), todo))
-        paths = pc.binary_join_element_wise(self.scratch + "/", batch.column("sample_id"), ".safetensors", "")
-        return batch.append_column("hidden_states_path", paths)
-
-
 class Publisher:
     """The driver's side: moves each packed shard into hidden_states/ and records failures;
-    a background thread logs the progress line every `every_s`, with what the engine is
-    doing (loading the model, rows in it), also while no row arrives."""
+    the progress line every `every_s`, with what the engine is doing (loading the model,
+    rows in it), also while no row arrives."""
 
     def __init__(self, out: Output, run_id: str, failed, total: int, every_s: float):
         self.out, self.run_id, self.failed, self.total, self.every_s = out, run_id, failed, total, every_s
@@ -211,8 +165,7 @@ class Publisher:
         self.published: set[str] = set()
         self.started = time.monotonic()
         self.engine = EngineWatch(ENGINE_CLASSES)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="eagle-hidden-progress")
+        self._periodic = PeriodicLine(every_s, self.line, poll=self.engine.look, name="eagle-hidden-progress")
 
     def publish(self, ds: ray.data.Dataset) -> None:
         for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
@@ -245,19 +198,18 @@ class Publisher:
                 f"{self.failed.written + self.failed.buffered} failed attempts | {self.tokens} tokens, "
                 f"{rate:.0f} prefill tok/s | {gib(self.bytes)} written")
 
-    def _run(self) -> None:
-        due = time.monotonic() + self.every_s
-        while not self._stop.wait(min(1.0, self.every_s)):
-            self.engine.look()
-            if time.monotonic() >= due:
-                due += self.every_s
-                log.info(self.line())
-
     def __enter__(self) -> "Publisher":
-        self._thread.start()
+        self._periodic.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        log.info(self.line())
+        self._periodic.__exit__(*exc)
+
+
+def summary(out: str, counts: dict) -> list[str]:
+    return [f"  hidden_states/ {counts['ok']} of {counts['selected']} selected samples; {counts['failed_rows']} "
+            f"failed attempts, {counts['failed_final']} gave up, {counts['pending_retry']} to retry"]
+
+
+PHASE = Phase("hidden_states", hidden_states_config, run_hidden_states, summary,
+              in_all=lambda cfg: cfg.hidden_states.enabled)

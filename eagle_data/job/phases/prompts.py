@@ -18,27 +18,27 @@ from eagle_data.job.stages.prompts import PromptBuilder
 from eagle_data.job.stages.sample import select_rows
 from eagle_data.job.stages.source import read_source
 from eagle_data.job.fingerprints import prompt_config
+from eagle_data.job.phases.phase import Phase
 from eagle_data.storage.contract import PROMPTS_SCHEMA, SKIPPED_SCHEMA
 from eagle_data.storage.folder import Output
 
 log = logging.getLogger("eagle_data")
 
 
-def run_prompts(cfg: Config, out: Output) -> dict:
-    if out.manifest.prompts_complete():
-        counts = out.manifest.prompts_counts
+def run_prompts(cfg: Config, out: Output, engine=None) -> dict:
+    if out.manifest.finished("prompts"):
+        counts = out.manifest.counts("prompts")
         log.info("prompts: reusing finished phase in %s (%s)", out.root, counts)
         return counts
     rows = read_source(cfg.source)  # a dataset that cannot be read fails before the phase is recorded
     out.remove("prompts", "skipped")
     run = out.manifest.start_run("prompts", cfg.model_dump(mode="json"),
-                                 {"status": "running", "prompt_config": prompt_config(cfg)})
+                                 {"prompt_config": prompt_config(cfg)})
     ds, per_source = select_rows(rows, cfg.source)
     ds = ds.map_batches(PromptBuilder.from_config(cfg), batch_format="pyarrow", batch_size=256)
     counts = write_prompts(ds, out, cfg, run["run_id"])
     if per_source is not None:  # source.per_source: rows available and quota per source
         counts["sources"] = per_source
-    out.manifest.mark_prompts("complete")
     out.manifest.finish_run("prompts", run, counts)
     log.info("prompts: %s", counts)
     return counts
@@ -141,3 +141,32 @@ def split_duplicates(batch: pa.Table, seen: SeenPrompts) -> tuple[pa.Table, pa.T
     bad = batch.filter(pc.invert(ok))
     bad = bad.set_column(bad.schema.get_field_index("sample_id"), "sample_id", bad.column("prompt_id"))
     return batch.filter(ok), bad
+
+
+def empty(cfg: Config, out: Output) -> str | None:
+    """Why a finished prompts phase left no prompt, or None."""
+    counts = out.manifest.counts("prompts")
+    if not out.manifest.finished("prompts") or counts.get("prompts") != 0:
+        return None
+    if not counts.get("selected"):
+        why = f"source.dataset {cfg.source.dataset!r} holds no rows"
+    else:
+        reasons = ", ".join(f"{k} {v}" for k, v in counts.get("skipped_by_reason", {}).items())
+        why = (f"all {counts['selected']} selected rows of {cfg.source.dataset!r} were skipped ({reasons}); "
+               f"see {out.root}/skipped/ (reason, detail)")
+    return f"0 prompts: {why}. Nothing to generate; pass --allow-empty to accept an empty result"
+
+
+def summary(out: str, counts: dict) -> list[str]:
+    reasons = ", ".join(f"{k} {v}" for k, v in counts["skipped_by_reason"].items()) or "none"
+    answers = (f", {counts['conversations']} conversations ({counts['answers_per_prompt']} answers each)"
+               if counts.get("answers_per_prompt", 1) > 1 else "")
+    variants = counts.get("conversations_by_variant", {})
+    by_variant = ("; variants " + ", ".join(f"{k} {v}" for k, v in variants.items())) if len(variants) > 1 else ""
+    return [f"  prompts/  {counts['prompts']} prompts ({counts['prompt_tokens']} tokens) of "
+            f"{counts['selected']} selected rows{answers}{by_variant}",
+            f"  skipped/  {counts['skipped']} rows ({reasons})"]
+
+
+PHASE = Phase("prompts", prompt_config, run_prompts, summary, reads_dataset=True, needs_model_weights=False,
+              empty=empty)

@@ -17,10 +17,7 @@ import ray
 from eagle_data.config import Config
 from eagle_data.errors import EmptyResult, MissingInput, NotWritable, ignore_stop_signals, stop_on_signals
 from eagle_data.job.stages.engines import ENGINE_CLASSES, check_engine_kwargs
-from eagle_data.job.fingerprints import generate_config, hidden_states_config, prompt_config
-from eagle_data.job.phases.generate import run_generate
-from eagle_data.job.phases.hidden_states import run_hidden_states
-from eagle_data.job.phases.prompts import run_prompts
+from eagle_data.job.phases import PHASE_BY_NAME, PHASES
 from eagle_data.job.ray_internals import quiet_worker_logs, ray_data_progress, wait_for_actors_to_exit
 from eagle_data.job.stages.source import locate
 from eagle_data.model_files import check_tokenizer_path, hub_reachable, is_hub_id, load_tokenizer, use_hub_cache_only
@@ -33,38 +30,34 @@ from eagle_data.storage.report import write_report
 log = logging.getLogger("eagle_data")
 
 
-PHASES = ("prompts", "generate", "hidden_states", "all")
+PHASE_CHOICES = (*(phase.name for phase in PHASES), "all")
 
 
 def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow_empty: bool = False) -> dict:
-    """Run `phase` (PHASES; `all` = prompts, generate, and hidden_states when
-    hidden_states.enabled). `engine(ds, cfg, pad_id) -> ds` replaces the configured engine
-    stage of the generate phase (benchmarks put a simulated one there). A prompts phase
-    that left 0 prompts (an empty dataset, or every row skipped) raises EmptyResult after
-    its report, unless `allow_empty`."""
-    if phase not in PHASES:
-        raise ValueError(f"phase {phase!r} is not one of {PHASES}")
+    """Run `phase` (a name of PHASES, or `all`: every phase whose `in_all` says so).
+    `engine` replaces the configured engine stage of the phases that take one (benchmarks
+    put a simulated one there). A phase whose finished rows are none (the prompts phase
+    left 0 prompts: an empty dataset, or every row skipped) raises EmptyResult after its
+    report, unless `allow_empty`."""
+    if phase not in PHASE_CHOICES:
+        raise ValueError(f"phase {phase!r} is not one of {PHASE_CHOICES}")
     check_engine_kwargs(cfg)
-    hidden = phase == "hidden_states" or (phase == "all" and cfg.hidden_states.enabled)
+    chosen = [p for p in PHASES if p.name == phase or (phase == "all" and p.in_all(cfg))]
     out = open_output(cfg.output.path, fresh)
     out.check_ours()  # before anything is written, moved or deleted there
     # Exists, supported files only, and apart from OUT (neither inside the other): checked
     # before check_writable creates OUT, which must not appear inside a dataset folder.
     local_out = out.root if isinstance(out.fs, pafs.LocalFileSystem) else None
-    layout = locate(cfg.source, local_out) if phase in ("prompts", "all") else None
+    layout = locate(cfg.source, local_out) if any(p.reads_dataset for p in chosen) else None
     out.check_writable()
     rebuilt = False
     if not fresh:
         # A lost or damaged manifest.json: the shards' footers say which configs made them.
         rebuilt = rebuild_manifest(out)
-        if phase != "hidden_states":
-            out.manifest.check_prompts_config(prompt_config(cfg))
-        if phase in ("generate", "all"):
-            out.manifest.check_generate_config(generate_config(cfg))
-        if hidden:
-            out.manifest.check_hidden_states_config(hidden_states_config(cfg))
+        for name in dict.fromkeys(n for p in chosen for n in p.locked_by()):
+            out.manifest.check_config(name, PHASE_BY_NAME[name].fingerprint(cfg))
     check_hub(cfg, uses_hub_dataset=layout is not None and layout.kind == "hub")
-    check_model_files(cfg, need_weights=phase != "prompts")
+    check_model_files(cfg, need_weights=any(p.needs_model_weights for p in chosen))
     with lock(out):
         if fresh:
             log.warning("--fresh: deleting what earlier runs wrote in %s", out.root)
@@ -81,29 +74,26 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow
         quiet_worker_logs()
         ray_data_progress(cfg.output.ray_data_progress)
         result = {"seconds": {"ray start": time.monotonic() - started}}
-        if phase in ("prompts", "all"):
+        for p in chosen:
+            # 0 prompts is a wrong result, not a success: refused before a phase would work
+            # from it, and after the phase that made it (its report written), unless allowed.
+            refuse_empty(cfg, out, allow_empty)
             started = time.monotonic()
-            result["prompts"] = run_prompts(cfg, out)
+            result[p.name] = p.run(cfg, out, engine)
             report(out)
-            result["seconds"]["prompts"] = time.monotonic() - started
-        # 0 prompts is a wrong result, not a success: refused after the prompts phase (its
-        # skipped/ and report written) and before a generate phase, unless allowed.
-        if not allow_empty and out.manifest.prompts_complete() and (out.manifest.prompts_counts or {}).get("prompts") == 0:
-            raise EmptyResult(empty_message(cfg, out, out.manifest.prompts_counts))
-        if phase in ("generate", "all"):
-            started = time.monotonic()
-            result["generate"] = run_generate(cfg, out, engine)
-            report(out)
-            result["seconds"]["generate"] = time.monotonic() - started
-            loads = out.manifest.generate_runs[-1].get("engine_load_s")
-            if loads:  # the first replica's model load, within generate
-                result["seconds"]["of which loading the model"] = loads[0]
-        if hidden:
-            started = time.monotonic()
-            result["hidden_states"] = run_hidden_states(cfg, out)
-            report(out)
-            result["seconds"]["hidden states"] = time.monotonic() - started
+            result["seconds"][p.name] = time.monotonic() - started
+            loads = (out.manifest.runs(p.name) or [{}])[-1].get("engine_load_s")
+            if loads:  # the first replica's model load, within the phase
+                result["seconds"][f"of which {p.name} loading the model"] = loads[0]
+        refuse_empty(cfg, out, allow_empty)
     return result
+
+
+def refuse_empty(cfg: Config, out: Output, allow_empty: bool) -> None:
+    for phase in PHASES:
+        why = phase.empty(cfg, out)
+        if why and not allow_empty:
+            raise EmptyResult(why)
 
 
 def close_ray() -> None:
@@ -168,13 +158,3 @@ def check_model_files(cfg: Config, need_weights: bool) -> None:
             f"cannot load the tokenizer from model.tokenizer/model.path {cfg.model.tokenizer_path!r}: {e}. "
             "A local path must hold a tokenizer; a hub id needs the hub or a filled HF cache."
         ) from None
-
-
-def empty_message(cfg: Config, out: Output, counts: dict) -> str:
-    if not counts.get("selected"):
-        why = f"source.dataset {cfg.source.dataset!r} holds no rows"
-    else:
-        reasons = ", ".join(f"{k} {v}" for k, v in counts.get("skipped_by_reason", {}).items())
-        why = (f"all {counts['selected']} selected rows of {cfg.source.dataset!r} were skipped ({reasons}); "
-               f"see {out.root}/skipped/ (reason, detail)")
-    return f"0 prompts: {why}. Nothing to generate; pass --allow-empty to accept an empty result"

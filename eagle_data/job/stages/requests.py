@@ -1,4 +1,5 @@
-"""The stages between prompts/ and the engine: a turn's rows, and each row's request."""
+"""The stages between OUT and an engine: a turn's rows, each row's request, and the data/ rows
+the hidden-states engine takes."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from eagle_data.job.variants import variants
 from eagle_data.storage.contract import SAMPLING_TYPE, turn_sample_ids
 
 
-class FirstTurn(Stage):
-    """prompts/ rows (one per conversation) -> turn 0's rows not finished yet."""
+class UnfinishedFirstTurns(Stage):
+    """prompts/ rows (one per conversation) -> turn 0's rows (with their conversation_id and
+    turn), less those already finished."""
 
     reads = columns("sample_id")
     makes = columns("sample_id", "conversation_id", "turn")
@@ -36,8 +38,8 @@ class FirstTurn(Stage):
         return batch.filter(pc.invert(pc.is_in(batch.column("sample_id"), value_set=ray.get(self.finished))))
 
 
-class Askable(Stage):
-    """The turns whose conversation goes on (no stop `reason`)."""
+class DropStoppedTurns(Stage):
+    """Keeps the turns whose conversation goes on (no stop `reason`)."""
 
     reads = columns("reason")
 
@@ -76,3 +78,20 @@ def engine_sampling(cfg: Config) -> dict[str, dict]:
     """Each variant's sampling parameters for the engine (a row's seed is added per row)."""
     logprobs = {"logprobs": cfg.sampling.logprobs} if cfg.sampling.logprobs else {}  # vLLM: top-k per token
     return {name: {**v.sampling, **logprobs} for name, v in variants(cfg).items()}
+
+
+class HiddenStatesRequests(Stage):
+    """The data/ rows still to do, each with the file its engine writes (under OUT/.staging/)."""
+
+    reads = columns("sample_id", "input_ids")
+    makes = columns("sample_id", "input_ids", "hidden_states_path")
+
+    def __init__(self, todo: ray.ObjectRef, scratch: str):
+        self.todo, self.scratch = todo, scratch
+
+    def apply(self, batch: pa.Table) -> pa.Table:
+        todo = self.todo if isinstance(self.todo, (pa.Array, pa.ChunkedArray)) else ray.get(self.todo)
+        batch = batch.filter(pc.is_in(batch.column("sample_id"), todo))
+        paths = pc.binary_join_element_wise(self.scratch + "/", batch.column("sample_id"), ".safetensors", "")
+        return batch.append_column("hidden_states_path", paths)
+
