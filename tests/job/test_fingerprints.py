@@ -5,8 +5,10 @@ a change here refuses every existing OUT."""
 from __future__ import annotations
 
 import pytest
+from pydantic import BaseModel, Field
 
-from eagle_data.config import load_config
+from eagle_data import config_doc
+from eagle_data.config import RUN_ONLY, changes, load_config, phases_changed, settings
 from eagle_data.job.fingerprints import generate_config, hidden_states_config, prompt_config
 
 BASE = ["model.path=/m", "output.path=/o"]
@@ -74,3 +76,35 @@ def test_phase_configs_are_the_ones_existing_outs_store(case):
     assert prompt_config(cfg) == prompts
     assert generate_config(cfg) == generate
     assert hidden_states_config(cfg) == hidden_states
+
+
+def test_every_setting_says_which_phases_it_changes():
+    untagged = [key for key, field in settings() if phases_changed(field) is None]
+    assert untagged == [], (
+        f"{', '.join(untagged)}: say in config.py whether it changes a phase's rows "
+        "(json_schema_extra=changes(\"prompts\"/\"generate\"/\"hidden_states\")) or not (RUN_ONLY)")
+
+
+def test_the_settings_cover_every_key_of_every_section():
+    keys = {key for key, _ in settings()}
+    assert {"source.per_source", "sampling.variants", "engine.batch_size"} <= keys
+    for dotted, _, model in config_doc.sections():
+        for name in model.model_fields:
+            # A key of a section held in a setting (source.per_source.max_rows) is part of its value.
+            key = f"{dotted}.{name}"
+            assert key in keys or any(key.startswith(k + ".") for k in keys), key
+
+
+def test_an_untagged_field_is_named_at_any_depth():
+    class Inner(BaseModel):
+        tagged: int = Field(json_schema_extra=changes("generate"), default=0)
+        forgotten: int = 0
+
+    class Outer(BaseModel):
+        inner: Inner = Field(default_factory=Inner)
+        held: list[Inner] = Field(json_schema_extra=RUN_ONLY, default_factory=list)
+
+    found = {key: phases_changed(field) for key, field in settings(Outer)}
+    assert found == {"inner.tagged": ["generate"], "inner.forgotten": None, "held": []}
+    with pytest.raises(ValueError, match="phases are"):
+        changes("generat")
