@@ -130,7 +130,7 @@ import pyarrow.fs as pafs
 from eagle_data.errors import EagleDataError, MissingInput, NotWritable
 from eagle_data.storage.contract import DATA_SCHEMA, LOGPROB_COLUMNS
 from eagle_data.model_files import is_hub_id, model_config, resolve_model_path, text_config_value
-from eagle_data.reader.samples import Out, Samples, row_filter
+from eagle_data.reader.samples import OutReader, Samples, row_filter
 from eagle_data.storage.files import filesystem, not_a_regular_file, write_atomically
 
 
@@ -171,7 +171,7 @@ def export(out_path: str, dest: str, fmt: str, finish_reason: Sequence[str] | No
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join([*FORMATS, *OFFLINE_FORMATS])}")
     columns, convert, default_finish = FORMATS[fmt]
-    out = Out(out_path)
+    out = OutReader(out_path)
     if not out.files:
         raise MissingInput(f"{out_path} has no data/ shards to export")
     if fmt == "jsonl":  # every column: the log-probabilities too, when the OUT has them
@@ -200,7 +200,7 @@ def export(out_path: str, dest: str, fmt: str, finish_reason: Sequence[str] | No
     return {"format": fmt, "dest": dest, "rows": rows, "removed_by_filter": removed}
 
 
-def filter_counts(out: Out, finish_reason: Sequence[str] | None, source: Sequence[str] | None) -> dict:
+def filter_counts(out: OutReader, finish_reason: Sequence[str] | None, source: Sequence[str] | None) -> dict:
     """{filter: rows it removes on its own}: what a filter costs, said before it is applied."""
     removed = {}
     for name, values in (("finish_reason", finish_reason), ("source", source)):
@@ -367,7 +367,7 @@ def export_offline(out_path: str, dest: str, fmt: str, finish_reason: Sequence[s
         raise EagleDataError(f"export: --format {fmt} writes a local folder (the peer's trainer reads local "
                              f"files); {dest} is not a local path")
     dest_path = os.path.abspath(os.path.expanduser(dest.removeprefix("file://")))
-    out = Out(out_path)
+    out = OutReader(out_path)
     if not out.files:
         raise MissingInput(f"{out_path} has no data/ shards to export")
     features = out.manifest.phase("hidden_states").get("features")
@@ -473,7 +473,7 @@ def write_speculators_dataset(dest: str, samples: Iterator[OfflineSample], cache
             datasets.enable_progress_bars()
 
 
-def hidden_states_model(out: Out) -> str:
+def hidden_states_model(out: OutReader) -> str:
     """The target that made the hidden states: the latest hidden-states run's model.path."""
     runs = out.manifest.phase("hidden_states").get("runs", [])
     config = runs[-1].get("config", {}) if runs else out.manifest.config

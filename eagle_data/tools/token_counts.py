@@ -18,7 +18,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from eagle_data.errors import VocabError
-from eagle_data.reader.samples import Out
+from eagle_data.reader.samples import OutReader
 
 
 @dataclass
@@ -156,7 +156,7 @@ def count_tokens(out: str, vocab_size: int, finish_reason: Sequence[str] | None 
     by `threads` readers (default: the CPUs, at most 8) with at most threads + 1 groups in
     flight, and folded in file order: memory is O(V + a few row groups), never O(rows).
     Parquet decoding is most of the cost and parallelises; the bincount stays serial."""
-    opened = Out(out)
+    opened = OutReader(out)
     fs, files = opened.fs, opened.files
     if not files:
         raise VocabError(f"{out}/data has no shards: run the generate phase first")
