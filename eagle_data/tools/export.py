@@ -548,6 +548,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                    help="*-offline formats that store the final state post-norm (specforge, modelopt): the "
                         "target's local folder to read the final norm from (default: the model.path the "
                         "hidden-states phase ran with)")
+    p.set_defaults(run=run_cli)
     return p
 
 

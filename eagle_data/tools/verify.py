@@ -22,7 +22,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 import zlib
 from collections import Counter
 
@@ -37,6 +39,7 @@ from eagle_data.storage.provenance import foreign_reason, shard_problem
 from eagle_data.storage.hidden_states import ShardHeaderError, read_bytes, read_header, shard_paths
 from eagle_data.storage.status import SampleStatus
 from eagle_data.storage.shards import shard_files
+from eagle_data.tools.terminal import literal
 
 DATA_CHECK_COLUMNS = ["sample_id", "input_ids", "loss_mask", "num_prompt_tokens",
                       "num_reasoning_tokens", "num_response_tokens"]
@@ -238,3 +241,21 @@ def _check_data_rows(path: str, table) -> list[str]:
         if any(row["loss_mask"][:row["num_prompt_tokens"]]):
             problems.append(f"{path}: sample_id {row['sample_id']}: loss_mask is 1 on a prompt token")
     return problems
+
+
+def add_cli(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("verify", help="check the exactly-once and accounting invariants of OUT")
+    p.add_argument("out")
+    p.set_defaults(run=run_cli)
+    return p
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Exit 1 when a problem is found: a result rather than an error."""
+    problems, counts = verify(args.out)
+    print(json.dumps(counts, sort_keys=True))
+    for p in problems:  # they name sample ids and files: data text, shown literally
+        print(f"FAIL: {literal(p)}", file=sys.stderr)
+    if not problems:
+        print(f"OK: {literal(args.out)} holds every invariant")
+    return 1 if problems else 0

@@ -262,6 +262,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--finish-reason", nargs="+", choices=["stop", "length"], default=None,
                    help="count only these rows (default all)")
     p.add_argument("--source", nargs="+", default=None, help="count only these sources")
+    p.set_defaults(run=run_cli)
     return p
 
 
