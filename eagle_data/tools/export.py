@@ -483,8 +483,8 @@ def hidden_states_model(out: OutReader) -> str:
     return path
 
 
-def ours(path: str) -> bool:
-    """A real folder (not a symlink) holding this tool's marker file."""
+def is_export_folder(path: str) -> bool:
+    """A folder this tool wrote: a real folder (not a symlink) holding its marker file."""
     try:
         return stat.S_ISDIR(os.lstat(path).st_mode) and os.path.isfile(os.path.join(path, MARKER)) \
             and not os.path.islink(os.path.join(path, MARKER))
@@ -507,7 +507,7 @@ def check_offline_dest(path: str, dest: str, overwrite: bool) -> None:
         if kind != "a folder":
             raise NotWritable(f"export: {dest} is {kind}, not a folder: refusing to replace it, even with "
                               "--overwrite; give another DEST")
-        if not ours(path):
+        if not is_export_folder(path):
             raise EagleDataError(f"export: {dest} is a folder this tool did not write (no {MARKER}); "
                                  "refusing to replace it: give another DEST, or remove it yourself")
         if not overwrite:
@@ -516,12 +516,12 @@ def check_offline_dest(path: str, dest: str, overwrite: bool) -> None:
 
 
 def replace_dir(tmp: str, path: str, dest: str) -> None:
-    """Move the finished `tmp` to `path`. An existing `path` (checked ours before the
-    export, and again now) is first moved aside to a hidden sibling, then deleted."""
+    """Move the finished `tmp` to `path`. An existing `path` (an export folder: checked before
+    the export, and again now) is first moved aside to a hidden sibling, then deleted."""
     if not os.path.lexists(path):
         os.rename(tmp, path)
         return
-    if not ours(path):
+    if not is_export_folder(path):
         raise EagleDataError(f"export: {dest} changed during the export and is no longer a folder this tool "
                              "wrote; refusing to replace it")
     parent, name = os.path.split(path)
