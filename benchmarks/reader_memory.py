@@ -72,7 +72,7 @@ def read_pass(root: str) -> dict:
     import psutil
     import torch  # noqa: F401  (imported before the baseline, like a trainer would)
 
-    from eagle_data.reader import Out, OutIterableDataset, collate
+    from eagle_data.reader import OutReader, OutIterableDataset, collate
 
     proc = psutil.Process()
     mib = lambda b: round(b / 2**20, 1)  # noqa: E731
@@ -82,7 +82,7 @@ def read_pass(root: str) -> dict:
     ds = OutIterableDataset(root, seed=0, finish_reason=["stop"])
     index_s = time.perf_counter() - start
     after_index = proc.memory_info().rss
-    pad_id = Out(root).pad_id
+    pad_id = OutReader(root).pad_id
     n, tokens, peak, batch, samples_at = 0, 0, after_index, [], {}
     checkpoints = {len(ds) * k // 10 for k in (1, 5, 10)}
     start = time.perf_counter()

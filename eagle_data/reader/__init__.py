@@ -1,6 +1,6 @@
 """Read an OUT for training: lazy Parquet access, data-parallel sharding, torch Datasets, collate.
 
-    from eagle_data.reader import Out, Samples          # no torch needed
+    from eagle_data.reader import OutReader, Samples    # no torch needed
     from eagle_data.reader import OutDataset, OutIterableDataset, collate   # imports torch
 
 Alignment of `loss_mask` with `input_ids` (the contract every trainer must follow):
@@ -31,11 +31,11 @@ Rows without published hidden states are left out (`missing_hidden_states`); eac
 reads only its own byte range (reader/samples.py says more).
 """
 
-from eagle_data.reader.samples import Out, Samples, row_filter
+from eagle_data.reader.samples import OutReader, Samples, row_filter
 from eagle_data.storage.files import filesystem as resolve_filesystem  # the one resolver, as the job's
 
 _TORCH_NAMES = ("OutDataset", "OutIterableDataset", "collate")
-__all__ = ["Out", "Samples", "resolve_filesystem", "row_filter", *_TORCH_NAMES]
+__all__ = ["OutReader", "Samples", "resolve_filesystem", "row_filter", *_TORCH_NAMES]
 
 
 def __getattr__(name: str):

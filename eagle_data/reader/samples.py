@@ -70,8 +70,9 @@ LENGTH_COLUMNS = ("num_prompt_tokens", "num_reasoning_tokens", "num_response_tok
 FILTER_COLUMNS = ("finish_reason", "source", *LENGTH_COLUMNS)  # small: read for the index
 
 
-class Out:
-    """An OUT folder opened for reading; nothing but the shard list and manifest is read here."""
+class OutReader:
+    """A read-only view of an OUT (storage's `Output`, opened as `Output.existing`): its data/
+    shards and what the manifest says of them; nothing but the shard list and manifest is read here."""
 
     def __init__(self, path: str, filesystem=None):
         out = Output.existing(path, filesystem)
@@ -129,7 +130,7 @@ class Samples:
     cache of decoded row groups. `sample(pos)` gives numpy arrays; the torch datasets
     (reader/torch_datasets.py) wrap it. Iterate it for this rank's samples in order."""
 
-    def __init__(self, out: str | Out, *, finish_reason=None, source=None, min_len=None,
+    def __init__(self, out: str | OutReader, *, finish_reason=None, source=None, min_len=None,
                  max_len=None, overflow: str = "drop", columns: Sequence[str] = (),
                  rank: int = 0, world_size: int = 1, drop_last: bool = False, shuffle: bool = True, seed: int = 0,
                  window: int = 4, filesystem=None, hidden_states: bool = False, logprobs: bool = False):
@@ -138,7 +139,7 @@ class Samples:
                              "or 'truncate' (cut them to max_len)")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} not in [0, world_size={world_size})")
-        self.out = out if isinstance(out, Out) else Out(out, filesystem)
+        self.out = out if isinstance(out, OutReader) else OutReader(out, filesystem)
         self.columns = tuple(c for c in columns if c not in (*TOKEN_COLUMNS, "attention_mask"))
         self.max_len = max_len
         self.truncate = overflow == "truncate" and max_len is not None

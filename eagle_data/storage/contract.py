@@ -52,7 +52,8 @@ HIDDEN_STATES = "hidden_states"  # safetensors shards (storage/hidden_states.py)
 HIDDEN_FAILED = "hidden_failed"
 MANIFEST = "manifest.json"
 VOCAB_SUMMARY = "vocab/vocab.json"  # written by the vocab tool; read by the report
-MANIFEST_VERSION = 4  # 4: out_id, and every shard's footer names its OUT, run and config fingerprint; 3: prompts/ and data/ rows carry prompt_id, answer, variant (data/: sampling); 2: config and versions per run
+# Raised when this eagle-data cannot read an older OUT as its own (what each one added: docs/formats.md).
+MANIFEST_VERSION = 4
 ERROR = "error"  # failed/: the engine's error text
 IDS = ("sample_id", "conversation_id", "turn", "source")  # carried by every data/failed/stopped row
 

@@ -113,7 +113,7 @@ def by_variant(prompts: pa.Table, data: pa.Table, failed_samples: pa.Table) -> d
     """Per sampling variant: its conversations, ok rows, failed samples, finish reasons and
     lengths (job/variants.py; one variant, `default`, without sampling.variants)."""
     # The failed conversations' variants by a lookup in Arrow (a null where prompts/ lacks
-    # one): a dict of every conversation took ~200 bytes a prompts/ row on the driver.
+    # one), not a Python dict of every conversation on the driver.
     at = pc.index_in(failed_samples.column("conversation_id_last"),
                      value_set=prompts.column("sample_id").combine_chunks())
     failed = Counter(prompts.column("variant").take(at).to_pylist())

@@ -130,7 +130,7 @@ import pyarrow.fs as pafs
 from eagle_data.errors import EagleDataError, MissingInput, NotWritable
 from eagle_data.storage.contract import DATA_SCHEMA, LOGPROB_COLUMNS
 from eagle_data.model_files import is_hub_id, model_config, resolve_model_path, text_config_value
-from eagle_data.reader.samples import Out, Samples
+from eagle_data.reader.samples import OutReader, Samples
 from eagle_data.storage.selection import row_filter
 from eagle_data.storage.files import filesystem, not_a_regular_file, write_atomically
 
@@ -172,7 +172,7 @@ def export(out_path: str, dest: str, fmt: str, finish_reason: Sequence[str] | No
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join([*FORMATS, *OFFLINE_FORMATS])}")
     columns, convert, default_finish = FORMATS[fmt]
-    out = Out(out_path)
+    out = OutReader(out_path)
     if not out.files:
         raise MissingInput(f"{out_path} has no data/ shards to export")
     if fmt == "jsonl":  # every column: the log-probabilities too, when the OUT has them
@@ -201,7 +201,7 @@ def export(out_path: str, dest: str, fmt: str, finish_reason: Sequence[str] | No
     return {"format": fmt, "dest": dest, "rows": rows, "removed_by_filter": removed}
 
 
-def filter_counts(out: Out, finish_reason: Sequence[str] | None, source: Sequence[str] | None) -> dict:
+def filter_counts(out: OutReader, finish_reason: Sequence[str] | None, source: Sequence[str] | None) -> dict:
     """{filter: rows it removes on its own}: what a filter costs, said before it is applied."""
     removed = {}
     for name, values in (("finish_reason", finish_reason), ("source", source)):
@@ -368,7 +368,7 @@ def export_offline(out_path: str, dest: str, fmt: str, finish_reason: Sequence[s
         raise EagleDataError(f"export: --format {fmt} writes a local folder (the peer's trainer reads local "
                              f"files); {dest} is not a local path")
     dest_path = os.path.abspath(os.path.expanduser(dest.removeprefix("file://")))
-    out = Out(out_path)
+    out = OutReader(out_path)
     if not out.files:
         raise MissingInput(f"{out_path} has no data/ shards to export")
     features = out.manifest.phase("hidden_states").get("features")
@@ -474,7 +474,7 @@ def write_speculators_dataset(dest: str, samples: Iterator[OfflineSample], cache
             datasets.enable_progress_bars()
 
 
-def hidden_states_model(out: Out) -> str:
+def hidden_states_model(out: OutReader) -> str:
     """The target that made the hidden states: the latest hidden-states run's model.path."""
     runs = out.manifest.phase("hidden_states").get("runs", [])
     config = runs[-1].get("config", {}) if runs else out.manifest.config
@@ -484,8 +484,8 @@ def hidden_states_model(out: Out) -> str:
     return path
 
 
-def ours(path: str) -> bool:
-    """A real folder (not a symlink) holding this tool's marker file."""
+def is_export_folder(path: str) -> bool:
+    """A folder this tool wrote: a real folder (not a symlink) holding its marker file."""
     try:
         return stat.S_ISDIR(os.lstat(path).st_mode) and os.path.isfile(os.path.join(path, MARKER)) \
             and not os.path.islink(os.path.join(path, MARKER))
@@ -508,7 +508,7 @@ def check_offline_dest(path: str, dest: str, overwrite: bool) -> None:
         if kind != "a folder":
             raise NotWritable(f"export: {dest} is {kind}, not a folder: refusing to replace it, even with "
                               "--overwrite; give another DEST")
-        if not ours(path):
+        if not is_export_folder(path):
             raise EagleDataError(f"export: {dest} is a folder this tool did not write (no {MARKER}); "
                                  "refusing to replace it: give another DEST, or remove it yourself")
         if not overwrite:
@@ -517,12 +517,12 @@ def check_offline_dest(path: str, dest: str, overwrite: bool) -> None:
 
 
 def replace_dir(tmp: str, path: str, dest: str) -> None:
-    """Move the finished `tmp` to `path`. An existing `path` (checked ours before the
-    export, and again now) is first moved aside to a hidden sibling, then deleted."""
+    """Move the finished `tmp` to `path`. An existing `path` (an export folder: checked before
+    the export, and again now) is first moved aside to a hidden sibling, then deleted."""
     if not os.path.lexists(path):
         os.rename(tmp, path)
         return
-    if not ours(path):
+    if not is_export_folder(path):
         raise EagleDataError(f"export: {dest} changed during the export and is no longer a folder this tool "
                              "wrote; refusing to replace it")
     parent, name = os.path.split(path)
@@ -549,6 +549,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                    help="*-offline formats that store the final state post-norm (specforge, modelopt): the "
                         "target's local folder to read the final norm from (default: the model.path the "
                         "hidden-states phase ran with)")
+    p.set_defaults(run=run_cli)
     return p
 
 

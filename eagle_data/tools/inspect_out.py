@@ -9,6 +9,7 @@ is shown literally (tools/terminal.py): a row's escape sequences are shown, not 
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import pyarrow.compute as pc
@@ -136,3 +137,18 @@ def inspect(path: str, sample_id: str | None = None, n: int | None = None,
         print(f"(token view off: cannot load the tokenizer: {e})", file=sys.stderr)
         tokenizer = None
     return "\n\n".join(render_sample(row, tokenizer, colour) for row in rows)
+
+
+def add_cli(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("inspect", help="a summary of OUT, or samples with their loss mask")
+    p.add_argument("out")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--sample-id")
+    which.add_argument("--n", type=int, help="show the first N samples")
+    p.set_defaults(run=run_cli)
+    return p
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    print(inspect(args.out, args.sample_id, args.n))
+    return 0

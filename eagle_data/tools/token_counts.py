@@ -18,7 +18,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from eagle_data.errors import VocabError
-from eagle_data.reader.samples import Out
+from eagle_data.reader.samples import OutReader
 
 
 @dataclass
@@ -53,12 +53,11 @@ def _keep_mask(table: pa.Table, filters: dict[str, Sequence[str]],
 
 def _masked_ids(table: pa.Table, vocab_size: int, where: str) -> np.ndarray:
     """The token ids of a row group whose loss_mask is 1, as one flat intp array (what
-    np.bincount takes without its own, slower, int32 -> intp cast). Zero-copy numpy views
-    of the flat Arrow values: a boolean index costs ~2 ns a token where Arrow's
-    filter(equal(...)) cost ~9. Refuses rows whose two lists differ in length (every later
-    token would be misaligned), null lists or ids (they have no place in the flat values),
-    and ids outside [0, V) (V is then not this model's vocab size, or the shard not from
-    this model)."""
+    np.bincount takes without its own, slower, int32 -> intp cast), by a boolean index into
+    zero-copy numpy views of the flat Arrow values (cheaper than Arrow's filter). Refuses
+    rows whose two lists differ in length (every later token would be misaligned), null
+    lists or ids (they have no place in the flat values), and ids outside [0, V) (V is then
+    not this model's vocab size, or the shard not from this model)."""
     kept = [_batch_masked_ids(batch.column(0), batch.column(1), where)
             for batch in table.select(["input_ids", "loss_mask"]).to_batches()]
     ids = kept[0] if len(kept) == 1 else np.concatenate(kept or [np.zeros(0, np.int32)])
@@ -156,7 +155,7 @@ def count_tokens(out: str, vocab_size: int, finish_reason: Sequence[str] | None 
     by `threads` readers (default: the CPUs, at most 8) with at most threads + 1 groups in
     flight, and folded in file order: memory is O(V + a few row groups), never O(rows).
     Parquet decoding is most of the cost and parallelises; the bincount stays serial."""
-    opened = Out(out)
+    opened = OutReader(out)
     fs, files = opened.fs, opened.files
     if not files:
         raise VocabError(f"{out}/data has no shards: run the generate phase first")

@@ -22,7 +22,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
@@ -39,6 +41,7 @@ from eagle_data.storage.hidden_states import ShardHeaderError, read_bytes, read_
 from eagle_data.storage.selection import selected_rows
 from eagle_data.storage.status import SampleStatus
 from eagle_data.storage.shards import shard_files
+from eagle_data.tools.terminal import literal
 
 DATA_CHECK_COLUMNS = ["sample_id", "input_ids", "loss_mask", "num_prompt_tokens",
                       "num_reasoning_tokens", "num_response_tokens"]
@@ -275,3 +278,21 @@ def _check_data_rows(path: str, table) -> list[str]:
 # a folder's rows made while its shard is read.
 PHASE_CHECKS = {"prompts": check_prompts, "generate": check_answers, "hidden_states": check_hidden_states}
 SHARD_CHECKS = {"prompts": prompts_shard, "data": data_shard}
+
+
+def add_cli(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("verify", help="check the exactly-once and accounting invariants of OUT")
+    p.add_argument("out")
+    p.set_defaults(run=run_cli)
+    return p
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Exit 1 when a problem is found: a result rather than an error."""
+    problems, counts = verify(args.out)
+    print(json.dumps(counts, sort_keys=True))
+    for p in problems:  # they name sample ids and files: data text, shown literally
+        print(f"FAIL: {literal(p)}", file=sys.stderr)
+    if not problems:
+        print(f"OK: {literal(args.out)} holds every invariant")
+    return 1 if problems else 0

@@ -66,7 +66,7 @@ from eagle_data.errors import NotWritable, VocabError
 from eagle_data.storage.files import check_replaceable, filesystem, not_a_regular_file, write_bytes
 from eagle_data.storage.folder import Output
 from eagle_data.storage.provenance import data_identity
-from eagle_data.reader.samples import Out
+from eagle_data.reader.samples import OutReader
 from eagle_data.storage.report import write_report
 from eagle_data.tools.token_counts import count_tokens
 
@@ -203,7 +203,7 @@ def write_files(dest: str, formats: Sequence[str], d2t: np.ndarray, t2d: np.ndar
 
 def vocab_size_from_manifest(out: str) -> int | None:
     """The target's embedding rows as recorded by the generate phase, or None."""
-    value = Out(out).tokenizer.get("model_vocab_size")
+    value = OutReader(out).tokenizer.get("model_vocab_size")
     return int(value) if value is not None else None
 
 
@@ -262,6 +262,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--finish-reason", nargs="+", choices=["stop", "length"], default=None,
                    help="count only these rows (default all)")
     p.add_argument("--source", nargs="+", default=None, help="count only these sources")
+    p.set_defaults(run=run_cli)
     return p
 
 

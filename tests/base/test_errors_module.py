@@ -20,12 +20,13 @@ import pytest
 import eagle_data
 from support import REPO
 from eagle_data import errors
+from eagle_data.__main__ import TOOLS
 from eagle_data.errors import DiskFull, EagleDataError, EmptyResult, cli
 from eagle_data.job.stages.columns import MissingColumns, require
 
 # The entry points, and the functions in them that make the exit code.
-CLI = {"ray_jobs/generate.py": {"main", "job"}, "eagle_data/__main__.py": {"main", "run_command"},
-       "eagle_data/tools/export.py": {"run_cli"}, "eagle_data/tools/vocab.py": {"run_cli"}}
+CLI = {"ray_jobs/generate.py": {"main", "job"}, "eagle_data/__main__.py": {"main"},
+       **{tool.__name__.replace(".", "/") + ".py": {"run_cli"} for tool in TOOLS}}
 VERIFY_FOUND_PROBLEMS = 1  # a result of `verify`, not an error
 
 
@@ -185,7 +186,7 @@ def test_the_tools_stop_on_sigterm_with_one_line_too(capsys, monkeypatch, own_si
         time.sleep(5)
         return 0
 
-    monkeypatch.setattr(tools, "run_command", stopped)
+    monkeypatch.setattr(tools.verify, "run_cli", stopped)
     assert tools.main(["verify", "some-out"]) == 143
     assert capsys.readouterr().err == "error: stopped by SIGTERM\n"
 

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from support import SMALL_OUT_LOGPROBS, data_rows, synthetic_row, write_out
 from eagle_data.errors import MissingInput
 from eagle_data.storage.contract import data_schema
-from eagle_data.reader import Out, OutDataset, OutIterableDataset, Samples, collate
+from eagle_data.reader import OutReader, OutDataset, OutIterableDataset, Samples, collate
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def ids_of(ds) -> list[str]:
 def test_samples_are_the_data_rows_as_long_tensors(out, rows):
     ds = OutDataset(str(out), shuffle=False, columns=["sample_id", "source", "num_prompt_tokens"])
     assert len(ds) == len(rows) > 8
-    assert len(Out(str(out)).files) > 1  # the index spans several shards
+    assert len(OutReader(str(out)).files) > 1  # the index spans several shards
     for i in range(len(ds)):
         s = ds[i]
         r = rows[s["sample_id"]]
@@ -64,7 +64,7 @@ def test_shifted_loss_mask_convention_on_a_real_sample(out, rows):
 
 
 def test_collate_pads_ids_with_the_manifest_pad_id_and_masks_with_zero(out):
-    pad_id = Out(str(out)).pad_id
+    pad_id = OutReader(str(out)).pad_id
     assert pad_id == 151643  # Qwen3's <|endoftext|>, from phases.generate.tokenizer
     ds = OutDataset(str(out), shuffle=False)
     batch = [ds[i] for i in range(6)]
@@ -117,7 +117,7 @@ def test_ranks_share_the_samples_equally_and_shuffle_is_deterministic(out, rows,
 
 
 def test_iterable_splits_a_rank_across_dataloader_workers(out, rows):
-    pad_id = Out(str(out)).pad_id
+    pad_id = OutReader(str(out)).pad_id
     seen = []
     for rank in range(2):
         ds = OutIterableDataset(str(out), rank=rank, world_size=2, seed=3, columns=["sample_id"])
@@ -199,8 +199,8 @@ def test_reads_through_an_fsspec_uri(out, rows):
     for f in [out / "manifest.json", *sorted((out / "data").glob("*.parquet"))]:
         mem.pipe(f"/eagle-test/out/{f.relative_to(out)}", f.read_bytes())
     try:
-        reader = Out("memory://eagle-test/out")
-        assert reader.pad_id == Out(str(out)).pad_id
+        reader = OutReader("memory://eagle-test/out")
+        assert reader.pad_id == OutReader(str(out)).pad_id
         ds = OutIterableDataset("memory://eagle-test/out", columns=["sample_id"])
         got = {s["sample_id"]: s["input_ids"].tolist() for s in ds}
         assert got == {k: r["input_ids"] for k, r in rows.items()}

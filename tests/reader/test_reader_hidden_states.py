@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from support import data_rows, hidden_features
 from eagle_data.errors import MissingInput
-from eagle_data.reader import Out, OutDataset, OutIterableDataset, Samples, collate
+from eagle_data.reader import OutReader, OutDataset, OutIterableDataset, Samples, collate
 from eagle_data.storage.files import filesystem
 from eagle_data.storage.hidden_states import Index
 
@@ -93,7 +93,7 @@ def test_ranks_partition_samples_with_their_states(out, reference):
 
 
 def test_dataloader_workers_and_collate_pad_the_states_with_zeros(out, rows, reference):
-    pad_id = Out(str(out)).pad_id
+    pad_id = OutReader(str(out)).pad_id
     ds = OutIterableDataset(str(out), seed=1, hidden_states=True, columns=["sample_id"])
     loader = DataLoader(ds, batch_size=4, num_workers=2, collate_fn=functools.partial(collate, pad_id=pad_id))
     got = []

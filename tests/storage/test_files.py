@@ -148,8 +148,8 @@ def test_resolver_memory_uri_and_given_filesystems():
 
 
 def test_the_job_output_opens_an_fsspec_uri_the_reader_reads(root):
-    """The job's Output and the reader's Out resolve the same URIs the same way."""
-    from eagle_data.reader import Out
+    """The job's Output and the reader's OutReader resolve the same URIs the same way."""
+    from eagle_data.reader import OutReader
     from eagle_data.storage.folder import Output
 
     fs, out, uri = root
@@ -157,7 +157,7 @@ def test_the_job_output_opens_an_fsspec_uri_the_reader_reads(root):
     assert job.root == out and type(job.fs) is type(fs)
     job.check_writable()
     job.manifest.save()
-    assert Out(uri).root == out and Out(uri).files == []
+    assert OutReader(uri).root == out and OutReader(uri).files == []
 
 
 def not_regular_things(folder) -> dict:

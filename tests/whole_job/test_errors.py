@@ -11,7 +11,7 @@ import yaml
 
 from support import REPO, SAMPLE, job_cli, job_settings, write_jsonl
 from eagle_data.errors import EagleDataError, NotAnOut
-from eagle_data.reader import Out
+from eagle_data.reader import OutReader
 
 
 def test_tools_refuse_a_folder_that_is_not_an_out(tmp_path):
@@ -24,7 +24,7 @@ def test_tools_refuse_a_folder_that_is_not_an_out(tmp_path):
             assert result.stderr.strip().splitlines()[-1].startswith(f"error: not an eagle-data OUT: {path}")
     assert not (tmp_path / "typo").exists() and not (tmp_path / "report.json").exists()
     with pytest.raises(NotAnOut):
-        Out(str(tmp_path / "typo"))
+        OutReader(str(tmp_path / "typo"))
 
 
 def test_an_unsupported_dataset_file_stops_the_job_before_it_starts(tmp_path, qwen3_tokenizer_dir):
@@ -46,7 +46,7 @@ def test_reader_pad_id_before_the_generate_phase_says_what_to_do(ray_local, tmp_
     path = write_jsonl(tmp_path / "rows.jsonl", [{"messages": [{"role": "user", "content": "Hi?"}]}])
     run(as_config(job_settings(tmp_path / "out", qwen3_tokenizer_dir, path)), phase="prompts")
     with pytest.raises(EagleDataError, match="no generate phase yet"):
-        Out(str(tmp_path / "out")).pad_id
+        OutReader(str(tmp_path / "out")).pad_id
 
 
 def test_missing_paths_fail_at_once_without_hub_retries(tmp_path, qwen3_tokenizer_dir):

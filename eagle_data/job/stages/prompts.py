@@ -195,12 +195,11 @@ class PromptRenderer:
         limit = variant.max_prompt_tokens
         why = "engine.max_model_len - sampling.max_tokens" if variant.name == DEFAULT else \
             f"engine.max_model_len - max_tokens of variant {variant.name!r}"
-        # A row's cost is bounded by the limit, not by its size: one too long for `limit`
-        # tokens of the longest kind is skipped on its length (a 50 MB row took 7.5 GB
-        # to tokenize). The bound is provable: each token stands for at most `longest`
-        # characters of the normalised text, and a normaliser shrinks text at most 4x
-        # (NFKC maps one 4-byte character to one ASCII letter at most; NFC composes 3 Hangul
-        # jamo into one syllable), so a longer text has more than `limit` tokens.
+        # A row's cost is bounded by the limit, not by its size (docs/robustness.md): a text
+        # above the bound is skipped on its length, never tokenized. Each token stands for at
+        # most `longest` characters of the normalised text and a normaliser shrinks text at most
+        # 4x (NFKC: a 4-byte character to one ASCII letter; NFC: 3 Hangul jamo to one syllable),
+        # so a longer text has more than `limit` tokens.
         bound = limit * longest_token_chars(self.tokenizer_path, self.trust_remote_code) * 4
         for i, text in enumerate(texts):
             if text is not None and len(text) > bound:

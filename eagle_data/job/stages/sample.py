@@ -52,9 +52,9 @@ def select_sample(ds: ray.data.Dataset, n: int | None, seed: int) -> ray.data.Da
 
 def nth_smallest(batches: Iterable[np.ndarray], n: int) -> int | None:
     """The n-th smallest of the scores of all batches (equal scores counted each), or None
-    when there are fewer than n. Holds at most 2n of them in one uint64 array: 16 bytes per
-    sample row at most (a heap of Python ints took ~48), and the array's pages are touched
-    only as scores arrive. Each trim to the n smallest follows n new scores: O(rows) work."""
+    when there are fewer than n. Holds at most 2n of them in one uint64 array (16 bytes per
+    sample row at most, not a heap of Python ints), and the array's pages are touched only
+    as scores arrive. Each trim to the n smallest follows n new scores: O(rows) work."""
     kept = np.empty(2 * n, np.uint64)
     size = 0
     for scores in batches:
