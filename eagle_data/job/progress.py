@@ -53,7 +53,7 @@ class Progress:
                 self.length_finishes += pc.sum(pc.equal(ok.column("finish_reason"), "length")).as_py() or 0
 
     def line(self) -> str:
-        engine = f"{self.engine.describe()} | " if self.engine else ""
+        engine = f"{self.engine.line()} | " if self.engine else ""
         with self._lock:
             now = time.monotonic()
             ok, failed = self.data_writer.written, self.failed_writer.written
@@ -85,7 +85,7 @@ class Progress:
         due = time.monotonic() + self.every_s
         while not self._stop.wait(min(1.0, self.every_s)):
             if self.engine:
-                self.engine.look()
+                self.engine.poll()
             if time.monotonic() >= due:
                 due += self.every_s
                 self.on_line()
@@ -116,7 +116,7 @@ class EngineWatch:
         self.load_s: list[float] = []  # how long each spell of loading the model lasted
         self.last_tokens: tuple[float, int] | None = None  # (time, generated tokens) at the last line
 
-    def look(self) -> None:
+    def poll(self) -> None:
         """Poll the engine operator (in-process, cheap): called every second."""
         self.pool = engine_pool(self.class_names)
         now = time.monotonic()
@@ -126,7 +126,8 @@ class EngineWatch:
             self.load_s.append(now - self.starting_since)
             self.starting_since = None
 
-    def describe(self) -> str:
+    def line(self) -> str:
+        """The engine's part of the progress line."""
         pool = self.pool
         if pool is None:
             return "engine: not started"

@@ -241,14 +241,14 @@ class Publisher:
 
     def line(self) -> str:
         rate = self.tokens / max(time.monotonic() - self.started, 1e-9)
-        return (f"hidden states: {self.ok}/{self.total} rows published | {self.engine.describe()} | "
+        return (f"hidden states: {self.ok}/{self.total} rows published | {self.engine.line()} | "
                 f"{self.failed.written + self.failed.buffered} failed attempts | {self.tokens} tokens, "
                 f"{rate:.0f} prefill tok/s | {gib(self.bytes)} written")
 
     def _run(self) -> None:
         due = time.monotonic() + self.every_s
         while not self._stop.wait(min(1.0, self.every_s)):
-            self.engine.look()
+            self.engine.poll()
             if time.monotonic() >= due:
                 due += self.every_s
                 log.info(self.line())

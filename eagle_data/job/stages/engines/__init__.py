@@ -135,10 +135,10 @@ def start_settings(cfg: Config, cause: str) -> str:
 
 def apply_engine(ds: ray.data.Dataset, cfg: Config, pad_id: int) -> ray.data.Dataset:
     if cfg.engine.backend == "vllm":
-        from eagle_data.job.stages.engines.vllm_backend import describe, vllm_stage, wait_for_replica_resources
+        from eagle_data.job.stages.engines.vllm_backend import engine_summary, vllm_stage, wait_for_replica_resources
 
         wait_for_replica_resources(cfg)  # before the pipeline starts: never hang on a missing GPU
-        log.info("engine: %s", describe(cfg))
+        log.info("engine: %s", engine_summary(cfg))
         return vllm_stage(ds, cfg)
     from eagle_data.job.stages.engines.transformers_backend import transformers_stage
 
@@ -151,11 +151,11 @@ def apply_hidden_states_engine(ds: ray.data.Dataset, cfg: Config, layer_ids: lis
                                scratch_dir: str) -> ray.data.Dataset:
     """The hidden-states pass: each row's features written to its `hidden_states_path`."""
     if cfg.engine.backend == "vllm":
-        from eagle_data.job.stages.engines.vllm_backend import describe, wait_for_replica_resources
+        from eagle_data.job.stages.engines.vllm_backend import engine_summary, wait_for_replica_resources
         from eagle_data.job.stages.engines.vllm_hidden_states import vllm_hidden_states_stage
 
         wait_for_replica_resources(cfg)  # before the pipeline starts: never hang on a missing GPU
-        log.info("engine: %s, extract_hidden_states at layer ids %s", describe(cfg), layer_ids)
+        log.info("engine: %s, extract_hidden_states at layer ids %s", engine_summary(cfg), layer_ids)
         return vllm_hidden_states_stage(ds, cfg, layer_ids, dtype, scratch_dir)
     from eagle_data.job.stages.engines.transformers_hidden_states import transformers_hidden_states_stage
 

@@ -161,8 +161,8 @@ def build_vllm_processor(cfg: Config, extra_engine_kwargs: dict | None = None):
     return processor
 
 
-def describe(cfg: Config) -> str:
-    """The engine line of the job log."""
+def engine_summary(cfg: Config) -> str:
+    """The engine line of the job log: vLLM's version, the device and the replicas."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
