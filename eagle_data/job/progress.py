@@ -16,7 +16,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from eagle_data.job.ray_internals import engine_pool, engine_stats
+from eagle_data.job.ray_internals import engine_pool
+from eagle_data.job.stages.engines.stats import engine_stats
 
 log = logging.getLogger("eagle_data")
 

@@ -17,11 +17,12 @@ import ray
 from eagle_data.config import Config
 from eagle_data.errors import EmptyResult, MissingInput, NotWritable, ignore_stop_signals, stop_on_signals
 from eagle_data.job.stages.engines import ENGINE_CLASSES, check_engine_kwargs
+from eagle_data.job.stages.engines.exit_noise import quiet_worker_logs
 from eagle_data.job.fingerprints import generate_config, hidden_states_config, prompt_config
 from eagle_data.job.phases.generate import run_generate
 from eagle_data.job.phases.hidden_states import run_hidden_states
 from eagle_data.job.phases.prompts import run_prompts
-from eagle_data.job.ray_internals import quiet_worker_logs, ray_data_progress, wait_for_actors_to_exit
+from eagle_data.job.ray_internals import ray_data_progress, wait_for_actors_to_exit
 from eagle_data.job.stages.source import locate
 from eagle_data.model_files import check_tokenizer_path, hub_reachable, is_hub_id, load_tokenizer, use_hub_cache_only
 from eagle_data.storage.damage import check_prompts_record, quarantine_corrupt

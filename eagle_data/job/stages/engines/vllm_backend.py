@@ -20,8 +20,8 @@ from typing import Any
 
 from eagle_data.config import Config
 from eagle_data.errors import NoReplicaResources
-from eagle_data.job.stages.engines import with_passed
-from eagle_data.job.ray_internals import vllm_stage_udf
+from eagle_data.job.stages.engines.kwargs import with_passed
+from eagle_data.job.stages.engines.vllm_udf import vllm_stage_udf
 from eagle_data.model_files import resolve_model_path
 
 log = logging.getLogger(__name__)
