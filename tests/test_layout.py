@@ -1,5 +1,6 @@
-"""The package's shape: imports run one way between its layers, and the "Output" section of
-docs/formats.md lists the columns storage/contract.py defines."""
+"""The package's shape: imports run one way between its layers, no modules import each other
+round a cycle, and the "Output" section of docs/formats.md lists the columns
+storage/contract.py defines."""
 
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ import re
 from support import REPO
 from eagle_data.storage.contract import SCHEMAS, data_schema
 
-# Lower number = lower layer; a module may import from its own layer or lower ones.
+# Lower number = lower layer; a module may import from its own layer or lower ones. A module
+# is in the layer of the first prefix here that it starts with.
 LAYERS = [
     ("eagle_data.errors", 0), ("eagle_data.config", 0), ("eagle_data.config_doc", 0), ("eagle_data.model_files", 0),
     ("eagle_data.storage", 1), ("eagle_data.reader", 2), ("eagle_data.tools", 3),
-    ("eagle_data.job.phases.run", 6), ("eagle_data.job.phases", 5),
-    ("eagle_data.job", 4),  # the stages and what phases and stages share
-    ("eagle_data.__main__", 7), ("ray_jobs", 7),
+    ("eagle_data.job.ray_internals", 4), ("eagle_data.job.stages.columns", 4),  # what the stages build on
+    ("eagle_data.job.stages.engines", 5),  # the engine stage: its backends and what they share
+    ("eagle_data.job.phases.run", 8), ("eagle_data.job.phases", 7),
+    ("eagle_data.job", 6),  # the other stages and what phases and stages share
+    ("eagle_data.__main__", 9), ("ray_jobs", 9),
 ]
 
 
@@ -54,6 +58,55 @@ def test_no_module_imports_from_a_higher_layer():
             if there is not None and layer(here) is not None and there > layer(here):
                 upward.append(f"{here} imports {name}")
     assert upward == []
+
+
+def import_graph() -> dict[str, set[str]]:
+    """{module: the project's modules it imports}, from every import in eagle_data/ and ray_jobs/
+    (function-level ones too); `from a.b import c` is module a.b.c where that is one, else a.b."""
+    paths = {module_name(p): p for p in [*(REPO / "eagle_data").rglob("*.py"), *(REPO / "ray_jobs").rglob("*.py")]}
+    graph = {}
+    for here, path in paths.items():
+        graph[here] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for a in node.names:
+                    graph[here].add(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in paths else node.module)
+            elif isinstance(node, ast.Import):
+                graph[here].update(a.name for a in node.names)
+        graph[here] &= paths.keys()
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, found = {}, {}, [], []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1 or v in graph[v]:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    """A module imports only modules that do not import it back, directly or round a cycle."""
+    found = cycles(import_graph())
+    assert found == [], "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
 def test_formats_output_section_matches_the_contract():

@@ -17,7 +17,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from eagle_data.job.ray_internals import engine_pool, engine_stats
+from eagle_data.job.ray_internals import engine_pool
+from eagle_data.job.stages.engines.stats import engine_stats
 
 log = logging.getLogger("eagle_data")
 
@@ -39,7 +40,7 @@ class Progress:
         self.started = time.monotonic()
         self.samples = collections.deque([(self.started, 0, 0)])  # (time, rows, tokens)
         self._lock = threading.Lock()
-        self._periodic = PeriodicLine(every_s, self._logged_line, poll=engine.look if engine else None)
+        self._periodic = PeriodicLine(every_s, self._logged_line, poll=engine.poll if engine else None)
 
     def update(self, ok: pa.Table) -> None:
         """Token statistics of the ok rows the driver received."""
@@ -53,7 +54,7 @@ class Progress:
                 self.length_finishes += pc.sum(pc.equal(ok.column("finish_reason"), "length")).as_py() or 0
 
     def line(self) -> str:
-        engine = f"{self.engine.describe()} | " if self.engine else ""
+        engine = f"{self.engine.line()} | " if self.engine else ""
         with self._lock:
             now = time.monotonic()
             ok, failed = self.data_writer.written, self.failed_writer.written
@@ -135,7 +136,7 @@ class EngineWatch:
         self.load_s: list[float] = []  # how long each spell of loading the model lasted
         self.last_tokens: tuple[float, int] | None = None  # (time, generated tokens) at the last line
 
-    def look(self) -> None:
+    def poll(self) -> None:
         """Poll the engine operator (in-process, cheap): called every second."""
         self.pool = engine_pool(self.class_names)
         now = time.monotonic()
@@ -145,7 +146,8 @@ class EngineWatch:
             self.load_s.append(now - self.starting_since)
             self.starting_since = None
 
-    def describe(self) -> str:
+    def line(self) -> str:
+        """The engine's part of the progress line."""
         pool = self.pool
         if pool is None:
             return "engine: not started"

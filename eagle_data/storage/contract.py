@@ -105,7 +105,7 @@ DATA_SCHEMA = pa.schema([
     ("finish_reason", pa.string()),  # stop | length
 ])
 LOGPROB_COLUMNS = ("top_logprob_ids", "top_logprobs", "token_logprobs")  # data_schema(k > 0) adds them
-LOGPROB_DTYPES = {"float32": pa.float32(), "float16": pa.float16()}
+LOGPROB_ARROW_TYPES = {"float32": pa.float32(), "float16": pa.float16()}  # data/'s top_logprobs per logprobs_dtype
 
 
 def data_schema(logprobs: int = 0, dtype: str = "float32") -> pa.Schema:
@@ -117,7 +117,7 @@ def data_schema(logprobs: int = 0, dtype: str = "float32") -> pa.Schema:
     return pa.schema([
         *DATA_SCHEMA,
         ("top_logprob_ids", pa.list_(pa.list_(pa.int32(), logprobs))),
-        ("top_logprobs", pa.list_(pa.list_(LOGPROB_DTYPES[dtype], logprobs))),
+        ("top_logprobs", pa.list_(pa.list_(LOGPROB_ARROW_TYPES[dtype], logprobs))),
         ("token_logprobs", pa.list_(pa.float32())),  # the sampled token's own log-probability
     ])
 

@@ -49,7 +49,7 @@ def test_the_cpu_kv_cache_is_owned_on_cpu_only():
 
 def test_every_engine_kwarg_the_typed_keys_set_is_owned():
     """What the builders pass is exactly what the check knows, for every backend and device."""
-    from eagle_data.job.stages.engines import with_passed
+    from eagle_data.job.stages.engines.kwargs import with_passed
     from eagle_data.job.stages.engines.transformers_backend import typed_from_pretrained
     from eagle_data.job.stages.engines.vllm_backend import engine_kwargs, typed_engine_kwargs
 

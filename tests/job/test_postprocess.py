@@ -149,7 +149,7 @@ def test_logprob_columns_become_fixed_size_lists_per_generated_token(qwen3_token
     entry per generated token, in a batch mixing lengths and an error row."""
     import numpy as np
 
-    from eagle_data.job.stages.engines import logprob_values
+    from eagle_data.job.stages.engines.logprobs import logprob_values
     from eagle_data.storage.contract import data_schema
 
     d, k = qwen3_tokenizer_dir, 3

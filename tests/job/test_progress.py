@@ -34,12 +34,12 @@ def test_the_engine_part_says_loading_then_rows_in_the_engine(monkeypatch):
     monkeypatch.setattr(progress_module, "engine_stats", lambda: [
         {"generated_tokens": 100, "running": 3, "waiting": 1, "time": 0}])
     watch = EngineWatch(("VLLMEngine",))
-    watch.look()
-    assert watch.describe() == "engine: not started"
-    watch.look()
-    assert watch.describe().startswith("engine: 2 replica(s) loading the model (0h00m00s), 0 replica(s) up")
-    watch.look()
-    described = watch.describe()
-    assert "1 replica(s) restarting, 1 replica(s) up, 12 rows in the engine" in described
-    assert "vLLM 3 running 1 waiting" in described
+    watch.poll()
+    assert watch.line() == "engine: not started"
+    watch.poll()
+    assert watch.line().startswith("engine: 2 replica(s) loading the model (0h00m00s), 0 replica(s) up")
+    watch.poll()
+    engine_line = watch.line()
+    assert "1 replica(s) restarting, 1 replica(s) up, 12 rows in the engine" in engine_line
+    assert "vLLM 3 running 1 waiting" in engine_line
     assert len(watch.load_s) == 1  # the loading spell ended when no replica was starting

@@ -127,10 +127,10 @@ def test_the_transformers_backend_emits_rays_vllm_output_columns():
     from ray.llm._internal.batch.stages.vllm_engine_stage import vLLMOutputData
 
     from eagle_data.job.stages.engines.transformers_backend import engine_output
-    from eagle_data.job.ray_internals import ENGINE_ERROR, VLLM_OUTPUT_DEFAULTS
+    from eagle_data.job.stages.engines.outputs import ENGINE_ERROR_COLUMN, VLLM_OUTPUT_DEFAULTS
 
     assert list(VLLM_OUTPUT_DEFAULTS) == list(vLLMOutputData.model_fields)
-    assert set(engine_output([1], [2], "")) == {*vLLMOutputData.model_fields, ENGINE_ERROR}
+    assert set(engine_output([1], [2], "")) == {*vLLMOutputData.model_fields, ENGINE_ERROR_COLUMN}
 
 
 def test_hidden_states_pass_settings(kimi):

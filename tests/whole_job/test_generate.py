@@ -126,7 +126,7 @@ def test_transformers_engine_logprobs_are_the_models_own(tiny_qwen3):
     import numpy as np
     import torch
 
-    from eagle_data.job.stages.engines import LOGPROB_COLUMNS
+    from eagle_data.storage.contract import LOGPROB_COLUMNS
 
     tokenizer = load_tokenizer(str(tiny_qwen3))
     engine = TransformersEngine(str(tiny_qwen3), False, {}, pad_id=tokenizer.pad_token_id)

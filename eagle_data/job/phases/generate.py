@@ -58,7 +58,7 @@ def run_generate(cfg: Config, out: Output, engine=None) -> dict:
     replicas = ReplicaNodes()
     progress = Progress(total=total, done_before=len(finished), todo=total - len(finished),
                         max_tokens=cfg.sampling.max_tokens, every_s=cfg.output.log_every_s,
-                        data_writer=writers["data"], failed_writer=writers["failed"], on_line=replicas.look,
+                        data_writer=writers["data"], failed_writer=writers["failed"], on_line=replicas.poll,
                         engine=EngineWatch(ENGINE_CLASSES))
     with progress:
         answer_turns(cfg, out, special, finished, writers, progress, run["run_id"], engine or apply_engine)
@@ -159,7 +159,7 @@ class ReplicaNodes:
     def __init__(self):
         self.seen: set[str] | None = None  # None: the state API never answered
 
-    def look(self) -> None:
+    def poll(self) -> None:
         nodes = actor_nodes(ENGINE_CLASSES)
         if nodes is not None:
             self.seen = (self.seen or set()) | set(nodes)

@@ -165,7 +165,7 @@ class Publisher:
         self.published: set[str] = set()
         self.started = time.monotonic()
         self.engine = EngineWatch(ENGINE_CLASSES)
-        self._periodic = PeriodicLine(every_s, self.line, poll=self.engine.look, name="eagle-hidden-progress")
+        self._periodic = PeriodicLine(every_s, self.line, poll=self.engine.poll, name="eagle-hidden-progress")
 
     def publish(self, ds: ray.data.Dataset) -> None:
         for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
@@ -194,7 +194,7 @@ class Publisher:
 
     def line(self) -> str:
         rate = self.tokens / max(time.monotonic() - self.started, 1e-9)
-        return (f"hidden states: {self.ok}/{self.total} rows published | {self.engine.describe()} | "
+        return (f"hidden states: {self.ok}/{self.total} rows published | {self.engine.line()} | "
                 f"{self.failed.written + self.failed.buffered} failed attempts | {self.tokens} tokens, "
                 f"{rate:.0f} prefill tok/s | {gib(self.bytes)} written")
 

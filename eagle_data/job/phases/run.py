@@ -18,7 +18,8 @@ from eagle_data.config import Config
 from eagle_data.errors import EmptyResult, MissingInput, NotWritable, ignore_stop_signals, stop_on_signals
 from eagle_data.job.stages.engines import ENGINE_CLASSES, check_engine_kwargs
 from eagle_data.job.phases import PHASE_BY_NAME, PHASES
-from eagle_data.job.ray_internals import quiet_worker_logs, ray_data_progress, wait_for_actors_to_exit
+from eagle_data.job.ray_internals import ray_data_progress, wait_for_actors_to_exit
+from eagle_data.job.stages.engines.exit_noise import quiet_worker_logs
 from eagle_data.job.stages.source import locate
 from eagle_data.model_files import check_tokenizer_path, hub_reachable, is_hub_id, load_tokenizer, use_hub_cache_only
 from eagle_data.storage.damage import check_prompts_record, quarantine_corrupt

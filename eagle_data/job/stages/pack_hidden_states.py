@@ -17,8 +17,8 @@ import zlib
 
 import pyarrow as pa
 
-from eagle_data.job.ray_internals import ENGINE_ERROR
 from eagle_data.job.stages.columns import Stage, columns
+from eagle_data.job.stages.engines.outputs import ENGINE_ERROR_COLUMN
 from eagle_data.storage.contract import IDS, STAGING
 from eagle_data.storage.files import filesystem
 from eagle_data.storage.hidden_states import tensor_bytes, write_shard
@@ -67,7 +67,7 @@ class HiddenStatesPacker(Stage):
     """One batch in, one shard (of the rows that pass) in OUT/.staging/, one small row per
     input row out: `shard` is the staging path ("" for a failed row), `error` why not."""
 
-    reads = columns(*IDS, "input_ids", "hidden_states_path", ENGINE_ERROR)
+    reads = columns(*IDS, "input_ids", "hidden_states_path", ENGINE_ERROR_COLUMN)
     makes = columns(*IDS, "shard", "num_tokens", "error")
 
     def __init__(self, out: str, run_id: str, layer_ids: list[int], hidden_size: int, dtype: str,
@@ -88,10 +88,10 @@ class HiddenStatesPacker(Stage):
         return (None, why) if why else (hidden, "")
 
     def apply(self, batch: pa.Table) -> pa.Table:
-        rows = batch.select([*IDS, "input_ids", "hidden_states_path", ENGINE_ERROR]).to_pylist()
+        rows = batch.select([*IDS, "input_ids", "hidden_states_path", ENGINE_ERROR_COLUMN]).to_pylist()
         layout, errors = {}, []
         for row in rows:  # first pass: check each row and note its layout, one sample in memory
-            error = row[ENGINE_ERROR] or ""
+            error = row[ENGINE_ERROR_COLUMN] or ""
             if not error:
                 hidden, error = self._load(row["hidden_states_path"], row["input_ids"])
                 if hidden is not None:

@@ -11,7 +11,7 @@ boundary is the end-of-reasoning token id (looked up from the tokenizer by its s
 reasoning tokens are the generated tokens up to and including it, response tokens the rest.
 
 With `logprobs` = k > 0 it also reads the engine's `top_logprob_ids`, `top_logprobs`,
-`token_logprobs` (one array's bytes per row, engines/__init__.py) and makes data/'s
+`token_logprobs` (one array's bytes per row, engines/logprobs.py) and makes data/'s
 fixed-size list columns of them (storage/contract.py `data_schema`), from numpy views of
 the whole batch's bytes: no Python object per token.
 """
@@ -26,10 +26,10 @@ import pyarrow as pa
 
 from eagle_data.config import Config
 from eagle_data.job.stages.columns import Stage, columns, require
-from eagle_data.job.stages.engines import LOGPROB_COLUMNS, LOGPROB_DTYPES
+from eagle_data.job.stages.engines.logprobs import LOGPROB_BYTE_DTYPES
+from eagle_data.job.stages.engines.outputs import ENGINE_ERROR_COLUMN
 from eagle_data.model_files import SpecialTokens, load_tokenizer
-from eagle_data.job.ray_internals import ENGINE_ERROR
-from eagle_data.storage.contract import DATA_SCHEMA, ERROR, IDS, data_schema
+from eagle_data.storage.contract import DATA_SCHEMA, ERROR, IDS, LOGPROB_COLUMNS, data_schema
 
 ANSWER_OF = ("prompt_id", "answer", "variant", "sampling")  # carried from prompts/ and the request
 
@@ -84,7 +84,7 @@ def _list_parts(column: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndar
 class Postprocessor(Stage):
     """Engine output -> data/ rows (ok) and failed/ rows (error)."""
 
-    reads: ClassVar = columns("prompt_token_ids", "generated_tokens", ENGINE_ERROR, *IDS, *ANSWER_OF, "messages")
+    reads: ClassVar = columns("prompt_token_ids", "generated_tokens", ENGINE_ERROR_COLUMN, *IDS, *ANSWER_OF, "messages")
     makes: ClassVar = columns(*OUT_SCHEMA.names)
 
     tokenizer_path: str
@@ -108,7 +108,7 @@ class Postprocessor(Stage):
         return out_schema(self.logprobs, self.logprobs_dtype)
 
     def apply(self, batch: pa.Table) -> pa.Table:
-        errors = batch.column(ENGINE_ERROR).to_pylist()
+        errors = batch.column(ENGINE_ERROR_COLUMN).to_pylist()
         ok_idx = [i for i, e in enumerate(errors) if not e]
         failed_idx = [i for i, e in enumerate(errors) if e]
         parts = []
@@ -118,7 +118,7 @@ class Postprocessor(Stage):
             failed = batch.take(failed_idx)
             parts.append(pa.table({
                 **{c: failed.column(c) for c in IDS},
-                ERROR: failed.column(ENGINE_ERROR),
+                ERROR: failed.column(ENGINE_ERROR_COLUMN),
             }))
         if not parts:
             return self.schema.empty_table()
@@ -191,7 +191,7 @@ class Postprocessor(Stage):
         k, tokens = self.logprobs, np.diff(g_off)
         offsets = pa.array(g_off.astype(np.int32))
         made = {}
-        for name, dtype in zip(LOGPROB_COLUMNS, LOGPROB_DTYPES):
+        for name, dtype in zip(LOGPROB_COLUMNS, LOGPROB_BYTE_DTYPES):
             width = 1 if name == "token_logprobs" else k
             byte_off, data = _binary_parts(batch.column(name))
             lengths = np.diff(byte_off)

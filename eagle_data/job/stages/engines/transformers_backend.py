@@ -18,9 +18,11 @@ import ray
 
 from eagle_data.config import Config
 from eagle_data.job.stages.columns import Stage, columns
-from eagle_data.job.stages.engines import LOGPROB_COLUMNS, logprob_values, with_passed
-from eagle_data.job.ray_internals import ENGINE_ERROR, VLLM_OUTPUT_DEFAULTS
+from eagle_data.job.stages.engines.kwargs import with_passed
+from eagle_data.job.stages.engines.logprobs import logprob_values
+from eagle_data.job.stages.engines.outputs import ENGINE_ERROR_COLUMN, VLLM_OUTPUT_DEFAULTS
 from eagle_data.model_files import pretrained_args
+from eagle_data.storage.contract import LOGPROB_COLUMNS
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +57,7 @@ class TransformersEngine(Stage):
     """Loads the model once per actor; generates a batch of rows per call."""
 
     reads = columns("sample_id", *CONSUMED)
-    makes = columns("prompt_token_ids", "generated_tokens", ENGINE_ERROR)
+    makes = columns("prompt_token_ids", "generated_tokens", ENGINE_ERROR_COLUMN)
 
     def __init__(self, model_path: str, trust_remote_code: bool, engine_kwargs: dict, pad_id: int,
                  cpu_threads: int | None = None):
@@ -153,7 +155,7 @@ def top_logprobs_of(torch, logits: tuple, generated, k: int) -> tuple:
 def engine_output(prompt: list[int] | None = None, generated: list[int] = (), error: str = "") -> dict:
     """One row as Ray's vLLM stage emits it; an error row gets the values that stage gives."""
     return {**VLLM_OUTPUT_DEFAULTS, "prompt_token_ids": prompt, "num_input_tokens": len(prompt or ()),
-            "generated_tokens": list(generated), "num_generated_tokens": len(generated), ENGINE_ERROR: error}
+            "generated_tokens": list(generated), "num_generated_tokens": len(generated), ENGINE_ERROR_COLUMN: error}
 
 
 def actor_pool(ds: ray.data.Dataset, cfg: Config, engine: type, batch_size: int | None,

@@ -16,8 +16,8 @@ import pyarrow as pa
 import ray
 
 from eagle_data.config import Config
-from eagle_data.job.ray_internals import ENGINE_ERROR
 from eagle_data.job.stages.columns import Stage, columns
+from eagle_data.job.stages.engines.outputs import ENGINE_ERROR_COLUMN
 from eagle_data.job.stages.engines.transformers_backend import actor_pool, load_model
 
 
@@ -34,7 +34,7 @@ class TransformersHiddenStates(Stage):
     """Loads the model once per actor; one forward per row (no padding: exact positions)."""
 
     reads = columns("sample_id", "input_ids", "hidden_states_path")
-    makes = columns("sample_id", "hidden_states_path", ENGINE_ERROR)
+    makes = columns("sample_id", "hidden_states_path", ENGINE_ERROR_COLUMN)
 
     def __init__(self, model_path: str, trust_remote_code: bool, layer_ids: list[int], dtype: str,
                  cpu_threads: int | None = None):
@@ -75,7 +75,7 @@ class TransformersHiddenStates(Stage):
                 errors.append("")
             except Exception as e:  # the row fails, the batch goes on
                 errors.append(f"{type(e).__name__}: {e}")
-        return batch.append_column(ENGINE_ERROR, pa.array(errors, pa.string()))
+        return batch.append_column(ENGINE_ERROR_COLUMN, pa.array(errors, pa.string()))
 
 
 def transformers_hidden_states_stage(ds: ray.data.Dataset, cfg: Config, layer_ids: list[int],

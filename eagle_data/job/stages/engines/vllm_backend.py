@@ -20,8 +20,8 @@ from typing import Any
 
 from eagle_data.config import Config
 from eagle_data.errors import NoReplicaResources
-from eagle_data.job.stages.engines import with_passed
-from eagle_data.job.ray_internals import vllm_stage_udf
+from eagle_data.job.stages.engines.kwargs import with_passed
+from eagle_data.job.stages.engines.vllm_udf import vllm_stage_udf
 from eagle_data.model_files import resolve_model_path
 
 log = logging.getLogger(__name__)
@@ -161,8 +161,8 @@ def build_vllm_processor(cfg: Config, extra_engine_kwargs: dict | None = None):
     return processor
 
 
-def describe(cfg: Config) -> str:
-    """The engine line of the job log."""
+def engine_summary(cfg: Config) -> str:
+    """The engine line of the job log: vLLM's version, the device and the replicas."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:

@@ -40,8 +40,8 @@ import pyarrow as pa
 import ray
 
 from eagle_data.config import Config
-from eagle_data.job.ray_internals import ENGINE_ERROR, VLLM_OUTPUT_DEFAULTS, VLLM_STAGE_EXTRA_COLUMNS
 from eagle_data.job.stages.columns import Stage, columns
+from eagle_data.job.stages.engines.outputs import ENGINE_ERROR_COLUMN, VLLM_OUTPUT_DEFAULTS, VLLM_STAGE_EXTRA_COLUMNS
 
 CONNECTOR_MODULE = "eagle_data.job.stages.engines.hidden_states_connector"
 CONNECTOR_CLASS = "HiddenStatesConnector"
@@ -90,7 +90,7 @@ class HiddenStatesRows(Stage):
     """Ray's output rows without its generation and bookkeeping columns (the one sampled
     token is unused)."""
 
-    reads = columns("sample_id", "input_ids", "hidden_states_path", ENGINE_ERROR)
+    reads = columns("sample_id", "input_ids", "hidden_states_path", ENGINE_ERROR_COLUMN)
     makes = reads
     DROP = (*VLLM_OUTPUT_DEFAULTS, *VLLM_STAGE_EXTRA_COLUMNS, "tokenized_prompt", "sampling_params")
 

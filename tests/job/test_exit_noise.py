@@ -1,8 +1,8 @@
-"""eagle_data.job.ray_internals without a Ray instance: the filter on the workers' output."""
+"""eagle_data.job.stages.engines.exit_noise without a Ray instance: the filter on the workers' output."""
 
 from __future__ import annotations
 
-from eagle_data.job.ray_internals import drop_harmless_exit_noise
+from eagle_data.job.stages.engines.exit_noise import drop_harmless_exit_noise
 
 # As the driver received them from a vLLM CPU engine actor at a clean exit (Python 3.11).
 TRACKER_NOISE = [

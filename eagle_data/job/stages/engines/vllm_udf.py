@@ -1,0 +1,93 @@
+"""Ray's vLLM stage UDF (ray.data.llm, Ray 2.60, with the vLLM it pins, 0.29) with compact
+log-probabilities and a shutdown that prints nothing when all went well."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from eagle_data.job.stages.engines.logprobs import flat_logprob_values
+from eagle_data.job.stages.engines.processes import descendants, wait_for_exit
+from eagle_data.job.stages.engines.stats import EngineStats
+
+
+def vllm_stage_udf():
+    """Ray's `vLLMEngineStageUDF`, but:
+
+    - `generate_async` is Ray's (`vLLMEngineWrapper.generate_async`: the same request,
+      semaphore and timing) except that it asks vLLM for its flat log-probabilities and
+      hands them on as arrays (logprobs.py); Ray's per-token dicts make Ray Data pickle
+      each row (docs/performance.md, section 8).
+    - At shutdown it cancels the task reading the engine's outputs first (vLLM 0.29 stops
+      the engine before it, and the task logs an `EngineDeadError`), and waits for vLLM's
+      processes to exit: Ray kills an exiting actor's children, the resource tracker among
+      them, which a vLLM worker then relaunches to print `KeyError` tracebacks."""
+    import atexit
+    import multiprocessing.resource_tracker
+
+    from ray.llm._internal.batch.stages.vllm_engine_stage import vLLMEngineStageUDF
+
+    class VLLMEngine(vLLMEngineStageUDF):
+        def __init__(self, *args, **kwargs):
+            multiprocessing.resource_tracker.ensure_running()
+            super().__init__(*args, **kwargs)
+            self.llm.generate_async = self.generate_async  # called by Ray's _generate_with_error_handling
+            self.stats = EngineStats.attach(self.llm.engine)
+            self.shut = False
+            # At the actor's exit vLLM's own exit hook (a weakref finalizer) may stop the
+            # engine before `__del__` runs; atexit runs hooks last-registered first, so
+            # this one comes before vLLM's.
+            atexit.register(self.shut_down)
+
+        async def generate_async(self, row: dict) -> tuple:
+            from ray.llm._internal.batch.stages.vllm_engine_stage import vLLMOutputData
+
+            wrapper = self.llm
+            k = (row.get("sampling_params") or {}).get("logprobs") or 0
+            if k:
+                row["sampling_params"] = {**row["sampling_params"], "flat_logprobs": True}
+            request = await wrapper._prepare_llm_request(row)
+            started = time.perf_counter()
+            async with wrapper.semaphore:
+                output = await wrapper._generate_async(request)
+            took = time.perf_counter() - started
+            extra = {}
+            if k:
+                extra = flat_logprob_values(output.outputs[0], k)
+                output.outputs[0].logprobs = None  # Ray's per-token dicts are never built
+            return request, {**vLLMOutputData.from_vllm_engine_output(output).model_dump(), **extra}, took
+
+        def shut_down(self) -> None:
+            if getattr(self, "shut", True):
+                return
+            self.shut = True
+            engine_processes = descendants(os.getpid()) - {multiprocessing.resource_tracker._resource_tracker._pid}
+            stop_output_handler(self.llm.engine)
+            self.llm.shutdown()
+            wait_for_exit(engine_processes)
+
+        def __del__(self):
+            self.shut_down()
+
+    return VLLMEngine
+
+
+def stop_output_handler(engine, timeout_s: float = 5) -> None:
+    """Cancel AsyncLLM's output-reading task and wait until it has stopped."""
+    import asyncio
+
+    handler = getattr(engine, "output_handler", None)
+    if handler is None or handler.done():
+        return
+    loop = handler.get_loop()
+    try:
+        on_loop = asyncio.get_running_loop() is loop
+    except RuntimeError:
+        on_loop = False
+    if on_loop or not loop.is_running():
+        handler.cancel()  # takes effect before the task runs again
+        return
+    loop.call_soon_threadsafe(handler.cancel)
+    deadline = time.monotonic() + timeout_s
+    while not handler.done() and time.monotonic() < deadline:
+        time.sleep(0.01)
