@@ -17,7 +17,7 @@ from eagle_data.errors import ConfigError
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 
 
-PHASES = ("prompts", "generate", "hidden_states")
+PHASE_NAMES = ("prompts", "generate", "hidden_states")  # = storage.contract.PHASES (tests/job/test_phases.py)
 
 
 def changes(*phases: str) -> dict[str, Any]:
@@ -25,9 +25,9 @@ def changes(*phases: str) -> dict[str, Any]:
     fingerprints (job/fingerprints.py) are made of the settings tagged so: a rerun on the same
     OUT with another value is refused instead of mixing rows made two ways. Every setting has
     a tag (tests/job/test_fingerprints.py names one that has none)."""
-    unknown = [p for p in phases if p not in PHASES]
+    unknown = [p for p in phases if p not in PHASE_NAMES]
     if unknown:
-        raise ValueError(f"changes({', '.join(map(repr, unknown))}): phases are {', '.join(PHASES)}")
+        raise ValueError(f"changes({', '.join(map(repr, unknown))}): phases are {', '.join(PHASE_NAMES)}")
     return {"changes": list(phases)}
 
 

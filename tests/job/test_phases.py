@@ -6,7 +6,7 @@ from __future__ import annotations
 import pyarrow.fs as pafs
 import pytest
 
-from eagle_data.config import Config
+from eagle_data.config import PHASE_NAMES, Config
 from eagle_data.job.phases import PHASES
 from eagle_data.job.phases.run import PHASE_CHOICES
 from eagle_data.storage import contract
@@ -17,7 +17,7 @@ from eagle_data.tools.verify import PHASE_CHECKS, SHARD_CHECKS
 
 def test_every_phase_is_declared_recorded_and_checked_in_the_same_order():
     names = [p.name for p in PHASES]
-    assert names == [p.name for p in contract.PHASES]
+    assert names == [p.name for p in contract.PHASES] == list(PHASE_NAMES)  # PHASE_NAMES: the config's tags
     assert PHASE_CHOICES == (*names, "all")
     assert list(PHASE_CHECKS) == names
     assert set(PHASE_SECTIONS) <= set(names)
