@@ -95,3 +95,17 @@ def test_a_prompt_becomes_k_conversations_each_rendered_as_its_variant_says(tmp_
     skipped = bad.to_pylist()
     assert skipped[0]["sample_id"] == "" and skipped[1]["sample_id"] == skipped[1]["prompt_id"] != ""
     assert skipped[2]["sample_id"] == rows[0]["prompt_id"]  # skipped rows are keyed by the prompt
+
+
+@pytest.mark.parametrize("weights", [[1e308, 1e308], [1.7976931348623157e308] * 3, [5e-324, 5e-324],
+                                     [1e308, 3e307, 5e-324]])
+def test_the_draw_follows_any_finite_positive_weights(tmp_path, qwen3_tokenizer_dir, weights):
+    """Weights whose sum overflows (1e308 twice) once sent every conversation to the last
+    variant; the smallest subnormals must work too."""
+    specs = [{"name": f"v{i}", "weight": w} for i, w in enumerate(weights)]
+    found = variants(config(tmp_path, qwen3_tokenizer_dir, sampling__variants=specs))
+    ids = [f"{i:020x}" for i in range(8_000)]
+    shares = Counter(Assigner(found, seed=0)(i) for i in ids)
+    total = sum(w / max(weights) for w in weights)
+    for i, w in enumerate(weights):
+        assert abs(shares[f"v{i}"] / len(ids) - w / max(weights) / total) < 0.025, shares  # > 4 sigma
