@@ -36,7 +36,22 @@ class Variant:
     @property
     def renders_as(self) -> tuple:
         """What decides how a conversation is rendered: variants equal here share one rendering."""
-        return tuple(sorted(self.chat_template_kwargs.items())), self.max_prompt_tokens
+        return frozen(self.chat_template_kwargs), self.max_prompt_tokens
+
+
+def frozen(value) -> tuple:
+    """A hashable key for a JSON-like value (the chat-template arguments: lists such as
+    Qwen3's `tools`, nested mappings, YAML's other scalars): equal exactly when the values
+    are, types included (`1` and `true` are not one rendering); dict order does not count."""
+    if isinstance(value, dict):
+        return "dict", tuple(sorted((frozen(k), frozen(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return "list", tuple(frozen(v) for v in value)
+    try:
+        hash(value)
+    except TypeError:
+        return type(value).__name__, repr(value)
+    return type(value).__name__, value
 
 
 def variants(cfg: Config) -> dict[str, Variant]:
