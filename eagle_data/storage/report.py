@@ -26,7 +26,7 @@ from eagle_data.storage.contract import HIDDEN_STATES, PHASES, SCHEMAS, STAGING,
 from eagle_data.storage.hidden_states import Index
 from eagle_data.storage.provenance import data_identity
 from eagle_data.storage.files import check_replaceable, read_json, write_bytes, write_json
-from eagle_data.storage.shards import shard_files
+from eagle_data.storage.shards import readable_shards
 
 COLUMNS = {
     "prompts": ["sample_id", "source", "answer", "variant", "num_prompt_tokens"],
@@ -40,7 +40,7 @@ COLUMNS = {
 
 
 def read_columns(out: Output, folder: str) -> pa.Table:
-    files = shard_files(out.fs, out.folder(folder))
+    files = readable_shards(out.fs, out.folder(folder), skip=True)  # a damaged one named and left out
     if not files:
         return pa.table({c: pa.array([], SCHEMAS[folder].field(c).type) for c in COLUMNS[folder]})
     return pads.dataset(files, filesystem=out.fs, format="parquet").to_table(columns=COLUMNS[folder])
@@ -61,7 +61,7 @@ def throughput(out: Output, runs: list[dict]) -> list[dict]:
     if runs:
         start = datetime.datetime.fromisoformat(runs[0]["started_at"]).timestamp()
         points.append((start, 0, 0))
-    for path in shard_files(out.fs, out.folder("data")):
+    for path in readable_shards(out.fs, out.folder("data"), skip=True):
         info = out.fs.get_file_info(path)
         table = pads.dataset(path, filesystem=out.fs, format="parquet").to_table(
             columns=["num_reasoning_tokens", "num_response_tokens"])

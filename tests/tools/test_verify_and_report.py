@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from eagle_data.storage.folder import Output
 from eagle_data.storage.report import build_report
 from eagle_data.tools.verify import verify
@@ -112,3 +114,37 @@ def test_verify_names_a_shard_of_another_out(tmp_path):
     foreign = [p for p in verify(str(out))[0] if "not this OUT's shard" in p]
     assert foreign == [f"{out}/data/part-00001.parquet: not this OUT's shard: written for another OUT "
                        "(out_id another; this OUT's is synthetic)"]
+
+
+def damaged_out(tmp_path, damage: str):
+    """A synthetic OUT (3 data shards) whose second shard is empty or cut to half; its
+    manifest records a vocab size and a hidden-states phase (verify then reads data/'s
+    lengths too)."""
+    import json
+
+    out = write_out(tmp_path / damage, [synthetic_row(i, 4, 2, 3, "stop", "a") for i in range(6)], rows_per_shard=2)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["phases"]["generate"]["tokenizer"]["model_vocab_size"] = 1000
+    manifest["phases"]["hidden_states"] = {"features": {"layer_ids": [1], "hidden_size": 8}}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    victim = sorted((out / "data").glob("*.parquet"))[1]
+    data = victim.read_bytes()
+    victim.write_bytes(b"" if damage == "empty" else data[: len(data) // 2])
+    return out, victim
+
+
+@pytest.mark.parametrize("damage", ["empty", "half"])
+@pytest.mark.parametrize("tool", ["verify", "report", "export", "vocab", "inspect"])
+def test_every_tool_names_a_damaged_data_shard_without_a_traceback(tmp_path, capsys, caplog, damage, tool):
+    """Was: a pyarrow traceback from verify (with hidden states: data/'s lengths), report,
+    export and vocab."""
+    from eagle_data.__main__ import main
+
+    out, victim = damaged_out(tmp_path, damage)
+    argv = {"export": ["export", str(out), str(tmp_path / "x.jsonl"), "--format", "jsonl"],
+            "vocab": ["vocab", str(out), "--draft-vocab-size", "10", "--dest", str(tmp_path / "v")]}.get(tool, [tool, str(out)])
+    code = main(argv)
+    printed = capsys.readouterr()
+    assert victim.name in printed.out + printed.err + caplog.text
+    assert "Traceback" not in printed.err
+    assert code == {"verify": 1, "report": 0, "inspect": 0}.get(tool, 2), printed
