@@ -14,7 +14,7 @@ from typing import Callable
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from eagle_data.errors import NotWritable
+from eagle_data.errors import ForeignFiles, NotWritable
 from eagle_data.storage.contract import STAGING
 
 
@@ -39,6 +39,38 @@ def filesystem(path: str, fs=None) -> tuple[pafs.FileSystem, str]:
 
 KINDS = ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+class UndecodableName(ForeignFiles):
+    def __init__(self, path: str):
+        super().__init__(f"{path} is a file whose name is not UTF-8: eagle-data writes only its own UTF-8 "
+                         "names, so it is not a file of this OUT. Nothing was changed; move or rename it")
+
+
+def list_folder(fs: pafs.FileSystem, folder: str, recursive: bool = False) -> list[pafs.FileInfo]:
+    """What `fs.get_file_info(FileSelector(folder))` lists (nothing for a missing folder),
+    or UndecodableName naming a file whose name is not UTF-8 (pyarrow raised a
+    UnicodeDecodeError naming none, at the first read of its path). Every listing of OUT goes through here."""
+    try:
+        found = fs.get_file_info(pafs.FileSelector(folder, allow_not_found=True, recursive=recursive))
+        for info in found:
+            info.path  # decoded here: pyarrow decodes a FileInfo's path when it is read
+    except UnicodeDecodeError:
+        raise UndecodableName(_undecodable(folder, recursive)) from None
+    return found
+
+
+def _undecodable(folder: str, recursive: bool) -> str:
+    """The first path under a local folder whose name is not UTF-8, shown with \\x escapes."""
+    for root, dirs, names in os.walk(os.fsencode(folder)):
+        for name in sorted(dirs + names):
+            try:
+                name.decode()
+            except UnicodeDecodeError:
+                return os.path.join(root, name).decode(errors="backslashreplace")
+        if not recursive:
+            break
+    return f"a name in {folder}"
 
 
 def kind_of(mode: int) -> str:

@@ -25,7 +25,7 @@ from eagle_data.storage.status import SampleStatus
 from eagle_data.storage.contract import HIDDEN_STATES, PHASES, SCHEMAS, STAGING, VOCAB_SUMMARY
 from eagle_data.storage.hidden_states import Index
 from eagle_data.storage.provenance import data_identity
-from eagle_data.storage.files import check_replaceable, read_json, write_bytes, write_json
+from eagle_data.storage.files import check_replaceable, list_folder, read_json, write_bytes, write_json
 from eagle_data.storage.shards import readable_shards
 
 COLUMNS = {
@@ -337,7 +337,7 @@ def write_report(out: Output) -> dict:
     staging = out.folder(STAGING)
     for name, png in figures.items():
         write_bytes(out.fs, f"{out.root}/report/{name}", png, staging)
-    for found in out.fs.get_file_info(pafs.FileSelector(f"{out.root}/report", allow_not_found=True)):
+    for found in list_folder(out.fs, f"{out.root}/report"):
         if found.is_file and found.base_name.endswith(".png") and found.base_name not in figures:
             out.fs.delete_file(found.path)  # a figure of what is no longer there (a stale vocab_coverage.png)
     write_bytes(out.fs, f"{out.root}/report.html", to_html(public, figures).encode(), staging)

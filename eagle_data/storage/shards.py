@@ -18,16 +18,15 @@ import pyarrow.parquet as pq
 
 from eagle_data.errors import EagleDataError
 from eagle_data.storage.contract import PROVENANCE, STAGING
-from eagle_data.storage.files import write_atomically
+from eagle_data.storage.files import list_folder, write_atomically
 
 log = logging.getLogger("eagle_data")
 
 
 def shard_files(fs: pafs.FileSystem, folder: str) -> list[str]:
     """The published shards of a folder (OUT/data, OUT/prompts, ...), sorted."""
-    selector = pafs.FileSelector(folder, allow_not_found=True)
     return sorted(
-        info.path for info in fs.get_file_info(selector)
+        info.path for info in list_folder(fs, folder)
         if info.is_file and info.base_name.endswith(".parquet")
         and not info.base_name.startswith((".", "_"))
     )
