@@ -14,7 +14,7 @@ from typing import Callable
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from eagle_data.errors import ForeignFiles, NotWritable
+from eagle_data.errors import NotWritable, UndecodableName
 from eagle_data.storage.contract import STAGING
 
 
@@ -39,12 +39,6 @@ def filesystem(path: str, fs=None) -> tuple[pafs.FileSystem, str]:
 
 KINDS = ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
-
-
-class UndecodableName(ForeignFiles):
-    def __init__(self, path: str):
-        super().__init__(f"{path} is a file whose name is not UTF-8: eagle-data writes only its own UTF-8 "
-                         "names, so it is not a file of this OUT. Nothing was changed; move or rename it")
 
 
 def list_folder(fs: pafs.FileSystem, folder: str, recursive: bool = False) -> list[pafs.FileInfo]:

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from eagle_data.errors import EagleDataError
+from eagle_data.errors import DamagedShard
 from eagle_data.storage.contract import PROVENANCE, STAGING
 from eagle_data.storage.files import list_folder, write_atomically
 
@@ -30,14 +30,6 @@ def shard_files(fs: pafs.FileSystem, folder: str) -> list[str]:
         if info.is_file and info.base_name.endswith(".parquet")
         and not info.base_name.startswith((".", "_"))
     )
-
-
-class DamagedShard(EagleDataError):
-    def __init__(self, path: str, why: str):
-        super().__init__(f"{path} cannot be read ({why}): a damaged shard. Rerun the job with the config "
-                         "that made this OUT: it moves the shard to quarantine/ and makes its samples again "
-                         "(`python -m eagle_data verify OUT` lists every problem)")
-        self.path = path
 
 
 def footer_problem(fs: pafs.FileSystem, path: str) -> str | None:
