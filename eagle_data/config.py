@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -25,6 +26,10 @@ def _no_boolean(value: Any) -> Any:
 
 Finite = Annotated[float, Field(allow_inf_nan=False), BeforeValidator(_no_boolean)]
 Int = Annotated[int, Field(strict=True)]
+# The finish reasons a data/ row can have (job/stages/postprocess.py); a filter on others
+# selects nothing, so any other value is a config error (the tools' --finish-reason: choices).
+FinishReason = Literal["stop", "length"]
+FINISH_REASONS = typing.get_args(FinishReason)
 
 
 class _Section(BaseModel):
@@ -276,7 +281,7 @@ class HiddenStatesConfig(_Section):
                     "in ascending order. null = EAGLE-3's choice for the model's depth L: {2, L//2, L-3, L}")
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
         default="bfloat16", description="the engine's dtype for this pass, and the stored dtype")
-    finish_reason: list[str] | None = Field(
+    finish_reason: list[FinishReason] | None = Field(
         default=None, description="only data/ rows with these finish reasons (`stop`, `length`); null = all")
     source: list[str] | None = Field(default=None, description="only data/ rows of these sources; null = all")
     rows_per_shard: Int = Field(

@@ -127,6 +127,7 @@ from typing import Callable, Iterator, Sequence
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
+from eagle_data.config import FINISH_REASONS
 from eagle_data.errors import EagleDataError, MissingInput, NotWritable
 from eagle_data.storage.contract import DATA_SCHEMA, LOGPROB_COLUMNS
 from eagle_data.model_files import is_hub_id, model_config, resolve_model_path, text_config_value
@@ -540,7 +541,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("dest", help="the JSONL file to write (local path or URI; speculators needs a name ending "
                                 "in .jsonl), or for a *-offline format the local folder to write")
     p.add_argument("--format", required=True, choices=sorted([*FORMATS, *OFFLINE_FORMATS]), dest="format")
-    p.add_argument("--finish-reason", nargs="+", choices=["stop", "length"], default=None,
+    p.add_argument("--finish-reason", nargs="+", choices=FINISH_REASONS, default=None,
                    help="rows to keep (default: specforge 'stop', other formats all)")
     p.add_argument("--source", nargs="+", default=None, help="keep only these sources")
     p.add_argument("--overwrite", action="store_true", help="replace DEST if it exists")

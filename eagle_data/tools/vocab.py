@@ -62,6 +62,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from eagle_data.config import FINISH_REASONS
 from eagle_data.errors import NotWritable, VocabError
 from eagle_data.storage.files import check_replaceable, filesystem, not_a_regular_file, write_bytes
 from eagle_data.storage.folder import Output
@@ -259,7 +260,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dest", default=None, help="folder to write (default OUT/vocab)")
     p.add_argument("--format", choices=[*FORMATS, "all"], default="all", dest="format",
                    help="whose trainer the files are for (default all)")
-    p.add_argument("--finish-reason", nargs="+", choices=["stop", "length"], default=None,
+    p.add_argument("--finish-reason", nargs="+", choices=FINISH_REASONS, default=None,
                    help="count only these rows (default all)")
     p.add_argument("--source", nargs="+", default=None, help="count only these sources")
     return p

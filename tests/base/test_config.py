@@ -198,3 +198,13 @@ def test_a_duplicate_key_at_any_depth_is_an_error_naming_it_and_both_lines(tmp_p
     f.write_text("model: {path: /m}\noutput: {path: /o}\n"
                  "sampling: {<<: {temperature: 0.2, top_p: 0.5}, temperature: 0.3}\n")
     assert load_config(f).sampling.temperature == 0.3
+
+
+def test_hidden_states_finish_reason_takes_the_known_values_only():
+    """A typo (`stopp`) selected no data/ row: a silent 0-row hidden-states run."""
+    with pytest.raises(ConfigError, match=r"hidden_states.finish_reason.0: Input should be 'stop' or 'length'"):
+        load_config(None, BASE + ["hidden_states.finish_reason=[stopp]"])
+    with pytest.raises(ConfigError, match=r"hidden_states.finish_reason.1: Input should be 'stop' or 'length'"):
+        load_config(None, BASE + ["hidden_states.finish_reason=[stop, STOP]"])
+    assert load_config(None, BASE + ["hidden_states.finish_reason=[stop, length]"]).hidden_states.finish_reason == [
+        "stop", "length"]
