@@ -37,6 +37,26 @@ def filesystem(path: str, fs=None) -> tuple[pafs.FileSystem, str]:
     return fs, path.rstrip("/") or "/"
 
 
+def refuse_inside_out(out: str, dest: str, what: str, allowed: str | None = None) -> None:
+    """A tool's DEST inside the OUT it reads (by real path, through symlinks; OUT itself too),
+    save `allowed` (the tool's own place there, e.g. OUT/vocab): an error. OUT holds only
+    the files the job writes, and a job run refuses an OUT holding any other."""
+    out_fs, out_root = filesystem(out)
+    dest_fs, dest_path = filesystem(dest)
+    if isinstance(out_fs, pafs.LocalFileSystem) and isinstance(dest_fs, pafs.LocalFileSystem):
+        real = os.path.realpath
+    elif out_fs.type_name == dest_fs.type_name:
+        real = posixpath.normpath
+    else:
+        return
+    root, target = real(out_root), real(dest_path)
+    if allowed is not None and target == real(filesystem(allowed)[1]):
+        return
+    if target == root or target.startswith(root.rstrip("/") + "/"):
+        raise NotWritable(f"{what} {dest} is inside the OUT it reads ({out}): OUT holds only the files the job "
+                          "writes, and the next job run would refuse it; give a destination outside it")
+
+
 KINDS = ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 

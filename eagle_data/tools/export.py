@@ -133,7 +133,7 @@ from eagle_data.storage.contract import DATA_SCHEMA, LOGPROB_COLUMNS
 from eagle_data.model_files import is_hub_id, model_config, resolve_model_path, text_config_value
 from eagle_data.reader.samples import Out, Samples
 from eagle_data.storage.selection import row_filter
-from eagle_data.storage.files import filesystem, not_a_regular_file, write_atomically
+from eagle_data.storage.files import filesystem, not_a_regular_file, refuse_inside_out, write_atomically
 
 
 def specforge_row(r: dict) -> dict:
@@ -174,6 +174,7 @@ def export(out_path: str, dest: str, fmt: str, finish_reason: Sequence[str] | No
         raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join([*FORMATS, *OFFLINE_FORMATS])}")
     columns, convert, default_finish = FORMATS[fmt]
     out = Out(out_path)
+    refuse_inside_out(out_path, dest, "export:")
     if not out.files:
         raise MissingInput(f"{out_path} has no data/ shards to export")
     if fmt == "jsonl":  # every column: the log-probabilities too, when the OUT has them
@@ -370,6 +371,7 @@ def export_offline(out_path: str, dest: str, fmt: str, finish_reason: Sequence[s
                              f"files); {dest} is not a local path")
     dest_path = os.path.abspath(os.path.expanduser(dest.removeprefix("file://")))
     out = Out(out_path)
+    refuse_inside_out(out_path, dest_path, "export:")
     if not out.files:
         raise MissingInput(f"{out_path} has no data/ shards to export")
     features = out.manifest.phase("hidden_states").get("features")
