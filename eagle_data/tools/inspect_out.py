@@ -124,6 +124,8 @@ def inspect(path: str, sample_id: str | None = None, n: int | None = None,
     if sample_id is not None and not sample_id.strip():
         # Most likely an unset shell variable (--sample-id "$ID"): an error, not "show any".
         raise EagleDataError(f"--sample-id is empty ({sample_id!r}): give a sample id, or --n K for the first K samples")
+    if n is not None and n < 1:
+        raise EagleDataError(f"--n must be at least 1 (got {n}): the number of samples to show")
     if sample_id is None and n is None:
         return summary(out)
     rows = samples(out, sample_id, n or 1)
