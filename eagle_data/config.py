@@ -2,19 +2,35 @@
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from eagle_data.errors import ConfigError
 
 
-# Every float of the config is a Finite (tests/base/test_config.py walks the model): an inf or
-# nan passes `gt=0` and `le` checks alike, and ran (an inf temperature stored random tokens).
-Finite = Annotated[float, Field(allow_inf_nan=False)]
+# Every float of the config is a Finite and every int an Int (tests/base/test_config.py walks
+# the model): an inf or nan passes `gt=0` and `le` checks alike, and ran (an inf temperature
+# stored random tokens); and a boolean is no number (`logprobs: true` was taken as 1). Int is
+# strict; Finite only refuses booleans, since PyYAML reads `1e-3` as a string.
+
+
+def _no_boolean(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError(f"Input should be a number, not a boolean ({str(value).lower()})")
+    return value
+
+
+Finite = Annotated[float, Field(allow_inf_nan=False), BeforeValidator(_no_boolean)]
+Int = Annotated[int, Field(strict=True)]
+# The finish reasons a data/ row can have (job/stages/postprocess.py); a filter on others
+# selects nothing, so any other value is a config error (the tools' --finish-reason: choices).
+FinishReason = Literal["stop", "length"]
+FINISH_REASONS = typing.get_args(FinishReason)
 
 
 PHASE_NAMES = ("prompts", "generate", "hidden_states")  # = storage.contract.PHASES (tests/job/test_phases.py)
@@ -44,7 +60,7 @@ class _Section(BaseModel):
 class PerSourceConfig(_Section):
     """Source-balanced sampling (see eagle_data/job/stages/sample.py `source_quotas`)."""
 
-    max_rows: int | None = Field(
+    max_rows: Int | None = Field(
         default=None, ge=1,
         description="cap each `source` at this many rows (with `source.sample: null`: take min(rows, max_rows) "
                     "of every source); null = no cap")
@@ -64,10 +80,10 @@ class SourceConfig(_Section):
     split: str = Field(
         json_schema_extra=changes("prompts"),
         default="train", description="split to read (a hub dataset, or a saved `DatasetDict`)")
-    sample: int | None = Field(
+    sample: Int | None = Field(
         json_schema_extra=changes("prompts"), default=None, ge=1,
         description="rows to select: the ones with the smallest seeded content hash; null = all")
-    seed: int = Field(
+    seed: Int = Field(
         json_schema_extra=changes("prompts"), default=0, description="seed of the sample's content hash")
     per_source: PerSourceConfig | None = Field(
         json_schema_extra=changes("prompts"), default=None,
@@ -94,7 +110,7 @@ class PromptConfig(_Section):
         description="`first_user`: one answer per row, to the optional leading system turn + the first user turn. "
                     "`all`: every user turn is answered in order, each conditioned on the target's own earlier "
                     "answers (see \"Multi-turn\" in docs/formats.md)")
-    max_turns: int | None = Field(
+    max_turns: Int | None = Field(
         json_schema_extra=changes("prompts"), default=None, ge=1,
         description="`turns: all`: answer at most this many user turns per conversation; null = all")
     chat_template_kwargs: dict[str, Any] = Field(
@@ -149,19 +165,19 @@ class EngineConfig(_Section):
         json_schema_extra=RUN_ONLY, default=300, ge=0,
         description="vllm: how long (seconds) to wait for the cluster to offer what one replica needs (an "
                     "autoscaling cluster adds nodes) before failing with a message, instead of waiting forever")
-    replicas: int = Field(
+    replicas: Int = Field(
         json_schema_extra=RUN_ONLY, default=1, ge=1, description="engine replicas (one per 8-GPU node for Kimi)")
-    tensor_parallel_size: int = Field(
+    tensor_parallel_size: Int = Field(
         json_schema_extra=RUN_ONLY, default=1, ge=1,
         description="tensor parallel size of one replica (vllm with `device: gpu` only; 1 otherwise)")
-    max_model_len: int = Field(
+    max_model_len: Int = Field(
         json_schema_extra=changes("prompts"), default=16384, ge=16,
         description="context length: a prompt longer than `max_model_len - sampling.max_tokens` is skipped")
-    batch_size: int = Field(
+    batch_size: Int = Field(
         json_schema_extra=RUN_ONLY, default=16, ge=1,
         description="rows per engine call. vLLM returns a batch only when its slowest row is done, so batches "
                     "are small and many are in flight (see `eagle_data/job/stages/engines/vllm_backend.py`)")
-    max_concurrent_batches: int = Field(
+    max_concurrent_batches: Int = Field(
         json_schema_extra=RUN_ONLY, default=64, ge=1,
         description="batches in flight per replica; keep `batch_size x max_concurrent_batches >= "
                     "(2 + batch_size/8) x max_num_seqs` (the job warns when it is not)")
@@ -176,7 +192,7 @@ class EngineConfig(_Section):
     num_cpus: Finite = Field(
         json_schema_extra=RUN_ONLY, default=1, gt=0,
         description="CPUs reserved by one engine replica (transformers, or vllm with `device: cpu`)")
-    cpu_threads: int | None = Field(
+    cpu_threads: Int | None = Field(
         json_schema_extra=RUN_ONLY, default=None, ge=1,
         description="the transformers backend's torch threads; null = all cores of its node "
                     "(Ray would otherwise limit it to `num_cpus`)")
@@ -202,10 +218,10 @@ class VariantConfig(_Section):
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="recorded in every data/ row it answers")
     weight: Finite = Field(default=1.0, gt=0, description="its share of the conversations, against the others'")
-    max_tokens: int | None = Field(default=None, ge=1, description="most tokens generated per answer")
+    max_tokens: Int | None = Field(default=None, ge=1, description="most tokens generated per answer")
     temperature: Finite | None = Field(default=None, ge=0, description="sampling temperature")
     top_p: Finite | None = Field(default=None, gt=0, le=1, description="nucleus sampling: top-p")
-    top_k: int | None = Field(default=None, ge=0, description="top-k sampling; 0 = off")
+    top_k: Int | None = Field(default=None, ge=0, description="top-k sampling; 0 = off")
     min_p: Finite | None = Field(default=None, ge=0, le=1, description="min-p sampling; 0 = off")
     chat_template_kwargs: dict[str, Any] | None = Field(
         default=None, description="over `prompt.chat_template_kwargs` (e.g. `enable_thinking: false`); "
@@ -213,17 +229,17 @@ class VariantConfig(_Section):
 
 
 class SamplingConfig(_Section):
-    max_tokens: int = Field(
+    max_tokens: Int = Field(
         json_schema_extra=changes("prompts", "generate"), default=8192, ge=1,
         description="most tokens generated per answer; must be smaller than `engine.max_model_len`")
     temperature: Finite = Field(
         json_schema_extra=changes("generate"), default=0.6, ge=0, description="sampling temperature")
     top_p: Finite = Field(
         json_schema_extra=changes("generate"), default=0.95, gt=0, le=1, description="nucleus sampling: top-p")
-    top_k: int = Field(json_schema_extra=changes("generate"), default=0, ge=0, description="top-k sampling; 0 = off")
+    top_k: Int = Field(json_schema_extra=changes("generate"), default=0, ge=0, description="top-k sampling; 0 = off")
     min_p: Finite = Field(
         json_schema_extra=changes("generate"), default=0.0, ge=0, le=1, description="min-p sampling; 0 = off")
-    seed: int = Field(
+    seed: Int = Field(
         json_schema_extra=changes("prompts", "generate"),
         default=0, description="sampling seed; each sample's seed, and its variant, are derived from it "
                                "(so it changes prompts/ only with `variants`)")
@@ -231,11 +247,11 @@ class SamplingConfig(_Section):
         json_schema_extra=changes("prompts", "generate"), default_factory=list,
         description="named sampling variants; each conversation gets one, drawn by weight from its id and "
                     "`seed` (docs/variants.md). Empty = one variant, `default`, with the values above")
-    answers_per_prompt: int = Field(
+    answers_per_prompt: Int = Field(
         json_schema_extra=changes("prompts", "generate"), default=1, ge=1, le=64,
         description="answers per prompt: each is its own conversation (sample_id `<prompt_id>.<n>` when > 1) "
                     "with its own seed and variant")
-    logprobs: int = Field(
+    logprobs: Int = Field(
         json_schema_extra=changes("generate"), default=0, ge=0, le=20,
         description="keep the target's top-k log-probabilities of every generated token (k ids, their "
                     "log-probabilities and the sampled token's own, exactly as the engine returned them: "
@@ -269,13 +285,13 @@ class OutputConfig(_Section):
                     "empty folder, or an OUT of this project: a folder holding any file the project did not "
                     "write is refused, so `--fresh` and every delete only ever touch the project's own files. "
                     "Empty is refused: it would mean the current directory")
-    rows_per_shard: int = Field(
+    rows_per_shard: Int = Field(
         json_schema_extra=RUN_ONLY, default=1000, ge=1, description="rows per published Parquet shard")
     flush_seconds: Finite = Field(
         json_schema_extra=RUN_ONLY, default=60, gt=0,
         description="a shard is also published when this many seconds passed since the last one, so a kill "
                     "loses at most this much finished work even when rows arrive slowly")
-    max_attempts: int = Field(
+    max_attempts: Int = Field(
         json_schema_extra=RUN_ONLY, default=3, ge=1,
         description="engine attempts per sample: a sample with this many `failed/` rows is not retried")
     log_every_s: Finite = Field(
@@ -294,7 +310,7 @@ class HiddenStatesConfig(_Section):
     enabled: bool = Field(
         json_schema_extra=RUN_ONLY, default=False,
         description="run the phase as part of `--phase all` (`--phase hidden_states` runs it alone)")
-    layer_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+    layer_ids: list[Annotated[Int, Field(ge=0)]] | None = Field(
         json_schema_extra=changes("hidden_states"), default=None, min_length=1,
         description="vLLM layer ids to keep: id k = the residual stream after k decoder layers (HF's "
                     "`hidden_states[k]` for k < L); id L = the final state before the final norm. Stored "
@@ -302,13 +318,13 @@ class HiddenStatesConfig(_Section):
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
         json_schema_extra=changes("hidden_states"),
         default="bfloat16", description="the engine's dtype for this pass, and the stored dtype")
-    finish_reason: list[str] | None = Field(
+    finish_reason: list[FinishReason] | None = Field(
         json_schema_extra=changes("hidden_states"),
         default=None, description="only data/ rows with these finish reasons (`stop`, `length`); null = all")
     source: list[str] | None = Field(
         json_schema_extra=changes("hidden_states"),
         default=None, description="only data/ rows of these sources; null = all")
-    rows_per_shard: int = Field(
+    rows_per_shard: Int = Field(
         json_schema_extra=RUN_ONLY, default=64, ge=1,
         description="samples per hidden_states/ shard, at most (Kimi-K2.5: 56 KiB a token, so 64 rows of 1.6k "
                     "tokens are ~6 GB)")

@@ -78,6 +78,8 @@ def type_name(annotation: Any) -> str:
         return " or ".join(names) + (" or null" if type(None) in args else "")
     if origin is dict:
         return f"mapping ({type_name(args[0])}: {type_name(args[1])})"
+    if origin is list and typing.get_origin(args[0]) is Literal:
+        return "list, each " + type_name(args[0])
     if origin is list and isinstance(args[0], type) and issubclass(args[0], BaseModel):
         return "list of sections (below)"
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):

@@ -58,6 +58,24 @@ class ForeignFiles(EagleDataError):
     """output.path holds files the project did not write."""
 
 
+class UndecodableName(ForeignFiles):
+    """A file in OUT whose name is not UTF-8: not a name eagle-data writes."""
+
+    def __init__(self, path: str):
+        super().__init__(f"{path} is a file whose name is not UTF-8: eagle-data writes only its own UTF-8 "
+                         "names, so it is not a file of this OUT. Nothing was changed; move or rename it")
+
+
+class DamagedShard(EagleDataError):
+    """A tool met a shard that does not read (the job quarantines those at start)."""
+
+    def __init__(self, path: str, why: str):
+        super().__init__(f"{path} cannot be read ({why}): a damaged shard. Rerun the job with the config "
+                         "that made this OUT: it moves the shard to quarantine/ and makes its samples again "
+                         "(`python -m eagle_data verify OUT` lists every problem)")
+        self.path = path
+
+
 class OutputMismatch(EagleDataError):
     """OUT was made with a config that the current one would silently mix with."""
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 import hashlib
 from bisect import bisect_right
 from dataclasses import dataclass
+from fractions import Fraction
 from itertools import accumulate
+from math import lcm
 
 from eagle_data.config import Config, VariantConfig
 
@@ -34,7 +36,22 @@ class Variant:
     @property
     def renders_as(self) -> tuple:
         """What decides how a conversation is rendered: variants equal here share one rendering."""
-        return tuple(sorted(self.chat_template_kwargs.items())), self.max_prompt_tokens
+        return frozen(self.chat_template_kwargs), self.max_prompt_tokens
+
+
+def frozen(value) -> tuple:
+    """A hashable key for a JSON-like value (the chat-template arguments: lists such as
+    Qwen3's `tools`, nested mappings, YAML's other scalars): equal exactly when the values
+    are, types included (`1` and `true` are not one rendering); dict order does not count."""
+    if isinstance(value, dict):
+        return "dict", tuple(sorted((frozen(k), frozen(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return "list", tuple(frozen(v) for v in value)
+    try:
+        hash(value)
+    except TypeError:
+        return type(value).__name__, repr(value)
+    return type(value).__name__, value
 
 
 def variants(cfg: Config) -> dict[str, Variant]:
@@ -57,16 +74,26 @@ def conversation_ids(prompt_id: str, answers: int) -> list[str]:
 
 
 class Assigner:
-    """A conversation's variant: drawn by weight from blake2b(seed, conversation id)."""
+    """A conversation's variant: drawn by weight from blake2b(seed, conversation id).
+
+    In exact integer arithmetic: every finite positive float is an integer over a power of
+    two, so the cumulative weights are integers over their common denominator and the
+    draw compares `digest / 2**64` with `bound / total` exactly. Float sums overflowed
+    (two weights of 1e308: every conversation went to the last variant) or lost the
+    smallest weights (subnormals)."""
 
     def __init__(self, found: dict[str, Variant], seed: int):
         self.names = list(found)
-        self.bounds = list(accumulate(v.weight for v in found.values()))
+        ratios = [Fraction(v.weight) for v in found.values()]
+        denominator = lcm(*(r.denominator for r in ratios))
+        self.bounds = [b << 64 for b in accumulate(r.numerator * (denominator // r.denominator) for r in ratios)]
+        self.total = self.bounds[-1] >> 64
         self.seed = seed
 
     def __call__(self, conversation_id: str) -> str:
         if len(self.names) == 1:
             return self.names[0]
         digest = hashlib.blake2b(f"{self.seed}:{conversation_id}".encode(), digest_size=8).digest()
-        u = int.from_bytes(digest, "big") / 2**64 * self.bounds[-1]
+        # the first variant whose bound / total exceeds digest / 2**64
+        u = int.from_bytes(digest, "big") * self.total
         return self.names[min(bisect_right(self.bounds, u), len(self.names) - 1)]

@@ -63,7 +63,7 @@ from eagle_data.storage.contract import HIDDEN_STATES, LOGPROB_COLUMNS
 from eagle_data.storage.folder import Output
 from eagle_data.storage.hidden_states import DTYPES, Index, ShardHeaderError
 from eagle_data.storage.selection import row_filter
-from eagle_data.storage.shards import shard_files
+from eagle_data.storage.shards import readable_shards
 
 TOKEN_COLUMNS = ("input_ids", "loss_mask")
 LENGTH_COLUMNS = ("num_prompt_tokens", "num_reasoning_tokens", "num_response_tokens")
@@ -77,7 +77,7 @@ class OutReader:
     def __init__(self, path: str, filesystem=None):
         out = Output.existing(path, filesystem)
         self.fs, self.root, self.manifest = out.fs, out.root, out.manifest
-        self.files = shard_files(self.fs, out.folder("data"))
+        self.files = readable_shards(self.fs, out.folder("data"))  # a damaged one: an error naming it
 
     @property
     def tokenizer(self) -> dict:

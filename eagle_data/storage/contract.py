@@ -167,6 +167,9 @@ PHASES = (
 )
 PHASE_OF_FOLDER = {folder: phase.name for phase in PHASES for folder in phase.folders}
 PHASE_CONFIG = {phase.name: phase.config_key for phase in PHASES}
+# The prompts phase's count of each of its folders' rows: prompts/ holds one row per
+# conversation (prompts x answers_per_prompt), so its rows are `conversations`, not `prompts`.
+PROMPTS_ROW_COUNTS = {"prompts": "conversations", "skipped": "skipped"}
 
 
 def is_ours(relative: str) -> bool:

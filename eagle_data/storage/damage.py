@@ -8,7 +8,7 @@ import os
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eagle_data.storage.contract import HIDDEN_STATES, QUARANTINE
+from eagle_data.storage.contract import HIDDEN_STATES, PROMPTS_ROW_COUNTS, QUARANTINE
 from eagle_data.storage.hidden_states import ShardHeaderError, read_header
 from eagle_data.storage.folder import Output
 from eagle_data.storage.provenance import all_shards, shard_problem
@@ -45,15 +45,15 @@ def quarantine_corrupt(out: Output) -> list[str]:
 def check_prompts_record(out: Output) -> None:
     """A finished prompts phase whose prompts/ or skipped/ no longer hold the rows it
     recorded (a shard deleted) is made again: prompts are deterministic, so the ids
-    already in data/ stay valid."""
+    already in data/ stay valid. prompts/ rows are conversations (PROMPTS_ROW_COUNTS)."""
     if not out.manifest.finished("prompts"):
         return
     counts = out.manifest.counts("prompts")
-    for folder in ("prompts", "skipped"):
+    for folder, key in PROMPTS_ROW_COUNTS.items():
         rows = sum(_rows(out.fs, f) for f in shard_files(out.fs, out.folder(folder)))
-        if rows != counts.get(folder):
-            log.warning("%s/ holds %d rows, the prompts phase recorded %s: making the prompts again",
-                        folder, rows, counts.get(folder))
+        if rows != counts.get(key):
+            log.warning("%s/ holds %d rows, the prompts phase recorded %s %s: making the prompts again",
+                        folder, rows, counts.get(key), key)
             out.manifest.mark("prompts", "damaged")
             out.manifest.save()
             return

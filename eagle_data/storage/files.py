@@ -14,7 +14,7 @@ from typing import Callable
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from eagle_data.errors import NotWritable
+from eagle_data.errors import NotWritable, UndecodableName
 from eagle_data.storage.contract import STAGING
 
 
@@ -37,8 +37,54 @@ def filesystem(path: str, fs=None) -> tuple[pafs.FileSystem, str]:
     return fs, path.rstrip("/") or "/"
 
 
+def refuse_inside_out(out: str, dest: str, what: str, allowed: str | None = None) -> None:
+    """A tool's DEST inside the OUT it reads (by real path, through symlinks; OUT itself too),
+    save `allowed` (the tool's own place there, e.g. OUT/vocab): an error. OUT holds only
+    the files the job writes, and a job run refuses an OUT holding any other."""
+    out_fs, out_root = filesystem(out)
+    dest_fs, dest_path = filesystem(dest)
+    if isinstance(out_fs, pafs.LocalFileSystem) and isinstance(dest_fs, pafs.LocalFileSystem):
+        real = os.path.realpath
+    elif out_fs.type_name == dest_fs.type_name:
+        real = posixpath.normpath
+    else:
+        return
+    root, target = real(out_root), real(dest_path)
+    if allowed is not None and target == real(filesystem(allowed)[1]):
+        return
+    if target == root or target.startswith(root.rstrip("/") + "/"):
+        raise NotWritable(f"{what} {dest} is inside the OUT it reads ({out}): OUT holds only the files the job "
+                          "writes, and the next job run would refuse it; give a destination outside it")
+
+
 KINDS = ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def list_folder(fs: pafs.FileSystem, folder: str, recursive: bool = False) -> list[pafs.FileInfo]:
+    """What `fs.get_file_info(FileSelector(folder))` lists (nothing for a missing folder),
+    or UndecodableName naming a file whose name is not UTF-8 (pyarrow raised a
+    UnicodeDecodeError naming none, at the first read of its path). Every listing of OUT goes through here."""
+    try:
+        found = fs.get_file_info(pafs.FileSelector(folder, allow_not_found=True, recursive=recursive))
+        for info in found:
+            info.path  # decoded here: pyarrow decodes a FileInfo's path when it is read
+    except UnicodeDecodeError:
+        raise UndecodableName(_undecodable(folder, recursive)) from None
+    return found
+
+
+def _undecodable(folder: str, recursive: bool) -> str:
+    """The first path under a local folder whose name is not UTF-8, shown with \\x escapes."""
+    for root, dirs, names in os.walk(os.fsencode(folder)):
+        for name in sorted(dirs + names):
+            try:
+                name.decode()
+            except UnicodeDecodeError:
+                return os.path.join(root, name).decode(errors="backslashreplace")
+        if not recursive:
+            break
+    return f"a name in {folder}"
 
 
 def kind_of(mode: int) -> str:

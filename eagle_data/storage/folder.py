@@ -13,7 +13,7 @@ import pyarrow.fs as pafs
 from eagle_data.storage import manifest as mf
 from eagle_data.errors import EagleDataError, ForeignFiles, NotAnOut, NotWritable
 from eagle_data.storage.contract import FOLDERS, LOCK, MANIFEST, OWNED_FILES, OWNED_FOLDERS, STAGING, is_ours
-from eagle_data.storage.files import filesystem
+from eagle_data.storage.files import filesystem, list_folder
 from eagle_data.storage.shards import ShardWriter, shard_files
 
 # How a lost or damaged manifest.json is recovered, keeping the data (docs/robustness.md).
@@ -92,7 +92,7 @@ class Output:
             return []
         if info.type != pafs.FileType.Directory:
             return ["."]  # output.path is a file
-        found = self.fs.get_file_info(pafs.FileSelector(self.root, recursive=True))
+        found = list_folder(self.fs, self.root, recursive=True)  # a name not UTF-8: UndecodableName
         relative = (f.path[len(self.root) + 1:] for f in found if f.type == pafs.FileType.File)
         return sorted(r for r in relative if not is_ours(r) or (r == MANIFEST and self.manifest.foreign))
 

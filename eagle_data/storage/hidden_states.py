@@ -29,6 +29,8 @@ from typing import Iterable
 
 import pyarrow.fs as pafs
 
+from eagle_data.storage.files import list_folder
+
 SUFFIX = ".safetensors"
 FORMAT = "eagle-data hidden states"
 # safetensors dtype names, and bytes per value
@@ -136,8 +138,7 @@ def read_sample(fs: pafs.FileSystem, entry: Entry, dtype: str):
 
 def shard_paths(fs: pafs.FileSystem, folder: str) -> list[str]:
     """The published hidden-states shards of OUT/hidden_states, sorted."""
-    selector = pafs.FileSelector(folder, allow_not_found=True)
-    return sorted(info.path for info in fs.get_file_info(selector)
+    return sorted(info.path for info in list_folder(fs, folder)
                   if info.is_file and info.base_name.endswith(SUFFIX) and not info.base_name.startswith((".", "_")))
 
 

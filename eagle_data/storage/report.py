@@ -17,7 +17,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
-import pyarrow.fs as pafs
 
 from eagle_data.storage import manifest as mf
 from eagle_data.storage.folder import Output
@@ -25,8 +24,8 @@ from eagle_data.storage.status import SampleStatus
 from eagle_data.storage.contract import HIDDEN_STATES, PHASES, SCHEMAS, STAGING, VOCAB_SUMMARY
 from eagle_data.storage.hidden_states import Index
 from eagle_data.storage.provenance import data_identity
-from eagle_data.storage.files import check_replaceable, read_json, write_bytes, write_json
-from eagle_data.storage.shards import shard_files
+from eagle_data.storage.files import check_replaceable, list_folder, read_json, write_bytes, write_json
+from eagle_data.storage.shards import readable_shards
 
 COLUMNS = {
     "prompts": ["sample_id", "source", "answer", "variant", "num_prompt_tokens"],
@@ -40,7 +39,7 @@ COLUMNS = {
 
 
 def read_columns(out: Output, folder: str) -> pa.Table:
-    files = shard_files(out.fs, out.folder(folder))
+    files = readable_shards(out.fs, out.folder(folder), skip=True)  # a damaged one named and left out
     if not files:
         return pa.table({c: pa.array([], SCHEMAS[folder].field(c).type) for c in COLUMNS[folder]})
     return pads.dataset(files, filesystem=out.fs, format="parquet").to_table(columns=COLUMNS[folder])
@@ -61,7 +60,7 @@ def throughput(out: Output, runs: list[dict]) -> list[dict]:
     if runs:
         start = datetime.datetime.fromisoformat(runs[0]["started_at"]).timestamp()
         points.append((start, 0, 0))
-    for path in shard_files(out.fs, out.folder("data")):
+    for path in readable_shards(out.fs, out.folder("data"), skip=True):
         info = out.fs.get_file_info(path)
         table = pads.dataset(path, filesystem=out.fs, format="parquet").to_table(
             columns=["num_reasoning_tokens", "num_response_tokens"])
@@ -337,7 +336,7 @@ def write_report(out: Output) -> dict:
     staging = out.folder(STAGING)
     for name, png in figures.items():
         write_bytes(out.fs, f"{out.root}/report/{name}", png, staging)
-    for found in out.fs.get_file_info(pafs.FileSelector(f"{out.root}/report", allow_not_found=True)):
+    for found in list_folder(out.fs, f"{out.root}/report"):
         if found.is_file and found.base_name.endswith(".png") and found.base_name not in figures:
             out.fs.delete_file(found.path)  # a figure of what is no longer there (a stale vocab_coverage.png)
     write_bytes(out.fs, f"{out.root}/report.html", to_html(public, figures).encode(), staging)

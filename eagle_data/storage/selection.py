@@ -37,9 +37,10 @@ def row_filter(finish_reason: Sequence[str] | None = None, source: Sequence[str]
 
 
 def selected_rows(fs, data_folder: str, finish_reason: Sequence[str] | None = None,
-                  source: Sequence[str] | None = None) -> pa.Table:
-    """sample_id and num_tokens (prompt + generated) of the data/ rows these filters select."""
-    files = shard_files(fs, data_folder)
+                  source: Sequence[str] | None = None, files: Sequence[str] | None = None) -> pa.Table:
+    """sample_id and num_tokens (prompt + generated) of the data/ rows these filters select
+    (of `files`, the readable shards, where the caller knows some are not)."""
+    files = shard_files(fs, data_folder) if files is None else files
     if not files:
         return pa.table({"sample_id": pa.array([], pa.string()), "num_tokens": pa.array([], pa.int64())})
     table = pads.dataset(files, filesystem=fs, format="parquet").to_table(

@@ -9,24 +9,60 @@ the OUT, the run, its phase's config fingerprint): `ShardWriter(metadata=...)` p
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from eagle_data.errors import DamagedShard
 from eagle_data.storage.contract import PROVENANCE, STAGING
-from eagle_data.storage.files import write_atomically
+from eagle_data.storage.files import list_folder, write_atomically
+
+log = logging.getLogger("eagle_data")
 
 
 def shard_files(fs: pafs.FileSystem, folder: str) -> list[str]:
     """The published shards of a folder (OUT/data, OUT/prompts, ...), sorted."""
-    selector = pafs.FileSelector(folder, allow_not_found=True)
     return sorted(
-        info.path for info in fs.get_file_info(selector)
+        info.path for info in list_folder(fs, folder)
         if info.is_file and info.base_name.endswith(".parquet")
         and not info.base_name.startswith((".", "_"))
     )
+
+
+def footer_problem(fs: pafs.FileSystem, path: str) -> str | None:
+    """Why a shard's Parquet footer does not read (empty, cut short, not Parquet), or None."""
+    try:
+        with fs.open_input_file(path) as f:
+            pq.read_metadata(f)
+    except (OSError, pa.ArrowException) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+_named: set[str] = set()  # damaged shards already named by this process: once each
+
+
+def readable_shards(fs: pafs.FileSystem, folder: str, skip: bool = False) -> list[str]:
+    """shard_files whose footers read, for the tools (a job quarantines damaged shards at
+    start, so it never meets one): a damaged shard is a DamagedShard error naming it, or
+    with `skip`, a warning naming it and left out (what reports on an OUT goes on)."""
+    files = []
+    for path in shard_files(fs, folder):
+        why = footer_problem(fs, path)
+        if why is None:
+            files.append(path)
+        elif skip:
+            if path in _named:
+                continue
+            _named.add(path)
+            log.warning("%s cannot be read (%s): left out; rerun the job to quarantine it and make its "
+                        "samples again", path, why)
+        else:
+            raise DamagedShard(path, why)
+    return files
 
 
 def read_provenance(fs: pafs.FileSystem, path: str) -> dict[str, str]:

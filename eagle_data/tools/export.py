@@ -127,12 +127,13 @@ from typing import Callable, Iterator, Sequence
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
+from eagle_data.config import FINISH_REASONS
 from eagle_data.errors import EagleDataError, MissingInput, NotWritable
 from eagle_data.storage.contract import DATA_SCHEMA, LOGPROB_COLUMNS
 from eagle_data.model_files import is_hub_id, model_config, resolve_model_path, text_config_value
 from eagle_data.reader.samples import OutReader, Samples
 from eagle_data.storage.selection import row_filter
-from eagle_data.storage.files import filesystem, not_a_regular_file, write_atomically
+from eagle_data.storage.files import filesystem, not_a_regular_file, refuse_inside_out, write_atomically
 
 
 def specforge_row(r: dict) -> dict:
@@ -173,6 +174,7 @@ def export(out_path: str, dest: str, fmt: str, finish_reason: Sequence[str] | No
         raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join([*FORMATS, *OFFLINE_FORMATS])}")
     columns, convert, default_finish = FORMATS[fmt]
     out = OutReader(out_path)
+    refuse_inside_out(out_path, dest, "export:")
     if not out.files:
         raise MissingInput(f"{out_path} has no data/ shards to export")
     if fmt == "jsonl":  # every column: the log-probabilities too, when the OUT has them
@@ -369,6 +371,7 @@ def export_offline(out_path: str, dest: str, fmt: str, finish_reason: Sequence[s
                              f"files); {dest} is not a local path")
     dest_path = os.path.abspath(os.path.expanduser(dest.removeprefix("file://")))
     out = OutReader(out_path)
+    refuse_inside_out(out_path, dest, "export:")
     if not out.files:
         raise MissingInput(f"{out_path} has no data/ shards to export")
     features = out.manifest.phase("hidden_states").get("features")
@@ -540,7 +543,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("dest", help="the JSONL file to write (local path or URI; speculators needs a name ending "
                                 "in .jsonl), or for a *-offline format the local folder to write")
     p.add_argument("--format", required=True, choices=sorted([*FORMATS, *OFFLINE_FORMATS]), dest="format")
-    p.add_argument("--finish-reason", nargs="+", choices=["stop", "length"], default=None,
+    p.add_argument("--finish-reason", nargs="+", choices=FINISH_REASONS, default=None,
                    help="rows to keep (default: specforge 'stop', other formats all)")
     p.add_argument("--source", nargs="+", default=None, help="keep only these sources")
     p.add_argument("--overwrite", action="store_true", help="replace DEST if it exists")

@@ -19,14 +19,14 @@ from eagle_data.errors import EagleDataError, NoSuchSample
 from eagle_data.model_files import load_tokenizer
 from eagle_data.storage.folder import Output
 from eagle_data.storage.report import build_report
-from eagle_data.storage.shards import shard_files
+from eagle_data.storage.shards import readable_shards
 from eagle_data.tools.terminal import literal
 
 GREY, GREEN, BOLD, RESET = "\033[90m", "\033[32m", "\033[1m", "\033[0m"
 
 
 def samples(out: Output, sample_id: str | None, n: int) -> list[dict]:
-    files = shard_files(out.fs, out.folder("data"))
+    files = readable_shards(out.fs, out.folder("data"), skip=True)  # a damaged one named and left out
     if not files:
         return []
     dataset = pads.dataset(files, filesystem=out.fs, format="parquet")
@@ -37,7 +37,7 @@ def samples(out: Output, sample_id: str | None, n: int) -> list[dict]:
 
 def not_found(out: Output, sample_id: str | None) -> str:
     """Why no sample was shown: the id is not there (and how many are), or nothing is."""
-    files = shard_files(out.fs, out.folder("data"))
+    files = readable_shards(out.fs, out.folder("data"), skip=True)
     held = pads.dataset(files, filesystem=out.fs, format="parquet").count_rows() if files else 0
     if held == 0:
         return f"{f'no sample {sample_id!r}: ' if sample_id else ''}{out.root}/data has no samples yet"
@@ -125,6 +125,8 @@ def inspect(path: str, sample_id: str | None = None, n: int | None = None,
     if sample_id is not None and not sample_id.strip():
         # Most likely an unset shell variable (--sample-id "$ID"): an error, not "show any".
         raise EagleDataError(f"--sample-id is empty ({sample_id!r}): give a sample id, or --n K for the first K samples")
+    if n is not None and n < 1:
+        raise EagleDataError(f"--n must be at least 1 (got {n}): the number of samples to show")
     if sample_id is None and n is None:
         return summary(out)
     rows = samples(out, sample_id, n or 1)

@@ -56,6 +56,7 @@ class Seen:
     prompt_ids: Counter = field(default_factory=Counter)  # prompt_id -> its conversations in prompts/
     num_turns: dict[str, int] = field(default_factory=dict)  # conversation_id -> user turns to answer
     logprob_k: set[int] = field(default_factory=set)  # k of data/'s log-probability columns (0: none)
+    unreadable: set[str] = field(default_factory=set)  # shards named as unreadable: read no further
 
 
 def verify(path: str) -> tuple[list[str], dict]:
@@ -81,6 +82,7 @@ def read_every_shard(out: Output) -> tuple[list[str], Seen]:
                 table = pq.read_table(f, filesystem=out.fs)  # reads every page: integrity
             except Exception as e:
                 problems.append(f"{f}: unreadable shard ({type(e).__name__}: {e})")
+                seen.unreadable.add(f)
                 continue
             foreign = shard_problem(out, folder, f)
             if foreign:  # the next run quarantines it and redoes its samples
@@ -171,7 +173,8 @@ def check_hidden_states(out: Output, seen: Seen) -> tuple[list[str], dict]:
         return [], {}
     features = record.get("features", {})
     problems, published = [], Counter()
-    lengths = data_lengths(out)
+    data_files = [f for f in shard_files(out.fs, out.folder("data")) if f not in seen.unreadable]
+    lengths = data_lengths(out, data_files)
     for path in paths:
         try:
             meta, entries = read_header(out.fs, path)
@@ -204,7 +207,7 @@ def check_hidden_states(out: Output, seen: Seen) -> tuple[list[str], dict]:
     if finished:
         config = record.get("hidden_states_config", {})
         selected = set(selected_rows(out.fs, out.folder("data"), config.get("hidden_states.finish_reason"),
-                                     config.get("hidden_states.source")).column("sample_id").to_pylist())
+                                     config.get("hidden_states.source"), data_files).column("sample_id").to_pylist())
         missing = selected - set(published) - failed
         if missing:
             problems.append(f"{len(missing)} selected data/ rows have neither hidden states nor a hidden_failed/ "
@@ -213,8 +216,8 @@ def check_hidden_states(out: Output, seen: Seen) -> tuple[list[str], dict]:
                       "hidden_states_finished": finished}
 
 
-def data_lengths(out: Output) -> dict[str, int]:
-    files = shard_files(out.fs, out.folder("data"))
+def data_lengths(out: Output, files: list[str]) -> dict[str, int]:
+    """Tokens per sample_id of these (readable) data/ shards."""
     if not files:
         return {}
     table = pads.dataset(files, filesystem=out.fs, format="parquet").to_table(

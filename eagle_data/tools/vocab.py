@@ -62,8 +62,9 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from eagle_data.config import FINISH_REASONS
 from eagle_data.errors import NotWritable, VocabError
-from eagle_data.storage.files import check_replaceable, filesystem, not_a_regular_file, write_bytes
+from eagle_data.storage.files import check_replaceable, filesystem, not_a_regular_file, refuse_inside_out, write_bytes
 from eagle_data.storage.folder import Output
 from eagle_data.storage.provenance import data_identity
 from eagle_data.reader.samples import OutReader
@@ -227,6 +228,8 @@ def build_vocab(out: str, draft_vocab_size: int = DEFAULT_DRAFT_VOCAB_SIZE,
                          "(the target's config.json vocab_size, recorded since eagle-data 0.1.0): "
                          "run the generate phase on this OUT, or make it again")
     check_sizes(draft_vocab_size, vocab_size)
+    if dest is not None:
+        refuse_inside_out(out, dest, "vocab: --dest", allowed=f"{out.rstrip('/')}/vocab")
     made_from = data_identity(Output.existing(out))  # before counting: a vocabulary of these rows
     counted = count_tokens(out, vocab_size, finish_reason, source)
     ids = select_ids(counted.counts, draft_vocab_size)
@@ -259,7 +262,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dest", default=None, help="folder to write (default OUT/vocab)")
     p.add_argument("--format", choices=[*FORMATS, "all"], default="all", dest="format",
                    help="whose trainer the files are for (default all)")
-    p.add_argument("--finish-reason", nargs="+", choices=["stop", "length"], default=None,
+    p.add_argument("--finish-reason", nargs="+", choices=FINISH_REASONS, default=None,
                    help="count only these rows (default all)")
     p.add_argument("--source", nargs="+", default=None, help="count only these sources")
     p.set_defaults(run=run_cli)

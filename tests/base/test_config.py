@@ -112,6 +112,65 @@ def test_every_float_in_the_config_model_is_finite(bad):
     assert not accepted, f"float fields that accept {bad!r}: {accepted}"
 
 
+def number_fields(annotation, loc=()):
+    """The loc of every int and float the config model holds (as float_fields)."""
+    import types
+    import typing
+
+    from pydantic import BaseModel
+
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation in (int, float):
+        yield loc
+    elif isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        for name, field in annotation.model_fields.items():
+            yield from number_fields(field.annotation, (*loc, name))
+    elif origin in (typing.Union, types.UnionType, typing.Annotated):
+        for arg in args:
+            yield from number_fields(arg, loc)
+    elif origin is list:
+        yield from number_fields(args[0], (*loc, 0))
+    elif origin is dict:
+        yield from number_fields(args[1], (*loc, "k"))
+
+
+@pytest.mark.parametrize("bad", [True, False])
+def test_no_number_in_the_config_model_takes_a_boolean(bad):
+    """`hidden_states.layer_ids: [true, 2]` and `sampling.logprobs: true` were taken as 1:
+    walks the whole model, so a number field added later without `Int`/`Finite` fails here."""
+    from pydantic import ValidationError
+
+    from eagle_data.config import Config
+
+    locs = list(dict.fromkeys(number_fields(Config)))
+    assert {("sampling", "logprobs"), ("hidden_states", "layer_ids", 0), ("sampling", "temperature"),
+            ("sampling", "variants", 0, "weight"), ("engine", "replica_resources", "k"), ("source", "seed")} <= set(locs)
+    accepted = []
+    for loc in locs:
+        data = {"model": {"path": "/m"}, "output": {"path": "/o"}}
+        section = nested(loc, bad)
+        data[loc[0]] = {**data.get(loc[0], {}), **section[loc[0]]}
+        try:
+            Config.model_validate(data)
+        except ValidationError as e:
+            if any(err["loc"] == loc and (err["type"] == "int_type" or "not a boolean" in err["msg"])
+                   for err in e.errors()):
+                continue
+        accepted.append(loc)
+    assert not accepted, f"number fields that accept {bad!r}: {accepted}"
+
+
+def test_a_boolean_number_is_a_config_error_naming_it():
+    with pytest.raises(ConfigError, match=r"hidden_states.layer_ids.0: Input should be a valid integer"):
+        load_config(None, BASE + ["hidden_states.layer_ids=[true, 2]"])
+    with pytest.raises(ConfigError, match="sampling.logprobs: Input should be a valid integer"):
+        load_config(None, BASE + ["sampling.logprobs=true"])
+    with pytest.raises(ConfigError, match=r"sampling.temperature: Input should be a number, not a boolean \(true\)"):
+        load_config(None, BASE + ["sampling.temperature=true"])
+    cfg = load_config(None, BASE + ["sampling.temperature=1", "sampling.min_p=1e-3", "sampling.logprobs=3"])
+    assert (cfg.sampling.temperature, cfg.sampling.min_p, cfg.sampling.logprobs) == (1.0, 0.001, 3)
+
+
 def test_an_infinite_setting_is_a_config_error_naming_it():
     with pytest.raises(ConfigError, match="sampling.temperature: Input should be a finite number"):
         load_config(None, BASE + ["sampling.temperature=.inf"])
@@ -139,3 +198,13 @@ def test_a_duplicate_key_at_any_depth_is_an_error_naming_it_and_both_lines(tmp_p
     f.write_text("model: {path: /m}\noutput: {path: /o}\n"
                  "sampling: {<<: {temperature: 0.2, top_p: 0.5}, temperature: 0.3}\n")
     assert load_config(f).sampling.temperature == 0.3
+
+
+def test_hidden_states_finish_reason_takes_the_known_values_only():
+    """A typo (`stopp`) selected no data/ row: a silent 0-row hidden-states run."""
+    with pytest.raises(ConfigError, match=r"hidden_states.finish_reason.0: Input should be 'stop' or 'length'"):
+        load_config(None, BASE + ["hidden_states.finish_reason=[stopp]"])
+    with pytest.raises(ConfigError, match=r"hidden_states.finish_reason.1: Input should be 'stop' or 'length'"):
+        load_config(None, BASE + ["hidden_states.finish_reason=[stop, STOP]"])
+    assert load_config(None, BASE + ["hidden_states.finish_reason=[stop, length]"]).hidden_states.finish_reason == [
+        "stop", "length"]

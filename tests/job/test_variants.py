@@ -95,3 +95,42 @@ def test_a_prompt_becomes_k_conversations_each_rendered_as_its_variant_says(tmp_
     skipped = bad.to_pylist()
     assert skipped[0]["sample_id"] == "" and skipped[1]["sample_id"] == skipped[1]["prompt_id"] != ""
     assert skipped[2]["sample_id"] == rows[0]["prompt_id"]  # skipped rows are keyed by the prompt
+
+
+@pytest.mark.parametrize("weights", [[1e308, 1e308], [1.7976931348623157e308] * 3, [5e-324, 5e-324],
+                                     [1e308, 3e307, 5e-324]])
+def test_the_draw_follows_any_finite_positive_weights(tmp_path, qwen3_tokenizer_dir, weights):
+    """Weights whose sum overflows (1e308 twice) once sent every conversation to the last
+    variant; the smallest subnormals must work too."""
+    specs = [{"name": f"v{i}", "weight": w} for i, w in enumerate(weights)]
+    found = variants(config(tmp_path, qwen3_tokenizer_dir, sampling__variants=specs))
+    ids = [f"{i:020x}" for i in range(8_000)]
+    shares = Counter(Assigner(found, seed=0)(i) for i in ids)
+    total = sum(w / max(weights) for w in weights)
+    for i, w in enumerate(weights):
+        assert abs(shares[f"v{i}"] / len(ids) - w / max(weights) / total) < 0.025, shares  # > 4 sigma
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}]
+
+
+def test_chat_template_kwargs_take_any_json_like_value(tmp_path, qwen3_tokenizer_dir):
+    """A list (`tools`, which Qwen3's template takes), nested dicts and nulls, in
+    prompt.chat_template_kwargs and in a variant's: was `TypeError: unhashable type: 'list'`
+    in the prompts stage, the prompts phase left running."""
+    specs = [{"name": "tools", "chat_template_kwargs": {"tools": TOOLS, "extra": {"a": [1, None]}}},
+             {"name": "plain", "chat_template_kwargs": {"enable_thinking": False}}]
+    cfg = config(tmp_path, qwen3_tokenizer_dir, sampling__variants=specs, sampling__answers_per_prompt=8,
+                 prompt__chat_template_kwargs={"tools": TOOLS[:0], "x": [1, 2]})
+    question = {"messages": [{"role": "user", "content": "Weather in Paris?"}]}
+    made = PromptBuilder.from_config(cfg)(raw_batch([question]))
+    tokenizer = load_tokenizer(str(qwen3_tokenizer_dir))
+    rows = made.to_pylist()
+    assert {r["variant"] for r in rows} == {"tools", "plain"} and all(r["reason"] == "" for r in rows)
+    for r in rows:
+        kwargs = {"tools": TOOLS} if r["variant"] == "tools" else {"tools": [], "enable_thinking": False}
+        assert r["tokenized_prompt"] == tokenizer.apply_chat_template(
+            question["messages"], add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs)
+        assert ("get_weather" in tokenizer.decode(r["tokenized_prompt"])) == (r["variant"] == "tools")

@@ -233,3 +233,27 @@ def test_an_offline_dest_is_only_ever_a_folder_this_tool_wrote(tmp_path):
         check_offline_dest(str(tmp_path / "ours"), "ours", False)
     check_offline_dest(str(tmp_path / "ours"), "ours", True)
     check_offline_dest(str(tmp_path / "new" / "dest"), "new/dest", False)
+
+
+def test_a_dest_inside_the_out_it_reads_is_refused(tmp_path, capsys):
+    """`export OUT OUT/data/x.jsonl` (or an offline folder in OUT, or `vocab --dest` in OUT)
+    wrote a file that is not the OUT's own: the next job run refused the OUT."""
+    import json as json_
+
+    src = write_out(tmp_path / "out", [synthetic_row(i, 4, 2, 3, "stop", "a") for i in range(4)], rows_per_shard=2)
+    manifest = json_.loads((src / "manifest.json").read_text())
+    manifest["phases"]["generate"]["tokenizer"]["model_vocab_size"] = 1000
+    (src / "manifest.json").write_text(json_.dumps(manifest))
+    (tmp_path / "link").symlink_to(src)
+    before = sorted(p.relative_to(src) for p in src.rglob("*"))
+    for argv in (["export", src, src / "data" / "x.jsonl", "--format", "jsonl"],
+                 ["export", src, src / "x.jsonl", "--format", "specforge"],
+                 ["export", src, tmp_path / "link" / "x.jsonl", "--format", "jsonl"],
+                 ["export", src, src / "exp", "--format", "modelopt-offline"],
+                 ["vocab", src, "--draft-vocab-size", "10", "--dest", src / "data"],
+                 ["vocab", src, "--draft-vocab-size", "10", "--dest", tmp_path / "link"]):
+        assert main(list(map(str, argv))) == 2, argv
+        assert f"is inside the OUT it reads ({src})" in capsys.readouterr().err, argv
+    assert sorted(p.relative_to(src) for p in src.rglob("*")) == before
+    assert main(["vocab", str(src), "--draft-vocab-size", "10", "--dest", str(src / "vocab")]) == 0  # its own place
+    assert main(["export", str(src), str(tmp_path / "x.jsonl"), "--format", "jsonl"]) == 0

@@ -92,3 +92,13 @@ def test_an_empty_or_unknown_sample_id_is_named(tmp_path, capsys):
         inspect(str(out), n=1)
     with pytest.raises(NoSuchSample, match="no sample 's0000': .*has no samples yet"):
         inspect(str(out), "s0000")
+
+
+@pytest.mark.parametrize("n", [-1, 0])
+def test_a_count_below_one_is_an_error_naming_it(tmp_path, capsys, n):
+    """`inspect --n -1` said "no sample None"; --n 0 showed one sample."""
+    out = hostile_out(tmp_path)
+    with pytest.raises(EagleDataError, match=f"--n must be at least 1 \\(got {n}\\)"):
+        inspect(str(out), n=n)
+    assert main(["inspect", str(out), "--n", str(n)]) == 2
+    assert f"error: --n must be at least 1 (got {n})" in capsys.readouterr().err

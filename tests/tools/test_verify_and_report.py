@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from eagle_data.storage.folder import Output
 from eagle_data.storage.report import build_report
 from eagle_data.tools.verify import verify
@@ -112,3 +114,73 @@ def test_verify_names_a_shard_of_another_out(tmp_path):
     foreign = [p for p in verify(str(out))[0] if "not this OUT's shard" in p]
     assert foreign == [f"{out}/data/part-00001.parquet: not this OUT's shard: written for another OUT "
                        "(out_id another; this OUT's is synthetic)"]
+
+
+def recorded_out(root):
+    """A synthetic OUT of 3 data shards whose manifest records a vocab size and a hidden-states phase."""
+    import json
+
+    out = write_out(root, [synthetic_row(i, 4, 2, 3, "stop", "a") for i in range(6)], rows_per_shard=2)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["phases"]["generate"]["tokenizer"]["model_vocab_size"] = 1000
+    manifest["phases"]["hidden_states"] = {"features": {"layer_ids": [1], "hidden_size": 8}}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
+
+
+def damaged_out(tmp_path, damage: str):
+    """A synthetic OUT (3 data shards) whose second shard is empty or cut to half; its
+    manifest records a vocab size and a hidden-states phase (verify then reads data/'s
+    lengths too)."""
+    out = recorded_out(tmp_path / damage)
+    victim = sorted((out / "data").glob("*.parquet"))[1]
+    data = victim.read_bytes()
+    victim.write_bytes(b"" if damage == "empty" else data[: len(data) // 2])
+    return out, victim
+
+
+@pytest.mark.parametrize("damage", ["empty", "half"])
+@pytest.mark.parametrize("tool", ["verify", "report", "export", "vocab", "inspect"])
+def test_every_tool_names_a_damaged_data_shard_without_a_traceback(tmp_path, capsys, caplog, damage, tool):
+    """Was: a pyarrow traceback from verify (with hidden states: data/'s lengths), report,
+    export and vocab."""
+    from eagle_data.__main__ import main
+
+    out, victim = damaged_out(tmp_path, damage)
+    argv = {"export": ["export", str(out), str(tmp_path / "x.jsonl"), "--format", "jsonl"],
+            "vocab": ["vocab", str(out), "--draft-vocab-size", "10", "--dest", str(tmp_path / "v")]}.get(tool, [tool, str(out)])
+    code = main(argv)
+    printed = capsys.readouterr()
+    assert victim.name in printed.out + printed.err + caplog.text
+    assert "Traceback" not in printed.err
+    assert code == {"verify": 1, "report": 0, "inspect": 0}.get(tool, 2), printed
+
+
+@pytest.mark.parametrize("folder", ["data", "hidden_states"])
+def test_a_file_name_that_is_not_utf8_is_named_by_every_tool_and_the_job(tmp_path, capsys, folder,
+                                                                          qwen3_tokenizer_dir):
+    """Not a name eagle-data writes, so not its file: was a UnicodeDecodeError traceback
+    from every tool and from the job's start."""
+    import os
+
+    from support import job_config
+
+    from eagle_data.__main__ import main
+    from eagle_data.errors import ForeignFiles
+    from eagle_data.job.phases.run import run
+
+    out = recorded_out(tmp_path / "whole")
+    (out / folder).mkdir(exist_ok=True)
+    with open(os.fsencode(out / folder) + b"/part-\xff.parquet", "wb") as f:
+        f.write(b"x")
+    said = r"data/part-\xff.parquet".replace("data", folder)
+    for argv in (["verify", str(out)], ["report", str(out)], ["inspect", str(out)],
+                 ["export", str(out), str(tmp_path / "x.jsonl"), "--format", "jsonl"],
+                 ["vocab", str(out), "--draft-vocab-size", "10", "--dest", str(tmp_path / "v")]):
+        code, err = main(argv), capsys.readouterr().err
+        if code == 0 and folder == "hidden_states" and argv[0] in ("report", "inspect", "export", "vocab"):
+            continue  # a tool that does not read hidden_states/ of an OUT without that phase
+        assert code == 2 and said in err and "not UTF-8" in err and "Traceback" not in err, (argv, err)
+    with pytest.raises(ForeignFiles, match="not UTF-8") as e:
+        run(job_config(out, qwen3_tokenizer_dir))
+    assert said in str(e.value)

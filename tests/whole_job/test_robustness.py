@@ -282,3 +282,23 @@ def test_rows_of_another_out_or_config_are_never_taken_as_this_outs(ray_local, t
     [kept] = (out / "quarantine").glob("manifest-*.json")
     assert kept.read_bytes() == manifest[:300]
     assert verify(str(out))[0] == []
+
+
+@pytest.mark.slow
+def test_several_answers_per_prompt_are_not_taken_for_a_damaged_prompts_phase(ray_local, tmp_path, tiny_qwen3,
+                                                                             caplog):
+    """prompts/ holds a row per conversation (prompts x answers_per_prompt): compared with the
+    recorded `prompts` count, every later run took the phase for damaged, refused
+    `--phase generate`, failed verify, and `all` remade the prompts on every resume."""
+    out = tmp_path / "out"
+    cfg = job_config(out, tiny_qwen3, source__sample=3, sampling__answers_per_prompt=2, sampling__max_tokens=4,
+                     engine__batch_size=4)
+    run(cfg, phase="prompts")
+    assert len(read(out, "prompts")) == 6
+    result = run(cfg, phase="generate")["generate"]
+    assert result["ok"] == 6
+    run(cfg, phase="all")
+    manifest = Output(str(out)).manifest
+    assert manifest.status("prompts") == "complete" and len(manifest.runs("prompts")) == 1
+    assert "making the prompts again" not in caplog.text
+    assert verify(str(out))[0] == []
