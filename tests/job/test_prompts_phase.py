@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from support import SAMPLE, job_config, layouts, read_layout, sharegpt, write_jsonl
 from support import read as read_rows
-from eagle_data.errors import OutputMismatch
+from eagle_data.errors import ConfigError, OutputMismatch
 from eagle_data.job.phases.run import run
 from eagle_data.job.stages.sample import select_sample
 
@@ -114,6 +114,23 @@ def test_chat_template_kwargs_reach_the_template(ray_local, tmp_path, qwen3_toke
     assert len(prompts) == 5
     for p in prompts:
         assert p["tokenized_prompt"][-len(closed):] == closed
+
+
+@pytest.mark.parametrize("kwargs, key", [({"thinking": False}, "thinking"),  # Kimi's key: Qwen3 reads none
+                                         ({"enable_thinking": "no"}, "enable_thinking")])  # a string is not false
+def test_a_variant_whose_template_arguments_change_nothing_is_refused(ray_local, tmp_path, qwen3_tokenizer_dir,
+                                                                      kwargs, key):
+    path = write_jsonl(tmp_path / "r.jsonl", [sharegpt(f"Question {i}?", "s") for i in range(5)])
+    cfg = job_config(tmp_path / "out", qwen3_tokenizer_dir, path, preset=PROMPTS, sampling__variants=[
+        {"name": "think"}, {"name": "no_think", "chat_template_kwargs": kwargs}])
+    with pytest.raises(ConfigError, match=rf"'no_think'.*'think'.*{key}") as e:
+        run(cfg, phase="prompts")
+    assert "chat_template_kwargs" in str(e.value)
+    assert not list((tmp_path / "out" / "prompts").glob("*.parquet"))  # refused before any work
+    # The key the template reads does change the rendering: accepted.
+    run(job_config(tmp_path / "out", qwen3_tokenizer_dir, path, preset=PROMPTS, sampling__variants=[
+        {"name": "think"}, {"name": "no_think", "chat_template_kwargs": {"enable_thinking": False}}]),
+        phase="prompts", fresh=True)
 
 
 def _rows(n):

@@ -30,12 +30,14 @@ def run_prompts(cfg: Config, out: Output, engine=None) -> dict:
         counts = out.manifest.counts("prompts")
         log.info("prompts: reusing finished phase in %s (%s)", out.root, counts)
         return counts
+    builder = PromptBuilder.from_config(cfg)
+    builder.check_variants_render_apart()  # a variant the template cannot tell apart: refused before any work
     rows = read_source(cfg.source)  # a dataset that cannot be read fails before the phase is recorded
     out.remove("prompts", "skipped")
     run = out.manifest.start_run("prompts", cfg.model_dump(mode="json"),
                                  {"prompt_config": prompt_config(cfg)})
     ds, per_source = select_rows(rows, cfg.source)
-    ds = ds.map_batches(PromptBuilder.from_config(cfg), batch_format="pyarrow", batch_size=256)
+    ds = ds.map_batches(builder, batch_format="pyarrow", batch_size=256)
     counts = write_prompts(ds, out, cfg, run["run_id"])
     if per_source is not None:  # source.per_source: rows available and quota per source
         counts["sources"] = per_source

@@ -22,7 +22,8 @@ import pyarrow as pa
 
 from eagle_data.config import Config
 from eagle_data.job.stages.columns import Stage, columns
-from eagle_data.job.variants import DEFAULT, Assigner, Variant, conversation_ids, variants
+from eagle_data.errors import ConfigError
+from eagle_data.job.variants import DEFAULT, Assigner, Variant, conversation_ids, frozen, variants
 from eagle_data.model_files import control_token_pattern, load_tokenizer
 from eagle_data.storage.contract import PROMPTS_SCHEMA, SKIPPED_SCHEMA
 
@@ -149,6 +150,11 @@ def sample_id_of(messages: list[dict]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
+# What check_variants_render_apart renders per variant: a user turn, with and without a system turn.
+PROBES = ([{"role": "user", "content": "What is 2+2?"}],
+          [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "What is 2+2?"}])
+
+
 @dataclass(frozen=True)
 class PromptRenderer:
     """Renders conversations as the model sees them when it is to answer: the chat template
@@ -179,6 +185,36 @@ class PromptRenderer:
             for i, result in zip(indices, self._render([conversations[i] for i in indices], variant)):
                 results[i] = result
         return results
+
+    def check_variants_render_apart(self) -> None:
+        """Refuse (ConfigError) two variants whose chat-template arguments differ but render
+        the probe conversations byte for byte alike: the template ignores the keys that
+        differ (Kimi's `thinking` on Qwen3's template, `enable_thinking: "no"`, a typo), so
+        one of the variants would silently be the other. Checked with the real tokenizer
+        before the phase does any work."""
+        tokenizer = load_tokenizer(self.tokenizer_path, self.trust_remote_code)
+        seen: dict[tuple, Variant] = {}  # the probes' renderings -> the first variant rendering so
+        def render(messages: list[dict], kwargs: dict) -> str | None:
+            try:
+                return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+            except Exception:  # a template may refuse a probe (a system turn): that probe tells nothing
+                return None
+
+        for variant in self.variants.values():
+            texts = tuple(render(messages, variant.chat_template_kwargs) for messages in PROBES)
+            if not any(texts):
+                continue
+            other = seen.setdefault(texts, variant)
+            a, b = variant.chat_template_kwargs, other.chat_template_kwargs
+            if frozen(a) != frozen(b):
+                keys = sorted(k for k in {*a, *b} if k not in a or k not in b or frozen(a[k]) != frozen(b[k]))
+                raise ConfigError(
+                    f"sampling.variants: variant {variant.name!r} renders prompts byte for byte like variant "
+                    f"{other.name!r}, though their chat_template_kwargs differ in {', '.join(map(repr, keys))}: "
+                    f"the chat template of {self.tokenizer_path} ignores "
+                    f"{'that key' if len(keys) == 1 else 'those keys'} or "
+                    f"{'its value' if len(keys) == 1 else 'their values'} ({a!r} vs {b!r}). "
+                    f"Use a key and a value the template reads (e.g. Qwen3 reads enable_thinking: false)")
 
     def _render(self, conversations: list[list[dict]], variant: Variant) -> list[tuple[list[int] | None, str, str]]:
         tokenizer = load_tokenizer(self.tokenizer_path, self.trust_remote_code)
