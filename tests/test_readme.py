@@ -81,7 +81,7 @@ def test_the_tool_commands_run_as_written(demo_like_out, tmp_path):
         assert done.returncode == 0, f"{' '.join(argv)}:\n{done.stdout[-3000:]}"
         assert "Traceback" not in done.stdout, done.stdout[-3000:]
     assert (tmp_path / "demo-specforge.jsonl").stat().st_size > 0
-    assert (out / "vocab" / "vocab_mapping.pt").is_file() and (out / "vocab" / "d2t.npy").is_file()
+    assert (out / "vocab" / "vocab_mapping.pt").is_file() and (out / "vocab" / "d2t-32000.npy").is_file()
     assert (out / "report.html").is_file()
 
 

@@ -65,7 +65,7 @@ counts and the sample_id of every file in that order.
   feeds to the target lm_head. Exactly 3 aux states are required
   (specforge/algorithms/model_providers.py resolve_eagle_capture_layers). Train with
   `data.hidden_states_path: DEST`; write the vocab with `vocab --format specforge`.
-- speculators-offline (vllm-project/speculators, scripts/train.py with
+- speculators-offline (vllm-project/speculators 0.9.0, `python -m speculators.train` with
   speculators/train/data.py ArrowDataset + hs_connectors FileTransfer):
       DEST/                    a datasets.save_to_disk folder, torch format, columns
                                input_ids (int64 list), loss_mask (int64 list), seq_len (int64),
@@ -81,7 +81,8 @@ counts and the sample_id of every file in that order.
   `hidden_states[:, :-1].flatten(1)` as the aux input and `hidden_states[:, -1]` as
   verifier_last_hidden_states); `token_ids` equals the row's input_ids, which ArrowDataset
   checks with torch.equal. Train with `--data-path DEST` and the same target layer ids;
-  `vocab --format speculators --dest DEST` puts d2t.npy/t2d.npy where train.py looks.
+  `vocab --format speculators --dest DEST` puts d2t-<D>.npy/t2d-<D>.npy where it looks
+  (with `--draft-vocab-size D`).
 - modelopt-offline (NVIDIA/Model-Optimizer, examples/speculative_decoding/
   collect_hidden_states/compute_hidden_states_hf.py output, read by
   modelopt/torch/speculative/eagle/utils.py OfflineSupervisedDataset, files found by

@@ -30,12 +30,14 @@ Files under DEST (default OUT/vocab/), each written aside and renamed into place
   d2t = int64 [draft_vocab_size]. Their own writer: specforge/data/preprocessing.py
   (`generate_vocab_mapping_file`, `process_token_dict_to_mappings`), also
   specforge/training/assembly.py (`_install_dataset_vocab_mapping`).
-- speculators (vllm-project/speculators): `d2t.npy` (int64 [D]) and `t2d.npy` (bool [V])
-  with np.save, which scripts/train.py (`parse_vocab_mappings`, `_load_mappings`) looks
-  for in the data path and reads with torch.from_numpy(np.load(...)); and `token_freq.pt`
-  = torch.save(dict[int, int]) (src/speculators/train/vocab_mapping.py
+- speculators (vllm-project/speculators 0.9.0): `d2t-<D>.npy` (int64 [D]) and `t2d-<D>.npy`
+  (bool [V]) with np.save, which its trainer (`python -m speculators.train`,
+  speculators/train/cli.py `parse_vocab_mappings`, `_load_mappings`) looks for in
+  `--data-path` under those names when given `--draft-vocab-size D` (or reads from
+  `--d2t-path`/`--t2d-path`), with torch.from_numpy(np.load(...)); and `token_freq.pt`
+  = torch.save(dict[int, int]) (speculators/train/vocab_mapping.py
   `save_token_frequency_distribution`), loaded with torch.load(weights_only=True) to
-  rebuild the mapping for another D. src/speculators/model.py `load_vocab_mappings`
+  rebuild the mapping for another D. speculators/model.py `load_vocab_mappings`
   checks t2d.shape[0] == the verifier's config vocab_size, t2d.sum() == D and
   d2t.shape[0] == D; its buffers are t2d bool and d2t long.
 - modelopt (NVIDIA/Model-Optimizer, formerly TensorRT-Model-Optimizer): `d2t.pt` =
@@ -164,7 +166,8 @@ def _specforge(d2t, t2d, counts) -> dict[str, Callable[[], bytes]]:
 def _speculators(d2t, t2d, counts) -> dict[str, Callable[[], bytes]]:
     # Plain Python ints: torch.load(weights_only=True) accepts them, numpy scalars it does not.
     freq = {int(i): int(counts[i]) for i in np.flatnonzero(counts)}
-    return {"d2t.npy": lambda: _npy(d2t), "t2d.npy": lambda: _npy(t2d),
+    # The names speculators' trainer looks for in --data-path with --draft-vocab-size D.
+    return {f"d2t-{d2t.size}.npy": lambda: _npy(d2t), f"t2d-{d2t.size}.npy": lambda: _npy(t2d),
             "token_freq.pt": lambda: _torch_bytes(freq)}
 
 

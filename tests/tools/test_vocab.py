@@ -163,10 +163,12 @@ def test_specforge_vocab_mapping_loads_into_the_drafts_buffers(written):
 
 def test_speculators_npy_files_and_token_freq(written):
     dest, ids, counts, draft, vocab = written
-    # scripts/train.py _load_mappings: torch.from_numpy(np.load(...)); model.py
-    # load_vocab_mappings checks t2d length == verifier vocab, t2d.sum() == D, len(d2t) == D.
-    d2t = torch.from_numpy(np.load(dest / "d2t.npy"))
-    t2d = torch.from_numpy(np.load(dest / "t2d.npy"))
+    # speculators 0.9.0 (`python -m speculators.train --data-path DEST --draft-vocab-size D`):
+    # speculators/train/cli.py parse_vocab_mappings looks for DEST/d2t-<D>.npy and
+    # DEST/t2d-<D>.npy, and _load_mappings reads them with torch.from_numpy(np.load(...));
+    # model.py load_vocab_mappings checks t2d length == verifier vocab, t2d.sum() == D, len(d2t) == D.
+    d2t = torch.from_numpy(np.load(dest / f"d2t-{draft}.npy"))
+    t2d = torch.from_numpy(np.load(dest / f"t2d-{draft}.npy"))
     assert d2t.dtype == torch.int64 and tuple(d2t.shape) == (draft,)
     assert t2d.dtype == torch.bool and tuple(t2d.shape) == (vocab,)
     assert int(t2d.sum(dtype=torch.long)) == draft
@@ -195,7 +197,7 @@ def test_token_freq_parquet_and_summary(written):
     summary = json.loads((dest / "vocab.json").read_text())
     assert summary["draft_vocab_size"] == draft and summary["vocab_size"] == vocab
     assert sorted(p.name for p in dest.iterdir()) == sorted(summary["files"])  # no temp files left
-    assert set(summary["files"]) == {"vocab_mapping.pt", "d2t.npy", "t2d.npy", "token_freq.pt",
+    assert set(summary["files"]) == {"vocab_mapping.pt", f"d2t-{draft}.npy", f"t2d-{draft}.npy", "token_freq.pt",
                                      "d2t.pt", "token_freq.parquet", "vocab.json"}
 
 
@@ -325,12 +327,12 @@ def test_cli_reads_the_manifest_vocab_size_and_writes_one_format(tmp_path, capsy
     assert set(summary["coverage"]) == {"20"}  # every standard size is >= V here
     assert "top     20 ids cover" in printed[1]
     assert sorted(p.name for p in (out / "vocab").iterdir()) == [
-        "d2t.npy", "t2d.npy", "token_freq.parquet", "token_freq.pt", "vocab.json"]
-    d2t = np.load(out / "vocab" / "d2t.npy")
+        "d2t-20.npy", "t2d-20.npy", "token_freq.parquet", "token_freq.pt", "vocab.json"]
+    d2t = np.load(out / "vocab" / "d2t-20.npy")
     expected = reference_ids(reference_counts(rows, ["stop"]), 20, 200)
     assert (d2t + np.arange(20)).tolist() == expected
 
-    assert np.load(out / "vocab" / "t2d.npy").shape == (200,)  # the manifest's vocabulary size
+    assert np.load(out / "vocab" / "t2d-20.npy").shape == (200,)  # the manifest's vocabulary size
     assert cli([str(out), "--draft-vocab-size", "500"]) == 2
     assert "error: --draft-vocab-size 500 must be in [1, 200)" in capsys.readouterr().err
 
@@ -352,13 +354,13 @@ def test_vocab_writes_only_regular_files_in_a_folder(tmp_path, capsys):
 
     dest = tmp_path / "dest"
     dest.mkdir()
-    (dest / "d2t.npy").write_text("old")
+    (dest / "d2t-20.npy").write_text("old")
     (tmp_path / "elsewhere").write_text("the user's file")
-    (dest / "t2d.npy").symlink_to(tmp_path / "elsewhere")
+    (dest / "t2d-20.npy").symlink_to(tmp_path / "elsewhere")
     assert cli([str(out), "--draft-vocab-size", "20", "--dest", str(dest), "--format", "speculators"]) == 2
-    assert f"{dest}/t2d.npy is a symlink to {tmp_path / 'elsewhere'}" in capsys.readouterr().err
-    assert sorted(p.name for p in dest.iterdir()) == ["d2t.npy", "t2d.npy"]
-    assert (dest / "d2t.npy").read_text() == "old" and (dest / "t2d.npy").is_symlink()
+    assert f"{dest}/t2d-20.npy is a symlink to {tmp_path / 'elsewhere'}" in capsys.readouterr().err
+    assert sorted(p.name for p in dest.iterdir()) == ["d2t-20.npy", "t2d-20.npy"]
+    assert (dest / "d2t-20.npy").read_text() == "old" and (dest / "t2d-20.npy").is_symlink()
     assert (tmp_path / "elsewhere").read_text() == "the user's file"
 
 
