@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +22,21 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
 MIN_TOKENS, MAX_TOKENS, MEAN_TOKENS, SIGMA = 16, 8192, 1300, 1.0
+
+
+def start_ray(**local) -> str:
+    """Ray for a benchmark: the running instance at RAY_ADDRESS when that is set (the test
+    suite's smoke runs attach to the session's, a Ray start saved per script; the figures
+    then share that instance), else a local instance of its own, started with `local`
+    (num_cpus, _system_config, ...). Returns which, for the benchmark's output."""
+    import ray
+
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=False)
+        return f"attached to the running instance at {address} (RAY_ADDRESS)"
+    ray.init(include_dashboard=False, log_to_driver=False, **local)
+    return "a local instance of its own"
 
 
 def qwen3_dir(dest: Path) -> Path:

@@ -57,7 +57,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
-from _workload import REPO, qwen3_dir, write_chat_rows  # noqa: E402
+from _workload import REPO, qwen3_dir, start_ray, write_chat_rows  # noqa: E402
 
 VOCAB_TEXT = 151643  # Qwen3: ids below this are ordinary text tokens
 
@@ -251,7 +251,7 @@ def main() -> None:
             f"engine.engine_kwargs={json.dumps(kwargs)}", f"engine.max_model_len={max_len}",
             f"sampling.max_tokens={args.gen[1] + 1}", f"engine.batch_size={b}", f"engine.max_concurrent_batches={c}",
             f"hidden_states.dtype={args.dtype}", "output.log_every_s=3600"])
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+        ray_used = start_ray(num_cpus=os.cpu_count())
         logging.getLogger("ray").setLevel(logging.WARNING)
         run(cfg, phase="prompts")
         special = target_tokens(cfg, load_tokenizer(str(model)))
@@ -262,7 +262,7 @@ def main() -> None:
         ids = phase_layer_ids(cfg, num_layers)
         print(f"workload: {len(rows)} data/ rows, {tokens} tokens (longest {max(len(r['input_ids']) for r in rows)}), "
               f"layer ids {ids} of {num_layers}, H {hidden_size}, {args.dtype}, max_num_seqs {args.slots}, "
-              f"batch {b} x {c} concurrent, {os.cpu_count()} cores", flush=True)
+              f"batch {b} x {c} concurrent, {os.cpu_count()} cores; ray: {ray_used}", flush=True)
 
         # 2. bare vLLM first, while the parent's Ray workers are idle.
         spec = tmp / "bare.json"

@@ -6,7 +6,8 @@ where the wall time goes, for this checkout (and, with --compare-rev, another re
 
 Each conversation has --turns user turns (ShareGPT rows), so the job answers --turns depths;
 depth d is asked once depth d-1's answers are published. Each revision runs the same
-command a user runs (`python -m ray_jobs.generate --config FILE`, its own local Ray) on the
+command a user runs (`python -m ray_jobs.generate --config FILE`, its own local Ray, or the
+instance at RAY_ADDRESS when that is set, as in the test suite's smoke run) on the
 same rows, model and config, from a clean tree (--compare-rev is extracted with `git
 archive`). Model loads are counted twice, from what each run leaves: the manifest's
 `engine_load_s` (the driver's record of each spell of replicas loading the model) and vLLM's

@@ -3,7 +3,7 @@ and the peers' way (`vllm serve` + an asyncio OpenAI client at concurrency C), i
 the same prompts, sampling and engine kwargs. vLLM's CPU build, one engine.
 
     .venv/bin/python benchmarks/server_vs_job.py [--rows 128] [--max-tokens 256] [--mean 48]
-        [--slots 64] [--concurrency 4 16 64] [--timeouts tight raised] [--timeout-s S] [--smoke]
+        [--slots 64] [--concurrency 4 16 64] [--timeouts tight raised] [--timeout-s S] [--skip bare|job] [--smoke]
 
 Workload: the babbling Qwen3 of benchmarks/vllm_vs_job.py (fixed next-token distribution,
 p(eos) = 1/--mean: geometric, long-tailed lengths capped at --max-tokens) on synthetic chat
@@ -33,6 +33,10 @@ compared per row with bare vLLM's; the server's text, re-tokenized with the targ
 as the text-storing peers do downstream, is compared with bare's ids less the final stop
 token (the chat template adds it back). The server's prompt ids are checked against the job's
 `tokenized_prompt` (usage.prompt_tokens = its length, and the ids themselves).
+
+`--skip bare` leaves bare vLLM out: the job's ids and tokens/s are then the reference (the
+smoke run in tests/test_benchmarks.py does this, since benchmarks/vllm_vs_job.py's smoke
+measures bare vLLM already); `--skip job` leaves the job out.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ import time  # noqa: E402
 import urllib.request  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from _workload import REPO, qwen3_dir, write_chat_rows  # noqa: E402
+from _workload import REPO, qwen3_dir, start_ray, write_chat_rows  # noqa: E402
 
 # Copied from benchmarks/vllm_vs_job.py (the same babbling vocabulary), not imported: that
 # script is being changed at the same time and this one must not depend on its internals.
@@ -205,7 +209,7 @@ async def drive(url: str, model: str, prompts: list[dict], concurrency: int, tim
     return {"wall_s": wall, "results": dict(results), "retries": sum(attempts.values()) - len(prompts)}
 
 
-def server_row(run: dict, prompts: list[dict], bare_ids: dict, tokenizer, stop_ids: list[int]) -> dict:
+def server_row(run: dict, prompts: list[dict], reference_ids: dict, tokenizer, stop_ids: list[int]) -> dict:
     """Rows ok / lost, tokens, and exactness of one sweep setting."""
     import openai
 
@@ -215,13 +219,13 @@ def server_row(run: dict, prompts: list[dict], bare_ids: dict, tokenizer, stop_i
                                for r in run["results"].values() if isinstance(r, Exception))
     prompt_mismatch = sum(r.usage.prompt_tokens != len(by_id[s]["tokenized_prompt"])
                           or r.prompt_token_ids != list(by_id[s]["tokenized_prompt"]) for s, r in ok.items())
-    ids_exact = sum(r.choices[0].token_ids == bare_ids[s] for s, r in ok.items())
+    ids_exact = sum(r.choices[0].token_ids == reference_ids.get(s) for s, r in ok.items())
 
     def without_stop(ids):
         return ids[:-1] if ids and ids[-1] in stop_ids else ids
 
     text_exact = sum(tokenizer.encode(r.choices[0].message.content or "", add_special_tokens=False)
-                     == without_stop(bare_ids[s]) for s, r in ok.items())
+                     == without_stop(reference_ids.get(s, [])) for s, r in ok.items())
     return {"ok": len(ok), "lost": lost, "retries": run["retries"], "prompt_mismatch": prompt_mismatch,
             "tokens": sum(r.usage.completion_tokens for r in ok.values()), "seconds": run["wall_s"],
             "exact": f"ids {ids_exact}/{len(ok)}; text {text_exact}/{len(ok)}"}
@@ -238,6 +242,8 @@ def main() -> None:
     parser.add_argument("--timeouts", nargs="+", default=["tight", "raised"], choices=["tight", "raised"])
     parser.add_argument("--timeout-s", type=float, help="the tight timeout (default: the scaling rule above)")
     parser.add_argument("--raised-timeout-s", type=float, default=600.0)
+    parser.add_argument("--skip", choices=["bare", "job"], help="leave out bare vLLM (the job's ids and rate are "
+                        "then the reference) or the job")
     parser.add_argument("--smoke", action="store_true", help="6 rows, 16 tokens, C = 2, tight timeout only")
     parser.add_argument("--bare", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -276,7 +282,7 @@ def main() -> None:
                 f"sampling.max_tokens={args.max_tokens}", "sampling.temperature=1.0", "sampling.top_p=1.0",
                 "sampling.seed=0", "output.rows_per_shard=64", "output.log_every_s=3600",
                 f"engine.batch_size={b}", f"engine.max_concurrent_batches={c}"]
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray_used = start_ray(num_cpus=2)
         logging.getLogger("ray").setLevel(logging.WARNING)
         base_cfg = load_config(None, base + [f"output.path={tmp / 'base'}"])
         run(base_cfg, phase="prompts")
@@ -284,41 +290,52 @@ def main() -> None:
         stop_ids = list(target_tokens(base_cfg, tokenizer).eos_ids)  # what the job asks for
         prompts = read_prompts(tmp / "base")
 
-        spec = tmp / "bare.json"
-        spec.write_text(json.dumps({"out": str(tmp / "base"), "model": str(model),
-                                    "engine_kwargs": {**kwargs, "max_model_len": MAX_MODEL_LEN},
-                                    "max_tokens": args.max_tokens, "stop_ids": stop_ids}))
-        subprocess.run([sys.executable, __file__, "--bare", str(spec), str(tmp / "bare-result.json")], check=True,
-                       env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
-        bare = json.loads((tmp / "bare-result.json").read_text())
-        bare_ids = bare["ids"]
-        bare_tokens = sum(map(len, bare_ids.values()))
-        bare_rate = bare_tokens / bare["engine_s"]
-        lengths = sorted(map(len, bare_ids.values()))
-        print(f"workload: {len(prompts)} prompts, geometric lengths mean {args.mean:g} capped at {args.max_tokens} "
-              f"(measured mean {bare_tokens / len(lengths):.1f}, longest {lengths[-1]}), max_num_seqs {args.slots}",
-              flush=True)
-        table = [("bare vLLM (LLM.generate)", "-", "-", len(bare_ids), "0", "-", bare_tokens, bare["engine_s"],
-                  f"ids {len(bare_ids)}/{len(bare_ids)} (the reference)")]
-        loads = [f"bare LLM(...) {bare['load_s']:.1f} s"]
+        table, loads = [], []
+        reference = None  # (name, each row's ids, tokens/s): what the other paths are compared with
+        if args.skip != "bare":
+            spec = tmp / "bare.json"
+            spec.write_text(json.dumps({"out": str(tmp / "base"), "model": str(model),
+                                        "engine_kwargs": {**kwargs, "max_model_len": MAX_MODEL_LEN},
+                                        "max_tokens": args.max_tokens, "stop_ids": stop_ids}))
+            subprocess.run([sys.executable, __file__, "--bare", str(spec), str(tmp / "bare-result.json")], check=True,
+                           env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
+            bare = json.loads((tmp / "bare-result.json").read_text())
+            bare_ids = bare["ids"]
+            bare_tokens = sum(map(len, bare_ids.values()))
+            reference = ("bare", bare_ids, bare_tokens / bare["engine_s"])
+            table.append(("bare vLLM (LLM.generate)", "-", "-", len(bare_ids), "0", "-", bare_tokens, bare["engine_s"],
+                          f"ids {len(bare_ids)}/{len(bare_ids)} (the reference)"))
+            loads.append(f"bare LLM(...) {bare['load_s']:.1f} s")
 
-        out = tmp / "job"
-        shutil.copytree(tmp / "base", out)
-        events = tmp / "events.jsonl"
-        started = time.time()
-        counts = run(load_config(None, base + [f"output.path={out}"]), phase="generate",
-                     engine=timed_engine(str(events)))["generate"]
-        calls = [json.loads(line) for line in events.read_text().splitlines()]
-        engine_s = max(e["last"] for e in calls) - min(e["queued"] for e in calls)
-        loads.append(f"job (Ray + pipeline start + load) {min(e['arrival'] for e in calls) - started:.1f} s")
-        ids = job_ids(out)
-        table.append((f"job, default feeding {b}x{c}", "-", "-", len(ids), str(len(prompts) - len(ids)), "-",
-                      sum(map(len, ids.values())), engine_s,
-                      f"ids {sum(ids[s] == bare_ids[s] for s in ids)}/{len(ids)}"))
-        assert counts["ok"] == len(ids), counts
+        if args.skip != "job":
+            out = tmp / "job"
+            shutil.copytree(tmp / "base", out)
+            events = tmp / "events.jsonl"
+            started = time.time()
+            counts = run(load_config(None, base + [f"output.path={out}"]), phase="generate",
+                         engine=timed_engine(str(events)))["generate"]
+            calls = [json.loads(line) for line in events.read_text().splitlines()]
+            engine_s = max(e["last"] for e in calls) - min(e["queued"] for e in calls)
+            loads.append(f"job (Ray + pipeline start + load) {min(e['arrival'] for e in calls) - started:.1f} s")
+            ids = job_ids(out)
+            tokens = sum(map(len, ids.values()))
+            if reference is None:
+                reference = ("job", ids, tokens / engine_s)
+            ref_ids = reference[1]
+            table.append((f"job, default feeding {b}x{c}", "-", "-", len(ids), str(len(prompts) - len(ids)), "-",
+                          tokens, engine_s, f"ids {sum(ids[s] == ref_ids.get(s) for s in ids)}/{len(ids)}"
+                          + (" (the reference)" if reference[0] == "job" else "")))
+            assert counts["ok"] == len(ids), counts
         ray.shutdown()  # the server gets the cores the job had
+        ref_name, ref_ids, ref_rate = reference
+        ref_tokens = sum(map(len, ref_ids.values()))
+        lengths = sorted(map(len, ref_ids.values()))
+        print(f"workload: {len(prompts)} prompts, geometric lengths mean {args.mean:g} capped at {args.max_tokens} "
+              f"(measured mean {ref_tokens / len(lengths):.1f}, longest {lengths[-1]}), max_num_seqs {args.slots}; "
+              f"reference: {ref_name}{'' if args.skip is None else f' (--skip {args.skip})'}; ray: {ray_used}",
+              flush=True)
 
-        tight = args.timeout_s or SEED_BUDGET_IN_MEANS * args.mean * max(args.concurrency) / bare_rate
+        tight = args.timeout_s or SEED_BUDGET_IN_MEANS * args.mean * max(args.concurrency) / ref_rate
         timeouts = {"tight": tight, "raised": args.raised_timeout_s}
         proc, url, load_s = start_server(model, kwargs, tmp / "server.log")
         loads.append(f"vllm serve (start to /health) {load_s:.1f} s")
@@ -328,7 +345,7 @@ def main() -> None:
                 for name in args.timeouts:
                     result = asyncio.run(drive(url, str(model), prompts, conc, timeouts[name], args.max_tokens,
                                                stop_ids))
-                    row = server_row(result, prompts, bare_ids, tokenizer, stop_ids)
+                    row = server_row(result, prompts, ref_ids, tokenizer, stop_ids)
                     mismatches += row["prompt_mismatch"]
                     lost = ", ".join(f"{n} {k}" for k, n in sorted(row["lost"].items())) or "0"
                     table.append((f"server, {name} timeout", conc, f"{timeouts[name]:.1f}", row["ok"], lost,
@@ -339,13 +356,13 @@ def main() -> None:
 
     print(f"\nloads (apart from the seconds below): {'; '.join(loads)}")
     print(f"prompts: server prompt ids differing from the job's tokenized_prompt: {mismatches} rows")
-    print("\n| path | C | timeout s | rows ok | rows lost | retries | generated tokens | seconds | tokens/s | vs bare "
-          "| exact rows |")
+    print("\n| path | C | timeout s | rows ok | rows lost | retries | generated tokens | seconds | tokens/s | "
+          f"vs {ref_name} | exact rows |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for path, conc, timeout, ok, lost, retries, tokens, seconds, exact in table:
         rate = tokens / seconds
         print(f"| {path} | {conc} | {timeout} | {ok} | {lost} | {retries} | {tokens} | {seconds:.1f} | {rate:.0f} "
-              f"| {rate / bare_rate:.2f} | {exact} |")
+              f"| {rate / ref_rate:.2f} | {exact} |")
 
 
 if __name__ == "__main__":

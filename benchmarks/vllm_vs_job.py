@@ -40,6 +40,9 @@ the range. A second table says where the job's time goes against bare's, per run
 The CPU figures are approximate: a worker's CPU goes to the task it ran at the sample, and
 a process that ends inside the window (the job's engine after its last row) counts up to
 its last sample.
+
+With RAY_ADDRESS set (the test suite's smoke run) the job runs on that Ray instance, whose
+workers are not this process's descendants: the job's CPU breakdown then misses them.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ from pathlib import Path  # noqa: E402
 
 import psutil  # noqa: E402
 
-from _workload import REPO, qwen3_dir, write_chat_rows  # noqa: E402
+from _workload import REPO, qwen3_dir, start_ray, write_chat_rows  # noqa: E402
 
 WORDS = [" the", " cat", " sat", " on", " mat", " and", " dog", " ran", "."]
 
@@ -356,7 +359,9 @@ def main() -> None:
                 "engine.max_model_len=1024", f"sampling.max_tokens={args.max_tokens}", "sampling.temperature=1.0",
                 "sampling.top_p=1.0", "sampling.seed=0", "output.rows_per_shard=64", "output.log_every_s=3600"]
         niceness = {} if args.worker_niceness is None else {"worker_niceness": args.worker_niceness}
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=niceness)
+        if niceness and os.environ.get("RAY_ADDRESS"):
+            raise SystemExit("--worker-niceness starts a Ray instance of its own: unset RAY_ADDRESS")
+        ray_used = start_ray(num_cpus=2, _system_config=niceness)
         logging.getLogger("ray").setLevel(logging.WARNING)
         base_cfg = load_config(None, base + [f"output.path={tmp / 'base'}"])
         prompts = run(base_cfg, phase="prompts")["prompts"]
@@ -378,7 +383,7 @@ def main() -> None:
     first = runs["bare vLLM (LLM.generate)"][0]
     print(f"workload: {prompts['prompts']} prompts, geometric lengths mean {args.mean:g} capped at "
           f"{args.max_tokens} (longest {first['max_len']}), max_num_seqs {args.slots}; {args.repeats} repeat(s), "
-          f"median (range); driver nice {os.nice(0)}")
+          f"median (range); driver nice {os.nice(0)}; ray: {ray_used}")
     print_results(runs)
     print_breakdown(runs)
 

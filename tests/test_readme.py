@@ -27,10 +27,12 @@ def user_env() -> dict:
     return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS")}
 
 
-def run_as_written(argv: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    """In the checkout, as a user types it; stdout and stderr in one stream, in order."""
+def run_as_written(argv: list[str], timeout: float = 600, ray_address: str | None = None) -> subprocess.CompletedProcess:
+    """In the checkout, as a user types it; stdout and stderr in one stream, in order.
+    `ray_address`: as a user with a running Ray instance (RAY_ADDRESS) types it."""
     assert argv[0] == "python"
-    return subprocess.run([sys.executable, *argv[1:]], cwd=REPO, env=user_env(), stdout=subprocess.PIPE,
+    env = {**user_env(), **({"RAY_ADDRESS": ray_address} if ray_address else {})}
+    return subprocess.run([sys.executable, *argv[1:]], cwd=REPO, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=timeout)
 
 
@@ -99,11 +101,13 @@ def test_the_reader_snippet_runs_as_written(demo_like_out):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_the_job_commands_run_as_written_and_read_clean(tmp_path, qwen3_tokenizer_dir):
+def test_the_job_commands_run_as_written_and_read_clean(ray_local, tmp_path, qwen3_tokenizer_dir):
     """Each job command of the README on the demo config, on vLLM, in the order shown,
     with the demo's model swapped for a tiny one and fewer samples and tokens: it exits 0,
     prints no traceback, says what the engine does while it starts, and its summary is the
-    last thing it prints."""
+    last thing it prints. The first runs exactly as a user types it (it starts its own Ray
+    instance); the others join the session's (RAY_ADDRESS, as on a machine with Ray
+    running), a Ray start saved per command."""
     from support import build_tiny_model
 
     model = build_tiny_model(qwen3_tokenizer_dir, tmp_path / "tiny-qwen3-h64", head_dim=64)
@@ -111,12 +115,13 @@ def test_the_job_commands_run_as_written_and_read_clean(tmp_path, qwen3_tokenize
     sizes = ["--set", "source.sample=6", "--set", "sampling.max_tokens=16", "--set", "output.log_every_s=2"]
     commands = readme.starting("python", "-m", "ray_jobs.generate")
     assert any("--phase" not in c for c in commands), "no command that runs the engine"
-    for argv in commands:
+    address = ray_local.get_runtime_context().gcs_address
+    for i, argv in enumerate(commands):
         argv = with_out(argv, out)
         if not any(a.startswith("output.path=") for a in argv):
             argv += ["--set", f"output.path={out}"]
         argv += ["--set", f"model.path={model}", *sizes]
-        done = run_as_written(argv)
+        done = run_as_written(argv, ray_address=address if i else None)
         log = done.stdout
         assert done.returncode == 0, f"{' '.join(argv)}:\n{log[-4000:]}"
         assert "Traceback" not in log, log[-6000:]

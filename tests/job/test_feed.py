@@ -1,5 +1,5 @@
-"""job/stages/feed.py on a real local Ray: every turn depth through one running pipeline.
-Each test drains the pipeline in a thread with a deadline, since the failure this module
+"""job/stages/feed.py on a real local Ray: every turn depth through one running pipeline,
+driven by `drive`, the loop answer_turns (job/phases/generate.py) runs. Each test drains the pipeline in a thread with a deadline, since the failure this module
 guards against is a pipeline that waits forever."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 import ray
 
-from eagle_data.job.stages.feed import EngineFeed
+from eagle_data.job.stages.feed import EngineFeed, drive
 
 
 def depth(values: list[list[int]]) -> ray.data.Dataset:
@@ -18,29 +18,24 @@ def depth(values: list[list[int]]) -> ray.data.Dataset:
     return ray.data.from_arrow([pa.table({"x": v}) for v in values])
 
 
-def drain(depths: list[tuple[ray.data.Dataset, int]], deadline_s: float = 90) -> dict:
-    """Send each depth once the last one is back, as answer_turns does; what came back."""
+def drain(depths: list[tuple[ray.data.Dataset, int]], deadline_s: float = 90, single_depth: bool = False) -> dict:
+    """answer_turns' loop (feed.drive) over `depths`, through a stage that takes each block
+    whole; what came back, and how many batches had come when each next depth was asked for."""
     got = {"batches": [], "depth_ends": [], "error": None}
 
+    def asked():  # drive asks for the next depth once the last one is back
+        for i, d in enumerate(depths):
+            if i:
+                got["depth_ends"].append(len(got["batches"]))
+            yield d
+        got["depth_ends"].append(len(got["batches"]))
+
     def loop():
-        feed = EngineFeed()
-        pending = iter(depths)
         try:
-            feed.send(*next(pending))
-            ds = feed.dataset().map_batches(lambda b: b, batch_format="pyarrow")  # a stage taking blocks whole
-            for batch in feed.results(ds):
-                got["batches"].append(batch.column("x").to_pylist())
-                if feed.depth_done(batch.num_rows):
-                    got["depth_ends"].append(len(got["batches"]))
-                    following = next(pending, None)
-                    if following is None:
-                        feed.end()
-                    else:
-                        feed.send(*following)
+            drive(asked(), lambda source: source.map_batches(lambda b: b, batch_format="pyarrow"),
+                  lambda batch: got["batches"].append(batch.column("x").to_pylist()), single_depth=single_depth)
         except Exception as e:  # noqa: BLE001
-            got["error"] = feed.error or e
-        finally:
-            feed.close()
+            got["error"] = e
 
     thread = threading.Thread(target=loop, daemon=True)
     thread.start()
@@ -57,6 +52,20 @@ def test_each_depth_comes_back_whole_before_the_next_is_sent(ray_local):
     assert sorted(x for b in got["batches"][:got["depth_ends"][0]] for x in b) == list(range(7))
     assert sorted(x for b in got["batches"][got["depth_ends"][0]:] for x in b) == [10, 11, 12]
     assert got["depth_ends"] == [3, 5]
+
+
+def test_the_only_depth_ends_the_source_with_its_blocks(ray_local):
+    # first_user: END follows the depth's blocks (the source ends as a read of files does).
+    got = drain([(depth([[0, 1], [2]]), 3)], single_depth=True)
+    assert got["error"] is None
+    assert sorted(x for b in got["batches"] for x in b) == [0, 1, 2] and got["depth_ends"] == [2]
+
+
+def test_no_depth_to_ask_runs_no_pipeline(ray_local):
+    def never(source):
+        raise AssertionError("a pipeline was built with nothing to ask")
+
+    drive(iter([]), never, never)
 
 
 def test_a_repartitioned_depth_sends_each_row_once_one_batch_per_block(ray_local):

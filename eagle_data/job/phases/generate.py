@@ -25,7 +25,7 @@ from eagle_data.errors import MissingInput
 from eagle_data.job.stages.engines import ENGINE_CLASSES, apply_engine, engine_start_errors
 from eagle_data.job.fingerprints import generate_config
 from eagle_data.job.phases.phase import Phase
-from eagle_data.job.stages.feed import EngineFeed
+from eagle_data.job.stages.feed import drive
 from eagle_data.job.stages.postprocess import Postprocessor
 from eagle_data.job.stages.requests import DropStoppedTurns, Requests, UnfinishedFirstTurns, engine_sampling
 from eagle_data.job.progress import EngineWatch, Progress
@@ -86,27 +86,10 @@ def answer_turns(cfg: Config, out: Output, special: SpecialTokens, finished: set
     depth d is sent to it once depth d-1's answers are all published (job/stages/feed.py)."""
     finished_ref = ray.put(pa.array(sorted(finished), pa.string()))  # shared by every task
     depths = depths_to_ask(cfg, out, special, finished_ref, writers, run_id)
-    first = next(depths, None)
-    if first is None:
-        return
-    feed = EngineFeed()
-    try:
-        with engine_start_errors(cfg):
-            feed.send(*first, last=cfg.prompt.turns != "all")  # first_user: its only depth
-            for batch in feed.results(answers(feed.dataset(), cfg, special, engine)):
-                publish(batch, writers["data"], writers["failed"], progress, run_id)
-                if feed.depth_done(batch.num_rows):
-                    following = next(depths, None)  # built from the answers just published
-                    if following is None:
-                        feed.end()
-                    else:
-                        feed.send(*following)
-    except Exception:
-        if feed.error is not None:  # the pipeline failed because a depth could not be sent
-            raise feed.error from None
-        raise
-    finally:
-        feed.close()
+    with engine_start_errors(cfg):
+        drive(depths, lambda source: answers(source, cfg, special, engine),
+              lambda batch: publish(batch, writers["data"], writers["failed"], progress, run_id),
+              single_depth=cfg.prompt.turns != "all")  # first_user: its only depth
 
 
 def depths_to_ask(cfg: Config, out: Output, special: SpecialTokens, finished: ray.ObjectRef, writers: dict,

@@ -26,7 +26,7 @@ blocks its first attempt had taken, and the driver would wait for their rows for
 from __future__ import annotations
 
 import threading
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pyarrow as pa
 import ray
@@ -134,3 +134,33 @@ class EngineFeed:
 
     def close(self) -> None:
         ray.kill(self.queue.actor)
+
+
+def drive(depths: Iterator[tuple[ray.data.Dataset, int]], pipeline: Callable[[ray.data.Dataset], ray.data.Dataset],
+          on_batch: Callable[[pa.Table], None], single_depth: bool = False) -> None:
+    """The driver's loop: every depth of `depths` ((blocks, how many rows)) through one
+    running `pipeline(source)`, each depth sent once the last one's rows are all back, and
+    each output batch given to `on_batch` (which publishes it) before the next depth is
+    built: `depths` builds a depth from the answers published so far. `single_depth`: the
+    first depth is the only one (END follows its blocks, see EngineFeed.send). When a depth
+    cannot be sent, its own error is raised, not the pipeline's."""
+    first = next(depths, None)
+    if first is None:
+        return
+    feed = EngineFeed()
+    try:
+        feed.send(*first, last=single_depth)
+        for batch in feed.results(pipeline(feed.dataset())):
+            on_batch(batch)
+            if feed.depth_done(batch.num_rows):
+                following = next(depths, None)  # built from the answers just published
+                if following is None:
+                    feed.end()
+                else:
+                    feed.send(*following)
+    except Exception:
+        if feed.error is not None:  # the pipeline failed because a depth could not be sent
+            raise feed.error from None
+        raise
+    finally:
+        feed.close()
