@@ -59,7 +59,9 @@ An engine replica that cannot start (its model load raises) stops the job with
 
 The *changes* column says which phases' rows a key decides: a rerun on an existing OUT with
 another value of it is refused, naming the changed keys, as long as that phase's rows are in
-OUT (`--fresh` deletes OUT and starts over). *run only*: how fast, where or by what the rows
+OUT (`--fresh` deletes OUT and starts over; `--fresh --phase X` deletes phase X's rows and
+the later phases' only). A phase whose folders hold no row (its filter selected none) binds
+nothing: the next run starts it over under the new config. *run only*: how fast, where or by what the rows
 are made; a rerun may change it. A key of a nested section (`source.per_source.*`,
 `sampling.variants`) is part of its section's value.
 

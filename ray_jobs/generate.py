@@ -25,10 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--phase", choices=PHASE_CHOICES, default="all",
                         help="all = prompts, generate, and hidden_states when hidden_states.enabled")
     parser.add_argument("--fresh", action="store_true",
-                        help="delete everything in output.path first and start over")
+                        help="start over: with --phase all (default) delete everything the project wrote in "
+                             "output.path; with --phase X delete X's rows and the later phases' (their "
+                             "folders and manifest records), keeping the phases before X")
     parser.add_argument("--allow-empty", action="store_true",
                         help="exit 0 when the prompts phase leaves 0 prompts (empty dataset, every row "
-                             f"skipped); otherwise that is an error, exit {EmptyResult.exit_code}")
+                             "skipped) or the hidden-states phase selects 0 rows; otherwise that is an "
+                             f"error, exit {EmptyResult.exit_code}")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # Which copy of the project runs: under `ray job submit`, the working dir Ray unpacked.

@@ -12,7 +12,8 @@ import pyarrow.fs as pafs
 
 from eagle_data.storage import manifest as mf
 from eagle_data.errors import EagleDataError, ForeignFiles, NotAnOut, NotWritable
-from eagle_data.storage.contract import FOLDERS, LOCK, MANIFEST, OWNED_FILES, OWNED_FOLDERS, STAGING, is_ours
+from eagle_data.storage.contract import (FOLDERS, LOCK, MANIFEST, OWNED_FILES, OWNED_FOLDERS, PHASES, QUARANTINE,
+                                         REPORT_FIGURES, REPORT_FILES, STAGING, VOCAB, is_ours)
 from eagle_data.storage.files import filesystem, list_folder
 from eagle_data.storage.shards import ShardWriter, shard_files
 
@@ -71,6 +72,28 @@ class Output:
             if name != LOCK and self.fs.get_file_info(self.folder(name)).is_file:
                 self.fs.delete_file(self.folder(name))
         self.manifest = mf.Manifest(self.fs, self.root)  # a new OUT: a new out_id
+
+    def reset(self, phase: str) -> None:
+        """--fresh --phase X: delete X's rows and all made from them (the folders, quarantined
+        shards and manifest records of X and the phases after it; the report; vocab/, made from
+        data/, unless only the hidden-states phase is reset). The phases before X stay, with
+        the OUT's out_id their shards carry."""
+        names = [p.name for p in PHASES]
+        later = PHASES[names.index(phase):]
+        for record in later:
+            self.remove(*record.folders, *(f"{QUARANTINE}/{f}" for f in record.folders))
+            self.manifest.data["phases"].pop(record.name, None)
+        self.remove(REPORT_FIGURES, *([VOCAB] if "generate" in (r.name for r in later) else []))
+        for name in REPORT_FILES:
+            if self.fs.get_file_info(self.folder(name)).is_file:
+                self.fs.delete_file(self.folder(name))
+        if self.manifest.exists:
+            self.manifest.save()
+
+    def holds_rows(self, phase: str) -> bool:
+        """Whether any folder of `phase` holds a published shard (its rows, done or failed)."""
+        record = next(p for p in PHASES if p.name == phase)
+        return any(f.is_file for name in record.folders for f in list_folder(self.fs, self.folder(name)))
 
     def check_writable(self) -> None:
         probe = f"{self.folder(STAGING)}/probe-{uuid.uuid4().hex}"

@@ -181,13 +181,25 @@ class Manifest:
         config = normalised(config)
         if made is None or made == config:
             return
-        changed = sorted(k for k in set(made) | set(config) if made.get(k) != config.get(k))
+        # A key recorded on one side only (sampling.seed is in the prompt config only with
+        # variants): its value then is the one in the latest run's whole config.
+        runs = self.runs(phase)
+        resolved = runs[-1].get("config", {}) if runs else {}
+        changed = sorted(k for k in set(made) | set(config)
+                         if made.get(k, setting(resolved, k)) != config.get(k, setting(resolved, k)))
         folders = ", ".join(f"{f}/" for f in FOLDERS_OF_PHASE[phase])
         raise OutputMismatch(
             f"{self.out} holds {phase} rows ({folders}) made with different settings (changed: {', '.join(changed)}); "
             "mixing them would make an inconsistent data set. Use another output.path, or rerun with "
             "--fresh to delete this OUT and start over."
         )
+
+
+def setting(config: dict, key: str):
+    """The value of a flattened `section.key` in a nested resolved config (None if absent)."""
+    for part in key.split("."):
+        config = config.get(part) if isinstance(config, dict) else None
+    return config
 
 
 def read_manifest(fs, path: str) -> tuple[dict | None, str | None]:

@@ -44,3 +44,15 @@ def test_a_manifest_json_of_another_tool_is_not_ours(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps({"name": "someone else's"}))
     manifest = Manifest(pafs.LocalFileSystem(), str(tmp_path))
     assert manifest.foreign and not manifest.exists
+
+
+def test_a_key_recorded_only_on_one_side_is_named_only_when_its_value_changed(tmp_path):
+    # The prompt config holds sampling.seed only with variants: adding variants must not name
+    # the seed, which the run's whole config shows was the same; a changed seed is named.
+    manifest = Manifest(pafs.LocalFileSystem(), str(tmp_path))
+    manifest.start_run("prompts", {"sampling": {"seed": 0, "variants": []}},
+                       {"prompt_config": {"sampling.variants": []}})
+    with pytest.raises(OutputMismatch, match=r"\(changed: sampling\.variants\)"):
+        manifest.check_config("prompts", {"sampling.variants": [{"name": "a"}], "sampling.seed": 0})
+    with pytest.raises(OutputMismatch, match=r"\(changed: sampling\.seed, sampling\.variants\)"):
+        manifest.check_config("prompts", {"sampling.variants": [{"name": "a"}], "sampling.seed": 1})

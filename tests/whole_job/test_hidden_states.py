@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from support import REPO, attached, data_rows, job_config, job_settings, read
-from eagle_data.errors import ConfigError, NotEnoughSpace, OutputMismatch
+from eagle_data.errors import ConfigError, EmptyResult, NotEnoughSpace, OutputMismatch
 from eagle_data.job.phases.hidden_states import eagle3_layer_ids
 from eagle_data.job.phases.run import run
 from eagle_data.job.stages.pack_hidden_states import check_states
@@ -266,3 +266,36 @@ def test_refused_before_it_starts(ray_local, hidden_out, deep_qwen3, tmp_path, m
     monkeypatch.undo()
     with pytest.raises(OutputMismatch, match="hidden_states.dtype"):
         run(job_config(hidden_out, deep_qwen3, preset=HIDDEN, hidden_states__dtype="bfloat16"), phase="hidden_states")
+
+
+def listing(out, *folders) -> dict[str, list[str]]:
+    return {f: sorted(p.name for p in (out / f).glob("*")) for f in folders}
+
+
+@pytest.mark.slow  # reads hidden_out, made by the whole job
+def test_fresh_with_a_phase_resets_that_phase_only(ray_local, hidden_out, deep_qwen3, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(hidden_out, out)
+    earlier = ("prompts", "skipped", "data", "failed", "stopped")
+    kept, records = listing(out, *earlier), json.loads((out / "manifest.json").read_text())["phases"]
+    # Another dtype would be refused on these hidden states; --fresh deletes them, not data/.
+    counts = run(job_config(out, deep_qwen3, preset=HIDDEN, hidden_states__dtype="bfloat16"),
+                 phase="hidden_states", fresh=True)
+    assert counts["hidden_states"]["ok"] == counts["hidden_states"]["selected"] == len(data_rows(out)) > 0
+    assert listing(out, *earlier) == kept
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [manifest["phases"][p] for p in ("prompts", "generate")] == [records["prompts"], records["generate"]]
+    assert manifest["phases"]["hidden_states"]["features"]["dtype"] == "bfloat16"
+    assert len(manifest["phases"]["hidden_states"]["runs"]) == 1  # the old runs went with their rows
+
+
+@pytest.mark.slow  # reads hidden_out, made by the whole job
+def test_a_hidden_states_filter_selecting_nothing_exits_3_and_a_corrected_one_runs(ray_local, hidden_out, deep_qwen3,
+                                                                                  tmp_path):
+    out = without_hidden_states(hidden_out, tmp_path / "out")
+    with pytest.raises(EmptyResult, match=r"0 rows selected .*hidden_states\.source.*--allow-empty") as e:
+        run(job_config(out, deep_qwen3, preset=HIDDEN, hidden_states__source=["nope"]), phase="hidden_states")
+    assert e.value.exit_code == 3
+    # It published no rows: its config binds nothing, and the corrected filter runs.
+    counts = run(job_config(out, deep_qwen3, preset=HIDDEN), phase="hidden_states")
+    assert counts["hidden_states"]["ok"] == counts["hidden_states"]["selected"] == len(data_rows(out)) > 0

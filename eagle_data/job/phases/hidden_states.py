@@ -211,5 +211,16 @@ def summary(out: str, counts: dict) -> list[str]:
             f"failed attempts, {counts['failed_final']} gave up, {counts['pending_retry']} to retry"]
 
 
+def empty(cfg: Config, out: Output) -> str | None:
+    """Why a finished hidden-states phase selected no data/ row, or None."""
+    counts = out.manifest.counts("hidden_states")
+    if not out.manifest.finished("hidden_states") or counts.get("selected") != 0:
+        return None
+    hs = cfg.hidden_states
+    return (f"0 rows selected for hidden states: no data/ row has hidden_states.source {hs.source} and "
+            f"hidden_states.finish_reason {hs.finish_reason} (null: any). Correct the filter and rerun "
+            "(a run that published no rows binds no config), or pass --allow-empty to accept an empty result")
+
+
 PHASE = Phase("hidden_states", hidden_states_config, run_hidden_states, summary,
-              in_all=lambda cfg: cfg.hidden_states.enabled)
+              in_all=lambda cfg: cfg.hidden_states.enabled, empty=empty)

@@ -15,7 +15,7 @@ import pyarrow.fs as pafs
 import ray
 
 from eagle_data.config import Config
-from eagle_data.errors import EmptyResult, MissingInput, NotWritable, ignore_stop_signals, stop_on_signals
+from eagle_data.errors import ConfigError, EmptyResult, MissingInput, NotWritable, ignore_stop_signals, stop_on_signals
 from eagle_data.job.stages.engines import ENGINE_CLASSES, check_engine_kwargs
 from eagle_data.job.phases import PHASE_BY_NAME, PHASES
 from eagle_data.job.ray_internals import ray_data_progress, wait_for_actors_to_exit
@@ -44,7 +44,13 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow
         raise ValueError(f"phase {phase!r} is not one of {PHASE_CHOICES}")
     check_engine_kwargs(cfg)
     chosen = [p for p in PHASES if p.name == phase or (phase == "all" and p.in_all(cfg))]
-    out = open_output(cfg.output.path, fresh)
+    wipe = fresh and phase == "all"  # --fresh: all the project wrote; with --phase X: X and the phases after it
+    reset = [p.name for p in PHASES[PHASES.index(chosen[0]):]] if fresh and not wipe else []
+    for p in chosen:
+        if set(p.reads) & set(reset):  # cannot happen while a phase reads only earlier ones
+            raise ConfigError(f"--fresh --phase {phase} would delete what the {p.name} phase reads "
+                              f"({', '.join(sorted(set(p.reads) & set(reset)))}); use --fresh without --phase")
+    out = open_output(cfg.output.path, wipe)
     out.check_ours()  # before anything is written, moved or deleted there
     # Exists, supported files only, and apart from OUT (neither inside the other): checked
     # before check_writable creates OUT, which must not appear inside a dataset folder.
@@ -52,19 +58,33 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow
     layout = locate(cfg.source, local_out) if any(p.reads_dataset for p in chosen) else None
     out.check_writable()
     rebuilt = False
-    if not fresh:
+    if not wipe:
         # A lost or damaged manifest.json: the shards' footers say which configs made them.
         rebuilt = rebuild_manifest(out)
         for name in dict.fromkeys(n for p in chosen for n in p.locked_by()):
-            out.manifest.check_config(name, PHASE_BY_NAME[name].fingerprint(cfg))
+            if name in reset:
+                continue
+            config = PHASE_BY_NAME[name].fingerprint(cfg)
+            if not out.holds_rows(name) and out.manifest.phase_config(name) not in (None, config):
+                # It published no rows (a filter that selected none): nothing a new config could
+                # mix with, so it starts over under this one, with the phases after it.
+                log.warning("the %s phase published no rows under its recorded config: starting it over", name)
+                reset = reset or [p.name for p in PHASES[PHASES.index(PHASE_BY_NAME[name]):]]
+                continue
+            out.manifest.check_config(name, config)
     check_hub(cfg, uses_hub_dataset=layout is not None and layout.kind == "hub")
     check_model_files(cfg, need_weights=any(p.needs_model_weights for p in chosen))
     with lock(out):
-        if fresh:
+        if wipe:
             log.warning("--fresh: deleting what earlier runs wrote in %s", out.root)
             out.wipe()
-        elif rebuilt or out.manifest.damaged:
-            keep_rebuilt(out)
+        else:
+            if rebuilt or out.manifest.damaged:
+                keep_rebuilt(out)
+            if reset:
+                log.warning("deleting the rows and records of the %s phase%s in %s", ", ".join(reset),
+                            "s" if len(reset) > 1 else "", out.root)
+                out.reset(reset[0])
         out.clear_staging()
         quarantine_corrupt(out)
         check_prompts_record(out)
@@ -78,7 +98,7 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow
         for p in chosen:
             # 0 prompts is a wrong result, not a success: refused before a phase would work
             # from it, and after the phase that made it (its report written), unless allowed.
-            refuse_empty(cfg, out, allow_empty)
+            refuse_empty(cfg, out, allow_empty, PHASES[:PHASES.index(p)])
             started = time.monotonic()
             result[p.name] = p.run(cfg, out, engine)
             report(out)
@@ -86,12 +106,14 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow
             loads = (out.manifest.runs(p.name) or [{}])[-1].get("engine_load_s")
             if loads:  # the first replica's model load, within the phase
                 result["seconds"][f"of which {p.name} loading the model"] = loads[0]
-        refuse_empty(cfg, out, allow_empty)
+        refuse_empty(cfg, out, allow_empty, PHASES[:PHASES.index(chosen[-1]) + 1])
     return result
 
 
-def refuse_empty(cfg: Config, out: Output, allow_empty: bool) -> None:
-    for phase in PHASES:
+def refuse_empty(cfg: Config, out: Output, allow_empty: bool, phases) -> None:
+    """Refuse when one of `phases` finished with no rows: before a phase would work from
+    them (the phases before it), and after the last one ran."""
+    for phase in phases:
         why = phase.empty(cfg, out)
         if why and not allow_empty:
             raise EmptyResult(why)
