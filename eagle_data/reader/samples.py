@@ -29,8 +29,12 @@ final state BEFORE the final norm). Row t of it holds the states computed AT tok
 exactly as with labels (`hidden_states[:-1]` with `input_ids[1:]`, `loss_mask[1:]`); under
 `overflow="truncate"` it is cut to the same `max_len` rows. The sample_id -> byte range
 index is built once, at construction, from the shards' headers only; each item then reads
-that one sample's byte range (its first `max_len` rows' bytes under truncate), never a
-whole shard, so memory stays one sample. A data/ row with no published hidden states (the
+that one sample's byte range, never a whole shard, so memory stays one sample. Each
+tensor read is checked as `verify` checks it: its bytes against their crc32 (the whole
+tensor is read, also under truncate, then cut), and the tokens it was computed from against
+the row's input_ids; a damaged one, one whose row was answered again with other tokens, or
+one of a shard written before shards recorded its tokens is refused (EagleDataError naming
+the sample; the next run of the hidden-states phase redoes it). A data/ row with no published hidden states (the
 phase did not run for it, failed for it, or its filters left it out) is left out of the
 index, and counted in `missing_hidden_states`.
 
@@ -61,7 +65,7 @@ import pyarrow.parquet as pq
 from eagle_data.errors import ConfigError, EagleDataError, MissingInput
 from eagle_data.storage.contract import HIDDEN_STATES, LOGPROB_COLUMNS
 from eagle_data.storage.folder import Output
-from eagle_data.storage.hidden_states import DTYPES, Index, ShardHeaderError
+from eagle_data.storage.hidden_states import DTYPES, Entry, Index, ShardHeaderError, damaged, read_header, stale, tokens_crc32
 from eagle_data.storage.selection import row_filter
 from eagle_data.storage.shards import readable_shards
 
@@ -222,14 +226,16 @@ class Samples:
         self.row = np.concatenate(rows) if rows else np.empty(0, np.int32)
         self.block = np.concatenate(block_ids) if block_ids else np.empty(0, np.int32)
         if self.hidden_states:
-            # Per index position: shard number, first byte, tokens (rows are stored block by block).
-            self._hs = np.concatenate(spans) if spans else np.empty((0, 3), np.int64)
+            # Per index position: shard number, first byte, tokens, crc32 of its bytes and of the
+            # input_ids it was computed from (-1: none recorded); rows are stored block by block.
+            self._hs = np.concatenate(spans) if spans else np.empty((0, 5), np.int64)
             del self._hs_ids, self._hs_shard_number
         # Positions of each block's rows in the index (rows are stored block by block).
         self.block_start = np.searchsorted(self.block, np.arange(len(self.blocks) + 1))
 
     def _hidden_spans(self, table: pa.Table, keep: np.ndarray, path: str) -> tuple[np.ndarray, np.ndarray]:
-        """The kept rows that have hidden states, and their (shard, start, tokens)."""
+        """The kept rows that have hidden states, and their (shard, start, tokens, crc32,
+        input_ids crc32)."""
         ids = table.column("sample_id").to_pylist()
         lengths = sum(table.column(c).to_numpy().astype(np.int64) for c in LENGTH_COLUMNS)
         shard = self._hs_shard_number
@@ -243,26 +249,36 @@ class Samples:
                 raise EagleDataError(f"{entry.shard}: {sample_id} has hidden states for {entry.tokens} tokens, "
                                      f"its data/ row in {path} has {n}: the OUT is inconsistent; run verify")
             found.append(r)
-            span.append((shard[entry.shard], entry.start, entry.tokens))
-        return np.asarray(found, np.int32), np.asarray(span, np.int64).reshape(-1, 3)
+            span.append((shard[entry.shard], entry.start, entry.tokens, -1 if entry.crc32 is None else entry.crc32,
+                         -1 if entry.input_ids_crc32 is None else entry.input_ids_crc32))
+        return np.asarray(found, np.int32), np.asarray(span, np.int64).reshape(-1, 5)
 
-    def read_hidden_states(self, pos: int):
+    def read_hidden_states(self, pos: int, input_ids: np.ndarray):
         """The hidden states of the sample at index position `pos` (a torch tensor), read
-        from its shard's byte range: its first max_len rows under truncate, all otherwise."""
+        from its shard's byte range and checked (module docstring) against its crc32 and the
+        row's whole `input_ids`: its first max_len rows under truncate, all otherwise."""
         import torch
 
-        shard, start, tokens = (int(v) for v in self._hs[pos])
-        if self.truncate:
-            tokens = min(tokens, self.max_len)
+        shard, start, tokens, crc, tokens_crc = (int(v) for v in self._hs[pos])
+        path = self._hs_shards[shard]
         layers, hidden = self.hidden_shape
         nbytes = tokens * layers * hidden * DTYPES[self.hidden_dtype][1]
-        with self.out.fs.open_input_file(self._hs_shards[shard]) as f:
+        with self.out.fs.open_input_file(path) as f:
             data = bytearray(f.read_at(nbytes, start)) if nbytes else bytearray()
         if len(data) != nbytes:
-            raise EagleDataError(f"{self._hs_shards[shard]}: short read at byte {start} ({len(data)} of {nbytes})")
-        if not nbytes:
+            raise EagleDataError(f"{path}: short read at byte {start} ({len(data)} of {nbytes})")
+        entry = Entry(path, (tokens, layers, hidden), start, start + nbytes, None if crc < 0 else crc,
+                      None if tokens_crc < 0 else tokens_crc)
+        why = stale(entry, tokens_crc32(input_ids)) or damaged(entry, data)
+        if why:
+            sample_id = next(s for s, e in read_header(self.out.fs, path)[1].items() if e.start == start)
+            raise EagleDataError(f"{path}: sample_id {sample_id}: {why}: not served; run the job's hidden-states "
+                                 "phase again to redo it (`python -m eagle_data verify` names every such sample)")
+        if self.truncate:
+            tokens = min(tokens, self.max_len)
+        if not tokens:
             return torch.empty((0, layers, hidden), dtype=getattr(torch, self.hidden_dtype))
-        return torch.frombuffer(data, dtype=getattr(torch, self.hidden_dtype)).reshape(tokens, layers, hidden)
+        return torch.frombuffer(data, dtype=getattr(torch, self.hidden_dtype)).reshape(-1, layers, hidden)[:tokens]
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """Every index position once; the same on every rank for a given (seed, epoch)."""
@@ -297,7 +313,8 @@ class Samples:
             item[name] = values[a:b].astype(np.int64)
         item["attention_mask"] = np.ones_like(item["input_ids"])
         if self.hidden_states:
-            item["hidden_states"] = self.read_hidden_states(pos)
+            offsets, values = lists["input_ids"]
+            item["hidden_states"] = self.read_hidden_states(pos, values[offsets[r]:offsets[r + 1]])
         if logprobs is not None:
             item.update(self._aligned_logprobs(logprobs, r, item["input_ids"].size))
         for name in self.columns:

@@ -9,7 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eagle_data.storage.contract import HIDDEN_STATES, PROMPTS_ROW_COUNTS, QUARANTINE
-from eagle_data.storage.hidden_states import ShardHeaderError, read_header
+from eagle_data.storage.hidden_states import (Index, ShardHeaderError, damaged, input_ids_digests, read_bytes,
+                                             read_header, stale)
 from eagle_data.storage.folder import Output
 from eagle_data.storage.provenance import all_shards, shard_problem
 from eagle_data.storage.shards import shard_files
@@ -31,16 +32,38 @@ def quarantine_corrupt(out: Output) -> list[str]:
         problem_of = hidden_problem if folder == HIDDEN_STATES else read_problem
         problem = problem_of(out.fs, path) or shard_problem(out, folder, path)
         if problem:
-            dest = f"{out.folder(QUARANTINE)}/{folder}/{os.path.basename(path)}"
-            out.fs.create_dir(os.path.dirname(dest), recursive=True)
-            out.fs.move(path, dest)
-            log.warning("quarantined shard %s -> %s (%s)", path, dest, problem)
+            _quarantine(out, folder, path, problem)
             moved.append(path)
             if folder in ("prompts", "skipped"):
                 out.manifest.mark("prompts", "damaged")
     if moved:
         out.manifest.save()
     return moved
+
+
+def quarantine_hidden_states(out: Output) -> list[str]:
+    """Before the hidden-states phase runs: move aside each hidden-states shard with an
+    entry that is damaged (its bytes do not match their crc32: every byte is read, one
+    tensor at a time) or no longer its data/ row's (computed from other tokens: the row was
+    answered again; or written before shards recorded which tokens). The phase then redoes
+    every sample of that shard. An entry with no data/ row is left (verify names it)."""
+    digests = input_ids_digests(out.fs, shard_files(out.fs, out.folder("data")))
+    moved = []
+    for sample_id, entry in Index.read(out.fs, out.folder(HIDDEN_STATES)).entries.items():
+        if entry.shard in moved:
+            continue
+        problem = (sample_id in digests and stale(entry, digests[sample_id])) or damaged(entry, read_bytes(out.fs, entry))
+        if problem:
+            _quarantine(out, HIDDEN_STATES, entry.shard, f"sample_id {sample_id}: {problem}")
+            moved.append(entry.shard)
+    return moved
+
+
+def _quarantine(out: Output, folder: str, path: str, problem: str) -> None:
+    dest = f"{out.folder(QUARANTINE)}/{folder}/{os.path.basename(path)}"
+    out.fs.create_dir(os.path.dirname(dest), recursive=True)
+    out.fs.move(path, dest)
+    log.warning("quarantined shard %s -> %s (%s)", path, dest, problem)
 
 def check_prompts_record(out: Output) -> None:
     """A finished prompts phase whose prompts/ or skipped/ no longer hold the rows it

@@ -10,7 +10,11 @@ reader opens it) holding one tensor per sample, named by its `sample_id`:
                 layers; id L, the last, is the final state BEFORE the final norm)
     final_norm  "pre" (the state at id L is before the model's final norm)
     dtype       bfloat16 | float16 | float32
-    crc32       JSON {sample_id: crc32 of the tensor's bytes}, checked by `verify`
+    crc32       JSON {sample_id: crc32 of the tensor's bytes}, checked by `verify`, by the
+                reader and export when they read a tensor, and by the phase before it runs
+    input_ids_crc32  JSON {sample_id: crc32 of the input_ids the tensor was computed from,
+                as int32 little-endian bytes (`tokens_crc32`)}: an entry whose data/ row now
+                holds other tokens (the row answered again) is not done (`stale`)
     run_id      the run that wrote the shard
 
 A reader reaches one sample by reading the header (8 bytes of length, then JSON) and then
@@ -24,9 +28,12 @@ from __future__ import annotations
 
 import json
 import struct
+import zlib
 from dataclasses import dataclass
 from typing import Iterable
 
+import numpy as np
+import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 
 from eagle_data.storage.files import list_folder
@@ -46,6 +53,7 @@ class Entry:
     start: int  # absolute byte offsets in the file
     end: int
     crc32: int | None
+    input_ids_crc32: int | None = None  # None: a shard written before it was recorded
 
     @property
     def tokens(self) -> int:
@@ -72,21 +80,28 @@ def tensor_bytes(tensor) -> "memoryview":
     return memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
 
 
-def write_shard(fs: pafs.FileSystem, path: str, layout: dict[str, tuple[tuple[int, ...], int, int]],
+def tokens_crc32(input_ids) -> int:
+    """Which tokens a tensor was computed from: crc32 of the input_ids as int32 little-endian bytes."""
+    return zlib.crc32(np.asarray(input_ids, dtype="<i4").tobytes())
+
+
+def write_shard(fs: pafs.FileSystem, path: str, layout: dict[str, tuple[tuple[int, ...], int, int, int]],
                 payloads: Iterable, dtype: str, run_id: str, layer_ids: list[int],
                 provenance: dict[str, str]) -> int:
-    """Write one shard at `path`: `layout` is name -> (shape, nbytes, crc32) in file order,
+    """Write one shard at `path`: `layout` is name -> (shape, nbytes, crc32, crc32 of the
+    input_ids it was computed from) in file order,
     `payloads` yields each tensor's bytes in that order (one sample in memory at a time).
     `provenance`: the OUT, run and config it is made under (contract.PROVENANCE, as a Parquet
     shard's footer). Returns its size in bytes. Not atomic: write under OUT/.staging/ and move."""
     metadata = {"format": FORMAT, "layer_ids": json.dumps(layer_ids), "final_norm": "pre", "dtype": dtype,
-                "run_id": run_id, "crc32": json.dumps({n: crc for n, (_, _, crc) in layout.items()}),
+                "run_id": run_id, "crc32": json.dumps({n: crc for n, (_, _, crc, _) in layout.items()}),
+                "input_ids_crc32": json.dumps({n: tokens for n, (*_, tokens) in layout.items()}),
                 **provenance}
-    header = encode_header({n: (shape, nbytes) for n, (shape, nbytes, _) in layout.items()}, dtype, metadata)
+    header = encode_header({n: (shape, nbytes) for n, (shape, nbytes, *_) in layout.items()}, dtype, metadata)
     size = len(header)
     with fs.open_output_stream(path) as f:
         f.write(header)
-        for (name, (_, nbytes, _)), payload in zip(layout.items(), payloads):
+        for (name, (_, nbytes, *_)), payload in zip(layout.items(), payloads):
             if len(payload) != nbytes:
                 raise ValueError(f"{path}: {name} has {len(payload)} bytes, its header says {nbytes}")
             f.write(payload)
@@ -116,11 +131,43 @@ def read_header(fs: pafs.FileSystem, path: str) -> tuple[dict, dict[str, Entry]]
     if metadata.get("format") != FORMAT:
         raise ShardHeaderError(f"{path}: not an eagle-data hidden-states shard")
     crcs = json.loads(metadata.get("crc32", "{}"))
+    tokens = json.loads(metadata.get("input_ids_crc32", "{}"))
     base = 8 + n
     entries = {name: Entry(path, tuple(t["shape"]), base + t["data_offsets"][0], base + t["data_offsets"][1],
-                           crcs.get(name))
+                           crcs.get(name), tokens.get(name))
                for name, t in header.items()}
     return metadata, entries
+
+
+def stale(entry: Entry, input_ids_crc32: int | None) -> str:
+    """Why an entry does not belong to its data/ row (whose input_ids have this crc32; None:
+    no row), or "": computed from other tokens (the row was answered again), or written
+    before shards recorded which tokens (then it cannot be told; it is redone)."""
+    if entry.input_ids_crc32 is None:
+        return "its shard records no digest of the tokens it was computed from (written by an older eagle-data)"
+    if entry.input_ids_crc32 != input_ids_crc32:
+        return "its hidden states were computed from other tokens than its data/ row's input_ids"
+    return ""
+
+
+def damaged(entry: Entry, data: bytes) -> str:
+    """Why a tensor's bytes are not those written, or ""."""
+    if entry.crc32 is None or zlib.crc32(data) != entry.crc32:
+        return "its bytes do not match their crc32 (damaged)"
+    return ""
+
+
+def input_ids_digests(fs: pafs.FileSystem, files: list[str]) -> dict[str, int]:
+    """sample_id -> tokens_crc32 of its input_ids, over these data/ shards (one batch in memory)."""
+    digests = {}
+    if not files:
+        return digests
+    for batch in pads.dataset(files, filesystem=fs, format="parquet").to_batches(columns=["sample_id", "input_ids"]):
+        column = batch.column("input_ids")
+        offsets, values = column.offsets.to_numpy(), column.values.to_numpy()
+        for i, sample_id in enumerate(batch.column("sample_id").to_pylist()):
+            digests[sample_id] = tokens_crc32(values[offsets[i]:offsets[i + 1]])
+    return digests
 
 
 def read_bytes(fs: pafs.FileSystem, entry: Entry) -> bytes:
@@ -129,10 +176,13 @@ def read_bytes(fs: pafs.FileSystem, entry: Entry) -> bytes:
 
 
 def read_sample(fs: pafs.FileSystem, entry: Entry, dtype: str):
-    """One sample's hidden states as a torch tensor [tokens, layers, hidden_size]."""
+    """One sample's hidden states as a torch tensor [tokens, layers, hidden_size]; a
+    ValueError if its bytes do not match their crc32."""
     import torch
 
     data = bytearray(read_bytes(fs, entry))  # writable: torch.frombuffer warns on read-only memory
+    if damaged(entry, data):
+        raise ValueError(f"{entry.shard}: {damaged(entry, data)}")
     return torch.frombuffer(data, dtype=getattr(torch, dtype)).reshape(entry.shape)
 
 

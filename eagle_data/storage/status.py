@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pyarrow.dataset as pads
 
 from eagle_data.storage.contract import HIDDEN_STATES, PHASES
-from eagle_data.storage.hidden_states import Index
+from eagle_data.storage.hidden_states import Index, input_ids_digests, stale
 from eagle_data.storage.shards import shard_files
 
 
@@ -22,9 +22,13 @@ def sample_ids(fs, folder: str) -> list[str]:
 
 
 def done_ids(fs, folder: str) -> list[str]:
-    """The samples a folder of published shards holds (hidden_states/: its headers' entries)."""
-    if folder.rsplit("/", 1)[-1] == HIDDEN_STATES:
-        return list(Index.read(fs, folder).entries)
+    """The samples a folder of published shards holds (hidden_states/: its headers' entries
+    that were computed from their data/ row's input_ids; one whose row was answered again
+    with other tokens is not done)."""
+    out, name = folder.rsplit("/", 1)
+    if name == HIDDEN_STATES:
+        digests = input_ids_digests(fs, shard_files(fs, f"{out}/data"))
+        return [s for s, e in Index.read(fs, folder).entries.items() if not stale(e, digests.get(s))]
     return sample_ids(fs, folder)
 
 

@@ -16,7 +16,8 @@
   ok + failed = conversations.
 - hidden_states/: every shard's header reads and its file has the bytes it lists; each
   sample is in one shard only, is a data/ row, has len(input_ids) rows and the recorded
-  layers, H and dtype, and its bytes match their crc32; after a finished hidden-states run,
+  layers, H and dtype, was computed from its row's input_ids (their crc32 in the header),
+  and its bytes match their crc32; after a finished hidden-states run,
   every selected data/ row is in hidden_states/ or hidden_failed/.
 """
 
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -37,7 +37,8 @@ import pyarrow.parquet as pq
 from eagle_data.storage.contract import FOLDERS, HIDDEN_FAILED, HIDDEN_STATES, PHASES, turn_sample_id
 from eagle_data.storage.folder import Output
 from eagle_data.storage.provenance import foreign_reason, shard_problem
-from eagle_data.storage.hidden_states import ShardHeaderError, read_bytes, read_header, shard_paths
+from eagle_data.storage.hidden_states import (ShardHeaderError, damaged, input_ids_digests, read_bytes, read_header,
+                                             shard_paths, stale)
 from eagle_data.storage.selection import selected_rows
 from eagle_data.storage.status import SampleStatus
 from eagle_data.storage.shards import shard_files
@@ -175,6 +176,7 @@ def check_hidden_states(out: Output, seen: Seen) -> tuple[list[str], dict]:
     problems, published = [], Counter()
     data_files = [f for f in shard_files(out.fs, out.folder("data")) if f not in seen.unreadable]
     lengths = data_lengths(out, data_files)
+    digests = input_ids_digests(out.fs, data_files)
     for path in paths:
         try:
             meta, entries = read_header(out.fs, path)
@@ -199,8 +201,8 @@ def check_hidden_states(out: Output, seen: Seen) -> tuple[list[str], dict]:
                 problems.append(f"{path}: sample_id {sample_id} has hidden states but no data/ row")
             elif entry.shape != shape:
                 problems.append(f"{path}: sample_id {sample_id} has shape {list(entry.shape)}, expected {list(shape)}")
-            elif entry.crc32 is None or zlib.crc32(read_bytes(out.fs, entry)) != entry.crc32:
-                problems.append(f"{path}: sample_id {sample_id}: its bytes do not match their crc32 (damaged)")
+            elif why := stale(entry, digests.get(sample_id)) or damaged(entry, read_bytes(out.fs, entry)):
+                problems.append(f"{path}: sample_id {sample_id}: {why} (the next run of the phase redoes it)")
     problems += [f"sample_id {s} appears {n} times in hidden_states/ (exactly-once broken)"
                  for s, n in published.items() if n > 1]
     finished = out.manifest.finished("hidden_states")

@@ -159,7 +159,7 @@ def test_an_item_reads_only_its_own_byte_range(out, rows, reference):
         tensor_reads = [r for r in CountingFS.reads if r[0].endswith(".safetensors")]
         assert tensor_reads == [(Path(entry.shard).name, entry.start, entry.end - entry.start)]
         assert torch.equal(item["hidden_states"], reference[item["sample_id"]])
-    # Under truncate only the kept rows' bytes are read.
+    # Under truncate the whole tensor is read (its crc32 is checked), then cut to the kept rows.
     cut = min(r["num_prompt_tokens"] for r in rows.values()) + 2
     ds = OutDataset(str(out), shuffle=False, hidden_states=True, columns=["sample_id"], max_len=cut,
                     overflow="truncate", filesystem=CountingFS(skip_instance_cache=True))
@@ -168,7 +168,8 @@ def test_an_item_reads_only_its_own_byte_range(out, rows, reference):
     entry = entries[item["sample_id"]]
     assert len(item["input_ids"]) == cut < entry.tokens
     assert [r for r in CountingFS.reads if r[0].endswith(".safetensors")] == [
-        (Path(entry.shard).name, entry.start, cut * 4 * 64 * 4)]
+        (Path(entry.shard).name, entry.start, entry.end - entry.start)]
+    assert item["hidden_states"].shape[0] == cut
 
 
 def test_samples_without_states_are_left_out_and_counted(out, tmp_path, rows):

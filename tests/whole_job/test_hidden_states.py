@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from support import REPO, attached, data_rows, job_config, job_settings, read
-from eagle_data.errors import ConfigError, EmptyResult, NotEnoughSpace, OutputMismatch
+from eagle_data.errors import ConfigError, EagleDataError, EmptyResult, NotEnoughSpace, OutputMismatch
 from eagle_data.job.phases.hidden_states import eagle3_layer_ids
 from eagle_data.job.phases.run import run
 from eagle_data.job.stages.pack_hidden_states import check_states
@@ -299,3 +299,73 @@ def test_a_hidden_states_filter_selecting_nothing_exits_3_and_a_corrected_one_ru
     # It published no rows: its config binds nothing, and the corrected filter runs.
     counts = run(job_config(out, deep_qwen3, preset=HIDDEN), phase="hidden_states")
     assert counts["hidden_states"]["ok"] == counts["hidden_states"]["selected"] == len(data_rows(out)) > 0
+
+
+@pytest.mark.slow
+def test_hidden_states_of_tokens_answered_again_are_redone(ray_local, deep_qwen3, tmp_path):
+    """A cut data/ shard is quarantined and its samples answered again; sampled, they get
+    other tokens. Their old hidden states no longer belong to their row: verify names them,
+    the reader and export refuse them, and the phase redoes them from the new tokens."""
+    from eagle_data.reader import Samples
+    from eagle_data.tools.export import export
+
+    out = tmp_path / "out"
+    cfg = job_config(out, deep_qwen3, preset=HIDDEN, sampling__temperature=1.0, hidden_states__enabled=True)
+    run(cfg)
+    before = data_rows(out)
+    shard = sorted((out / "data").glob("*.parquet"))[0]
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    # The transformers engine seeds each batch: one row per batch samples other tokens.
+    cfg = job_config(out, deep_qwen3, preset=HIDDEN, sampling__temperature=1.0, hidden_states__enabled=True,
+                     engine__batch_size=1)
+    run(cfg, phase="generate")
+    after = data_rows(out)
+    changed = sorted(s for s in after if after[s]["input_ids"] != before[s]["input_ids"])
+    assert changed, "sampled again, the answers should differ"
+    problems = verify(str(out))[0]
+    assert [p for p in problems if "other tokens" in p and changed[0] in p], problems
+    with pytest.raises(EagleDataError, match="other tokens"):
+        list(Samples(str(out), shuffle=False, hidden_states=True))
+    with pytest.raises(EagleDataError, match="other tokens"):
+        export(str(out), str(tmp_path / "dest"), "speculators-offline")
+    run(cfg, phase="hidden_states")
+    index = hidden_index(out)
+    assert set(index.entries) == set(after) and not index.duplicates
+    fs = Output.existing(str(out)).fs
+    for sample_id in changed:
+        _, hf = reference(deep_qwen3, after[sample_id]["input_ids"])
+        torch.testing.assert_close(read_sample(fs, index.entries[sample_id], "float32")[:, 0], hf[2],
+                                   rtol=1e-5, atol=1e-5)
+    assert verify(str(out))[0] == []
+
+
+@pytest.mark.slow  # reads hidden_out, made by the whole job
+def test_a_damaged_tensor_is_never_served_and_a_rerun_redoes_it(ray_local, hidden_out, deep_qwen3, tmp_path):
+    """A byte flipped inside a tensor: the reader and export check its crc32 as verify does
+    and refuse it, naming the sample; the next run of the phase quarantines its shard and
+    redoes that shard's samples."""
+    from eagle_data.reader import Samples
+    from eagle_data.tools.export import export
+
+    out = tmp_path / "out"
+    shutil.copytree(hidden_out, out)
+    fs = Output.existing(str(out)).fs
+    shard = shard_paths(fs, str(out / "hidden_states"))[0]
+    lost = read_header(fs, shard)[1]
+    damaged = max(lost, key=lambda s: lost[s].end)  # the last tensor: the byte flipped lies in it
+    with open(shard, "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-3, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(EagleDataError, match=f"{damaged}.*crc32"):
+        list(Samples(str(out), shuffle=False, hidden_states=True))
+    with pytest.raises(EagleDataError, match=f"{damaged}.*crc32"):
+        export(str(out), str(tmp_path / "dest"), "speculators-offline")
+    assert not (tmp_path / "dest").exists()
+    run(job_config(out, deep_qwen3, preset=HIDDEN, hidden_states__rows_per_shard=3), phase="hidden_states")
+    assert (out / "quarantine" / "hidden_states" / os.path.basename(shard)).is_file()
+    index = hidden_index(out)
+    assert set(lost) <= set(index.entries) and set(index.entries) == set(data_rows(out)) and not index.duplicates
+    assert verify(str(out))[0] == []

@@ -40,6 +40,7 @@ from eagle_data.storage.hidden_states import layer_bytes
 from eagle_data.storage.selection import selected_rows
 from eagle_data.storage.shards import shard_files
 from eagle_data.storage.status import SampleStatus
+from eagle_data.storage.damage import quarantine_hidden_states
 
 log = logging.getLogger("eagle_data")
 
@@ -89,6 +90,7 @@ def run_hidden_states(cfg: Config, out: Output, engine=None) -> dict:
                     "hidden states on the next run of this phase")
     num_layers, hidden_size = target_shape(cfg)
     ids, dtype = layer_ids(cfg, num_layers), cfg.hidden_states.dtype
+    quarantine_hidden_states(out)  # damaged or stale entries: their shards' samples are redone
     selected = selected_rows(out.fs, out.folder("data"), cfg.hidden_states.finish_reason, cfg.hidden_states.source)
     status = SampleStatus.read(out.fs, out.root, cfg.output.max_attempts, "hidden_states")
     todo = selected.filter(pc.invert(pc.is_in(selected.column("sample_id"),

@@ -21,7 +21,7 @@ from eagle_data.job.stages.columns import Stage, columns
 from eagle_data.job.stages.engines.outputs import ENGINE_ERROR_COLUMN
 from eagle_data.storage.contract import IDS, STAGING
 from eagle_data.storage.files import filesystem
-from eagle_data.storage.hidden_states import tensor_bytes, write_shard
+from eagle_data.storage.hidden_states import tensor_bytes, tokens_crc32, write_shard
 
 
 def load_request_file(path: str) -> dict:
@@ -96,7 +96,8 @@ class HiddenStatesPacker(Stage):
                 hidden, error = self._load(row["hidden_states_path"], row["input_ids"])
                 if hidden is not None:
                     data = tensor_bytes(hidden)
-                    layout[row["sample_id"]] = (tuple(hidden.shape), len(data), zlib.crc32(data))
+                    layout[row["sample_id"]] = (tuple(hidden.shape), len(data), zlib.crc32(data),
+                                                tokens_crc32(row["input_ids"]))
             errors.append(error)
         fs, root = filesystem(self.out)
         shard = f"{root}/{STAGING}/hidden-{uuid.uuid4().hex}.safetensors" if layout else ""
