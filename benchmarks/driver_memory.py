@@ -120,6 +120,8 @@ def census(top: int = 12) -> dict:
 
 
 def child(n: int, mean_tokens: float, take_census: bool = False, batch_size: int = 16) -> None:
+    import dataclasses
+
     import ray
 
     import eagle_data.job.phases.generate as generate
@@ -136,7 +138,8 @@ def child(n: int, mean_tokens: float, take_census: bool = False, batch_size: int
         tracemalloc.start()
     sampler = Sampler()
     # Attribute the driver's memory to the parts of the run (same functions, wrapped).
-    pipeline.run_prompts = sampler.wrap("prompts phase", pipeline.run_prompts)
+    wrapped = tuple(dataclasses.replace(p, run=sampler.wrap(f"{p.name} phase", p.run)) for p in pipeline.PHASES)
+    pipeline.PHASES, pipeline.PHASE_BY_NAME = wrapped, {p.name: p for p in wrapped}
     # job/phases/run.py writes the report after each phase; the first call is the prompts phase's.
     original_report = pipeline.write_report
     calls = []
@@ -156,8 +159,6 @@ def child(n: int, mean_tokens: float, take_census: bool = False, batch_size: int
         return read(cls, *a, **k)
 
     generate.SampleStatus.read = classmethod(read_and_count)
-    run_generate = generate.run_generate
-    generate.run_generate = sampler.wrap("generate phase", run_generate)
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
