@@ -56,7 +56,7 @@ def test_transformers_backend_refuses_tensor_parallel():
         load_config(None, BASE + ["engine.backend=transformers", "engine.tensor_parallel_size=2"])
 
 
-def float_fields(annotation, loc=()):
+def float_fields(annotation, loc=(), kinds=(float,)):
     """The loc of every float the config model holds, through sections, lists, dicts and
     optionals (a list item is index 0, a dict value key "k")."""
     import types
@@ -65,18 +65,18 @@ def float_fields(annotation, loc=()):
     from pydantic import BaseModel
 
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if annotation is float:
+    if annotation in kinds:
         yield loc
     elif isinstance(annotation, type) and issubclass(annotation, BaseModel):
         for name, field in annotation.model_fields.items():
-            yield from float_fields(field.annotation, (*loc, name))
+            yield from float_fields(field.annotation, (*loc, name), kinds)
     elif origin in (typing.Union, types.UnionType, typing.Annotated):
         for arg in args:
-            yield from float_fields(arg, loc)
+            yield from float_fields(arg, loc, kinds)
     elif origin is list:
-        yield from float_fields(args[0], (*loc, 0))
+        yield from float_fields(args[0], (*loc, 0), kinds)
     elif origin is dict:
-        yield from float_fields(args[1], (*loc, "k"))
+        yield from float_fields(args[1], (*loc, "k"), kinds)
 
 
 def nested(loc, value):
@@ -114,24 +114,7 @@ def test_every_float_in_the_config_model_is_finite(bad):
 
 def number_fields(annotation, loc=()):
     """The loc of every int and float the config model holds (as float_fields)."""
-    import types
-    import typing
-
-    from pydantic import BaseModel
-
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if annotation in (int, float):
-        yield loc
-    elif isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        for name, field in annotation.model_fields.items():
-            yield from number_fields(field.annotation, (*loc, name))
-    elif origin in (typing.Union, types.UnionType, typing.Annotated):
-        for arg in args:
-            yield from number_fields(arg, loc)
-    elif origin is list:
-        yield from number_fields(args[0], (*loc, 0))
-    elif origin is dict:
-        yield from number_fields(args[1], (*loc, "k"))
+    yield from float_fields(annotation, loc, kinds=(int, float))
 
 
 @pytest.mark.parametrize("bad", [True, False])
