@@ -176,6 +176,59 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+ANSWERED = "Elapsed time for batch"  # Ray's vLLM stage logs this line per answered batch
+PAUSE_S = 30  # how long a paused replica waits for its answered rows to reach data/
+
+
+class Faults:
+    """Kill the vLLM replica, then the driver, each while answered rows are reaching data/
+    and rows are still to do. On 2 CPUs the tiny model answers all 32 rows in seconds,
+    faster than the first answers travel through postprocess to a shard; so once the
+    replica has answered a batch it is paused (SIGSTOP) until rows reach data/, then
+    killed (the replica), or the driver is (the second fault). A pause that sees no new
+    row resumes the replica and pauses it again at its next answer."""
+
+    def __init__(self, out, log_path):
+        self.out, self.log_path = out, log_path
+        self.replica_killed, self.rows_at_replica_kill = False, None
+        self.paused: list[int] = []
+        self.answered_before = 0  # answers logged before the current wait for a new one
+        self.rows_before = 0  # rows in data/ before the pause
+        self.paused_at = 0.0
+        self.killed: set[int] = set()
+
+    def step(self) -> bool:
+        """One look; True once the driver should be killed."""
+        rows = len(read(self.out, "data")) if shards(self.out, "data") else 0
+        answered = self.log_path.read_text(errors="replace").count(ANSWERED)
+        if not self.paused:
+            pids = [pid for pid in _vllm_replica_pids() if pid not in self.killed]
+            if pids and answered > self.answered_before:
+                _signal(pids, signal.SIGSTOP)
+                self.paused, self.rows_before, self.paused_at = pids, rows, time.monotonic()
+            return False
+        if rows > self.rows_before:  # answered rows arrived while the replica is paused
+            if self.replica_killed:
+                return True  # the driver goes, the paused replica with it
+            _signal(self.paused, signal.SIGKILL)  # Ray restarts it and retries its batch
+            self.killed |= set(self.paused)
+            self.replica_killed, self.rows_at_replica_kill = True, rows
+        elif time.monotonic() - self.paused_at < PAUSE_S:
+            return False
+        else:
+            _signal(self.paused, signal.SIGCONT)
+        self.paused, self.answered_before = [], answered
+        return False
+
+
 LOGPROBS = 5  # the faulted run also keeps the top-5 log-probabilities, checked for exactness
 
 
@@ -184,7 +237,8 @@ def faulted_run(ray_local, tmp_path_factory, babble_qwen3) -> dict:
     """The job on 32 samples with every fault at once; what happened, for the tests to check.
 
     One row per batch, one batch in flight, one sequence slot: rows are answered one at a
-    time and reach data/ as they finish, so both kills land with rows still to do. Batches
+    time, and a paused replica holds the rest back, so both kills land with rows still to
+    do (Faults). Batches
     of one row also give the row vLLM rejects a batch of its own (all rows failed, its
     `metrics` null-typed): Ray 2.60 cannot concatenate such a batch with an answered one,
     which it never has to, since each engine task gets one batch (generate_phase). The
@@ -207,15 +261,8 @@ def faulted_run(ray_local, tmp_path_factory, babble_qwen3) -> dict:
     with open(tmp / "killed-run.log", "w") as job_log:
         job = subprocess.Popen(job_command(settings, tmp), cwd=REPO, env=job_env(), stdout=job_log,
                                stderr=subprocess.STDOUT, start_new_session=True)
-        replica_killed, rows_at_replica_kill = False, None
-        deadline = time.monotonic() + 2400
-        while job.poll() is None and time.monotonic() < deadline:
-            done = len(read(out, "data")) if shards(out, "data") else 0
-            if not replica_killed and done and (pids := _vllm_replica_pids()):
-                os.kill(pids[0], signal.SIGKILL)
-                replica_killed, rows_at_replica_kill = True, done
-            elif replica_killed and done > rows_at_replica_kill:
-                break
+        faults, deadline = Faults(out, tmp / "killed-run.log"), time.monotonic() + 2400
+        while job.poll() is None and time.monotonic() < deadline and not faults.step():
             time.sleep(0.2)
         finished_early = job.poll() is not None
         if not finished_early:
@@ -230,7 +277,8 @@ def faulted_run(ray_local, tmp_path_factory, babble_qwen3) -> dict:
                                       "engine_kwargs": VLLM["engine__engine_kwargs"]}}
     rerun = subprocess.run(job_command(batched, tmp), cwd=REPO, env=job_env(attached(ray_local)),
                            capture_output=True, text=True, timeout=2400)
-    return {"out": out, "bad": bad, "replica_killed": replica_killed, "rows_at_replica_kill": rows_at_replica_kill,
+    return {"out": out, "bad": bad, "replica_killed": faults.replica_killed,
+            "rows_at_replica_kill": faults.rows_at_replica_kill,
             "finished_early": finished_early, "killed_log": (tmp / "killed-run.log").read_text(),
             "after_kill": after_kill, "rerun": rerun}
 
