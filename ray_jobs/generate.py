@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="exit 0 when the prompts phase leaves 0 prompts (empty dataset, every row "
                              "skipped) or the hidden-states phase selects 0 rows; otherwise that is an "
                              f"error, exit {EmptyResult.exit_code}")
+    parser.add_argument("--keep-prompts", action="store_true",
+                        help="go on with the finished prompts phase although source.dataset's files changed "
+                             "since it read them (otherwise refused, naming what changed)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # Which copy of the project runs: under `ray job submit`, the working dir Ray unpacked.
@@ -44,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         out = cfg.output.path
         try:
-            result = run(cfg, phase=args.phase, fresh=args.fresh, allow_empty=args.allow_empty)
+            result = run(cfg, phase=args.phase, fresh=args.fresh, allow_empty=args.allow_empty,
+                         keep_prompts=args.keep_prompts)
             close_ray()
         except KeyboardInterrupt:  # a stop signal (errors.Stopped) or Ctrl-C: the lock is released by now
             leave_ray()

@@ -207,3 +207,47 @@ def test_unfinished_prompts_phase_is_redone(ray_local, tmp_path, qwen3_tokenizer
     counts = run(cfg, phase="prompts")["prompts"]
     assert not stale.exists()
     assert counts["prompts"] == len(read_rows(out, "prompts")) == 30
+
+
+def test_a_changed_dataset_is_refused_at_resume_unless_the_prompts_are_kept(ray_local, tmp_path, qwen3_tokenizer_dir,
+                                                                            caplog):
+    """Robustness round 4, case 5: one row edited and three appended after the prompts were
+    made; the rerun used to say "reusing finished phase", exit 0, and never read them."""
+    path = write_jsonl(tmp_path / "r.jsonl", _rows(30))
+    out = tmp_path / "out"
+    cfg = job_config(out, qwen3_tokenizer_dir, path, preset=PROMPTS)
+    assert run(cfg, phase="prompts")["prompts"]["prompts"] == 30
+    lines = path.read_text().splitlines()
+    lines[4] = json.dumps(sharegpt("An edited question, longer than it was before?", "src1"))
+    path.write_text("\n".join(lines + [json.dumps(r) for r in _rows(33)[30:]]) + "\n")
+
+    with pytest.raises(OutputMismatch, match=r"r\.jsonl modified \(\d+ -> \d+ bytes\).*--keep-prompts"):
+        run(cfg, phase="prompts")
+    with pytest.raises(OutputMismatch, match="r.jsonl modified"):  # every phase that reuses them
+        run(cfg, phase="all")
+    assert run(cfg, phase="prompts", keep_prompts=True)["prompts"]["prompts"] == 30  # the old prompts
+    assert run(cfg, phase="prompts", fresh=True)["prompts"]["prompts"] == 33  # the dataset as it is now
+    assert run(cfg, phase="prompts")["prompts"]["prompts"] == 33
+
+    (tmp_path / "more.jsonl").write_text("")  # not read: source.dataset names one file
+    (out / "manifest.json").write_text((out / "manifest.json").read_text().replace('"dataset_stamp"', '"x"'))
+    with caplog.at_level("WARNING", logger="eagle_data"):  # an OUT made before stamps: said, not refused
+        run(cfg, phase="prompts")
+    assert "recorded no stamp of its dataset's files" in caplog.text
+
+
+def test_a_dataset_folder_stamp_names_added_and_removed_files(tmp_path):
+    from eagle_data.config import SourceConfig
+    from eagle_data.job.stages.source import content_stamp, locate, stamp_changes
+
+    folder = tmp_path / "d"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", _rows(2))
+    write_jsonl(folder / "b.jsonl", _rows(2))
+    before = content_stamp(locate(SourceConfig(dataset=str(folder))))
+    (folder / "b.jsonl").unlink()
+    write_jsonl(folder / "c.jsonl", _rows(2))
+    now = content_stamp(locate(SourceConfig(dataset=str(folder))))
+    assert stamp_changes(before, now) == [f"{folder / 'c.jsonl'} added", f"{folder / 'b.jsonl'} removed"]
+    assert stamp_changes(now, now) == []
+    assert content_stamp(locate(SourceConfig(dataset="mlabonne/open-perfectblend"))) is None

@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 from eagle_data.config import Config
 from eagle_data.job.stages.prompts import PromptBuilder
 from eagle_data.job.stages.sample import select_rows
-from eagle_data.job.stages.source import read_source
+from eagle_data.job.stages.source import content_stamp, locate, read_source
 from eagle_data.job.fingerprints import prompt_config
 from eagle_data.job.phases.phase import Phase
 from eagle_data.storage.contract import PROMPTS_SCHEMA, SKIPPED_SCHEMA
@@ -32,10 +32,11 @@ def run_prompts(cfg: Config, out: Output, engine=None) -> dict:
         return counts
     builder = PromptBuilder.from_config(cfg)
     builder.check_variants_render_apart()  # a variant the template cannot tell apart: refused before any work
+    stamp = content_stamp(locate(cfg.source))  # before the read: a file changed during it is noticed next time
     rows = read_source(cfg.source)  # a dataset that cannot be read fails before the phase is recorded
     out.remove("prompts", "skipped")
     run = out.manifest.start_run("prompts", cfg.model_dump(mode="json"),
-                                 {"prompt_config": prompt_config(cfg)})
+                                 {"prompt_config": prompt_config(cfg), "dataset_stamp": stamp})
     ds, per_source = select_rows(rows, cfg.source)
     ds = ds.map_batches(builder, batch_format="pyarrow", batch_size=256)
     counts = write_prompts(ds, out, cfg, run["run_id"])

@@ -15,12 +15,13 @@ import pyarrow.fs as pafs
 import ray
 
 from eagle_data.config import Config
-from eagle_data.errors import ConfigError, EmptyResult, MissingInput, NotWritable, ignore_stop_signals, stop_on_signals
+from eagle_data.errors import (ConfigError, EmptyResult, MissingInput, NotWritable, OutputMismatch, ignore_stop_signals,
+                               stop_on_signals)
 from eagle_data.job.stages.engines import ENGINE_CLASSES, check_engine_kwargs
 from eagle_data.job.phases import PHASE_BY_NAME, PHASES
 from eagle_data.job.ray_internals import ray_data_progress, wait_for_actors_to_exit
 from eagle_data.job.stages.engines.exit_noise import quiet_worker_logs
-from eagle_data.job.stages.source import locate
+from eagle_data.job.stages.source import content_stamp, locate, stamp_changes
 from eagle_data.model_files import check_tokenizer_path, hub_reachable, is_hub_id, load_tokenizer, use_hub_cache_only
 from eagle_data.storage.damage import check_prompts_record, quarantine_corrupt
 from eagle_data.storage.folder import Output
@@ -34,12 +35,14 @@ log = logging.getLogger("eagle_data")
 PHASE_CHOICES = (*(phase.name for phase in PHASES), "all")
 
 
-def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow_empty: bool = False) -> dict:
+def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow_empty: bool = False,
+        keep_prompts: bool = False) -> dict:
     """Run `phase` (a name of PHASES, or `all`: every phase whose `in_all` says so).
     `engine` replaces the configured engine stage of the phases that take one (benchmarks
     put a simulated one there). A phase whose finished rows are none (the prompts phase
     left 0 prompts: an empty dataset, or every row skipped) raises EmptyResult after its
-    report, unless `allow_empty`."""
+    report, unless `allow_empty`. A finished phase that read a dataset whose files changed
+    since is refused (OutputMismatch), unless `keep_prompts`."""
     if phase not in PHASE_CHOICES:
         raise ValueError(f"phase {phase!r} is not one of {PHASE_CHOICES}")
     check_engine_kwargs(cfg)
@@ -72,6 +75,9 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow
                 reset = reset or [p.name for p in PHASES[PHASES.index(PHASE_BY_NAME[name]):]]
                 continue
             out.manifest.check_config(name, config)
+        for p in chosen:
+            if p.reads_dataset and p.name not in reset and out.manifest.finished(p.name):
+                check_dataset(out, p.name, layout, keep_prompts)
     check_hub(cfg, uses_hub_dataset=layout is not None and layout.kind == "hub")
     check_model_files(cfg, need_weights=any(p.needs_model_weights for p in chosen))
     with lock(out):
@@ -108,6 +114,30 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow
                 result["seconds"][f"of which {p.name} loading the model"] = loads[0]
         refuse_empty(cfg, out, allow_empty, PHASES[:PHASES.index(chosen[-1]) + 1])
     return result
+
+
+def check_dataset(out: Output, phase: str, layout, keep: bool) -> None:
+    """The finished `phase` read the dataset: refuse it while the dataset's files differ
+    from the stamp it recorded (a row edited or added would otherwise never be read)."""
+    recorded, now = out.manifest.phase(phase).get("dataset_stamp"), content_stamp(layout)
+    if now is None:
+        return  # a hub dataset
+    if recorded is None:  # made before stamps were recorded, or a rebuilt manifest
+        log.warning("the %s phase in %s recorded no stamp of its dataset's files: a changed dataset "
+                    "is not noticed (--fresh --phase %s makes it again)", phase, out.root, phase)
+        return
+    changes = stamp_changes(recorded, now)
+    if not changes:
+        return
+    said = "; ".join(changes)
+    if keep:
+        log.warning("source.dataset changed since the %s phase read it (%s): --keep-prompts goes on with "
+                    "the %s made from it before", phase, said, phase)
+        return
+    raise OutputMismatch(
+        f"source.dataset changed since the {phase} phase in {out.root} read it: {said}. Rerun with "
+        f"--keep-prompts to go on with the {phase} made from it before, or with --fresh --phase {phase} "
+        f"to make them again from the dataset as it is now (which deletes the later phases' rows too)")
 
 
 def refuse_empty(cfg: Config, out: Output, allow_empty: bool, phases) -> None:

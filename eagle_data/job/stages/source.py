@@ -502,3 +502,30 @@ def _skip_space(text: str, pos: int) -> int:
 def _raw_table(rows: list[tuple]) -> pa.Table:
     columns = list(zip(*rows)) if rows else [[]] * len(RAW_SCHEMA)
     return pa.Table.from_arrays([pa.array(c, pa.string()) for c in columns], schema=RAW_SCHEMA)
+
+
+def content_stamp(layout: Layout) -> dict[str, list[int]] | None:
+    """What identifies a local dataset's content, cheap at any size: every file it reads as
+    path -> [size in bytes, modification time in ns] (a save_to_disk folder: every file
+    under it). None for a hub dataset: `datasets` serves its cached copy, not checked here."""
+    if layout.kind == "hub":
+        return None
+    files = layout.paths
+    if layout.kind == "saved":
+        files = [os.path.join(root, n) for root, _, names in _walk(layout.paths[0]) for n in names]
+    stamp = {}
+    for file in files:
+        st = os.stat(file)
+        stamp[os.path.abspath(file)] = [st.st_size, st.st_mtime_ns]
+    return stamp
+
+
+def stamp_changes(recorded: dict[str, list[int]], now: dict[str, list[int]], most: int = 5) -> list[str]:
+    """What differs between two content stamps, one phrase per file (the first `most`)."""
+    changes = [f"{path} added" for path in now if path not in recorded]
+    changes += [f"{path} removed" for path in recorded if path not in now]
+    for path, (size, mtime) in now.items():
+        if path in recorded and [size, mtime] != list(recorded[path]):
+            was = recorded[path][0]
+            changes.append(f"{path} modified ({was} -> {size} bytes)" if size != was else f"{path} modified (same size)")
+    return changes[:most] + ([f"{len(changes) - most} more"] if len(changes) > most else [])
