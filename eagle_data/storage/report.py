@@ -20,9 +20,8 @@ import pyarrow.dataset as pads
 
 from eagle_data.storage import manifest as mf
 from eagle_data.storage.folder import Output
-from eagle_data.storage.status import SampleStatus
-from eagle_data.storage.contract import HIDDEN_STATES, PHASES, SCHEMAS, STAGING, VOCAB_SUMMARY
-from eagle_data.storage.hidden_states import Index
+from eagle_data.storage.status import SampleStatus, current_entries
+from eagle_data.storage.contract import PHASES, SCHEMAS, STAGING, VOCAB_SUMMARY
 from eagle_data.storage.provenance import data_identity
 from eagle_data.storage.files import check_replaceable, list_folder, read_json, write_bytes, write_json
 from eagle_data.storage.shards import readable_shards
@@ -78,9 +77,9 @@ def hidden_states_section(out: Output) -> dict | None:
     record = out.manifest.phase("hidden_states")
     if not record:
         return None
-    index = Index.read(out.fs, out.folder(HIDDEN_STATES))
+    entries = current_entries(out.fs, out.root)  # not those of tokens answered again since
     failed = read_columns(out, "hidden_failed")
-    failed = failed.filter(pc.invert(pc.is_in(failed.column("sample_id"), pa.array(list(index.entries), pa.string()))))
+    failed = failed.filter(pc.invert(pc.is_in(failed.column("sample_id"), pa.array(list(entries), pa.string()))))
     reasons = pc.utf8_slice_codeunits(failed.column("error"), 0, 60)  # the kind of failure, not its detail
     runs = [{k: r.get(k) for k in ("run_id", "status", "todo", "ok", "failed", "tokens", "bytes", "estimate_bytes",
                                    "wall_s")} for r in record.get("runs", [])]
@@ -89,9 +88,9 @@ def hidden_states_section(out: Output) -> dict | None:
             r["tokens_per_s"] = round(r["tokens"] / r["wall_s"], 1)
     return {
         "features": record.get("features", {}),
-        "samples": len(index.entries),
-        "tokens": sum(e.tokens for e in index.entries.values()),
-        "bytes": sum(e.end - e.start for e in index.entries.values()),
+        "samples": len(entries),
+        "tokens": sum(e.tokens for e in entries.values()),
+        "bytes": sum(e.end - e.start for e in entries.values()),
         "failed_rows": failed.num_rows,
         "failed_by_reason": value_counts(reasons),
         "runs": runs,

@@ -22,14 +22,18 @@ def sample_ids(fs, folder: str) -> list[str]:
 
 
 def done_ids(fs, folder: str) -> list[str]:
-    """The samples a folder of published shards holds (hidden_states/: its headers' entries
-    that were computed from their data/ row's input_ids; one whose row was answered again
-    with other tokens is not done)."""
+    """The samples a folder of published shards holds (hidden_states/: current_entries)."""
     out, name = folder.rsplit("/", 1)
     if name == HIDDEN_STATES:
-        digests = input_ids_digests(fs, shard_files(fs, f"{out}/data"))
-        return [s for s, e in Index.read(fs, folder).entries.items() if not stale(e, digests.get(s))]
+        return list(current_entries(fs, out))
     return sample_ids(fs, folder)
+
+
+def current_entries(fs, out: str) -> dict:
+    """hidden_states/ entries computed from their data/ row's input_ids: one whose row was
+    answered again with other tokens is stale, not done (nor counted)."""
+    digests = input_ids_digests(fs, shard_files(fs, f"{out}/data"))
+    return {s: e for s, e in Index.read(fs, f"{out}/{HIDDEN_STATES}").entries.items() if not stale(e, digests.get(s))}
 
 
 @dataclass

@@ -323,6 +323,8 @@ def test_hidden_states_of_tokens_answered_again_are_redone(ray_local, deep_qwen3
     after = data_rows(out)
     changed = sorted(s for s in after if after[s]["input_ids"] != before[s]["input_ids"])
     assert changed, "sampled again, the answers should differ"
+    report = json.loads((out / "report.json").read_text())["hidden_states"]
+    assert report["samples"] == len(after) - len(changed), report  # stale entries are not counted
     problems = verify(str(out))[0]
     assert [p for p in problems if "other tokens" in p and changed[0] in p], problems
     with pytest.raises(EagleDataError, match="other tokens"):
