@@ -12,7 +12,7 @@ import os
 
 import eagle_data
 from eagle_data.config import load_config
-from eagle_data.errors import EmptyResult, cli, exit_with, stop_on_signals
+from eagle_data.errors import EagleDataError, EmptyResult, cli, exit_with, stop_on_signals
 from eagle_data.job.phases import PHASES
 from eagle_data.job.phases.run import PHASE_CHOICES, close_ray, leave_ray, run
 
@@ -50,9 +50,9 @@ def main(argv: list[str] | None = None) -> int:
             result = run(cfg, phase=args.phase, fresh=args.fresh, allow_empty=args.allow_empty,
                          keep_prompts=args.keep_prompts)
             close_ray()
-        except KeyboardInterrupt:  # a stop signal (errors.Stopped) or Ctrl-C: the lock is released by now
-            leave_ray()
-            raise
+        except (KeyboardInterrupt, EagleDataError):  # a stop signal (errors.Stopped), Ctrl-C or a user
+            leave_ray()  # error: the lock is released by now; the worker log lines Ray still streams
+            raise        # are printed before the error, which is the last line
         print(summary(out, result))
         return 0
 

@@ -10,7 +10,7 @@ import pyarrow.dataset as pads
 
 from eagle_data.storage.contract import HIDDEN_STATES, PHASES
 from eagle_data.storage.hidden_states import Index, input_ids_digests, stale
-from eagle_data.storage.shards import shard_files
+from eagle_data.storage.shards import readable_shards, shard_files
 
 
 def sample_ids(fs, folder: str) -> list[str]:
@@ -31,8 +31,9 @@ def done_ids(fs, folder: str) -> list[str]:
 
 def current_entries(fs, out: str) -> dict:
     """hidden_states/ entries computed from their data/ row's input_ids: one whose row was
-    answered again with other tokens is stale, not done (nor counted)."""
-    digests = input_ids_digests(fs, shard_files(fs, f"{out}/data"))
+    answered again with other tokens is stale, not done (nor counted), and so is one whose
+    row is in a damaged data/ shard (named and left out: a job quarantines it at start)."""
+    digests = input_ids_digests(fs, readable_shards(fs, f"{out}/data", skip=True))
     return {s: e for s, e in Index.read(fs, f"{out}/{HIDDEN_STATES}").entries.items() if not stale(e, digests.get(s))}
 
 

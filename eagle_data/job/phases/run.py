@@ -159,8 +159,8 @@ def close_ray() -> None:
 
 
 def leave_ray() -> None:
-    """After a stop signal: leave Ray at once, without waiting for the replicas (`ray job
-    stop` SIGKILLs 3 s after its SIGTERM). ray.shutdown stops every process of the local
+    """After a stop signal or an error: leave Ray at once, without waiting for the replicas
+    (`ray job stop` SIGKILLs 3 s after its SIGTERM). ray.shutdown stops every process of the local
     instance this job started, and only disconnects from a cluster it joined; with further
     stop signals ignored, a second Ctrl-C cannot cut it short and leave Ray's agents running.
     Called even when Ray looks shut down: a shutdown cut short has disconnected but may not
