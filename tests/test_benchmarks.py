@@ -38,11 +38,11 @@ def test_every_benchmark_has_a_smoke_size():
     assert scripts == set(SMOKE)
 
 
-# Each smoke run of a whole job (tens of seconds) is `slow`; vLLM's is `vllm`.
+# Each smoke run of a whole job, or of 20 s or more, is `slow`; vLLM's is `vllm`.
 MARKS = {"vllm_vs_job.py": pytest.mark.vllm, "hidden_states_throughput.py": pytest.mark.vllm,
          "server_vs_job.py": pytest.mark.vllm, "multi_turn_loads.py": pytest.mark.vllm,
          "driver_memory.py": pytest.mark.slow, "prompts_memory.py": pytest.mark.slow,
-         "engine_feeding.py": pytest.mark.slow}
+         "engine_feeding.py": pytest.mark.slow, "postprocess_throughput.py": pytest.mark.slow}
 
 
 # Smoke runs on the session's Ray instance (RAY_ADDRESS: benchmarks/_workload.py start_ray, or
