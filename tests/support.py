@@ -28,13 +28,14 @@ def extract_tokenizer(name: str, dest: Path) -> Path:
     return dest
 
 
-def tiny_qwen3_config(vocab_size: int, head_dim: int, tie_word_embeddings: bool, layers: int = 2):
+def tiny_qwen3_config(vocab_size: int, head_dim: int, tie_word_embeddings: bool, layers: int = 2,
+                      heads: int | None = None):
     """2 layers (more for the hidden-states tests). head_dim 16 (2 heads) for transformers;
     vLLM's CPU attention accepts head sizes from 32 up (not 16), so its tests use head_dim
-    64 (1 head)."""
+    64 (1 head; tensor parallel 2 needs `heads` 2)."""
     from transformers import Qwen3Config
 
-    heads = max(1, 32 // head_dim)
+    heads = heads or max(1, 32 // head_dim)
     return Qwen3Config(
         vocab_size=vocab_size, hidden_size=heads * head_dim, intermediate_size=2 * heads * head_dim,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=1, head_dim=head_dim,
@@ -42,13 +43,14 @@ def tiny_qwen3_config(vocab_size: int, head_dim: int, tie_word_embeddings: bool,
     )
 
 
-def build_tiny_model(tokenizer_dir: Path, dest: Path, head_dim: int = 16, layers: int = 2) -> Path:
+def build_tiny_model(tokenizer_dir: Path, dest: Path, head_dim: int = 16, layers: int = 2,
+                     heads: int | None = None) -> Path:
     """A 2-layer Qwen3 (or `layers`) with random weights and the real tokenizer, saved like a hub model."""
     import torch
     from transformers import AutoTokenizer, GenerationConfig, Qwen3ForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = tiny_qwen3_config(len(tokenizer), head_dim, tie_word_embeddings=True, layers=layers)
+    config = tiny_qwen3_config(len(tokenizer), head_dim, tie_word_embeddings=True, layers=layers, heads=heads)
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config)
     model.save_pretrained(dest)

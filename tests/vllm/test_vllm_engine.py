@@ -468,3 +468,39 @@ def test_greedy_parity_with_transformers_backend(ray_local, tmp_path, qwen3_toke
     assert gap < 1e-5, gap  # measured 9.5e-07 (fp32, 10 identical rows of 12 tokens)
     print(f"\nbackend parity: {len(same)}/{len(rows['vllm'])} rows identical at temperature 0, their top-3 "
           f"log-probabilities within {gap:.1e}")
+
+
+# --- tensor parallel 2: production's layout (one replica, several ranks) ----------------
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_tensor_parallel_2_rows_are_what_vllm_generates_at_tensor_parallel_1(ray_local, tmp_path, qwen3_tokenizer_dir,
+                                                                            caplog):
+    """engine.tensor_parallel_size=2 through the job as users run it (Ray's vLLM stage, the
+    ranks as vLLM's processes in the replica's actor, each bound to its own core), with a
+    greedy and a seeded sampled variant on a random-weight model with 2 attention heads:
+    every data/ row equals vllm.LLM.generate's at tensor parallel 1 on the same requests."""
+    from eagle_data.job.phases.run import run
+
+    model = build_tiny_model(qwen3_tokenizer_dir, tmp_path / "tiny-2heads", head_dim=64, heads=2)
+    out = tmp_path / "out"
+    variants = [{"name": "greedy", "temperature": 0.0}, {"name": "sampled", "temperature": 1.0}]
+    with caplog.at_level("INFO", logger="eagle_data"):
+        run(as_config(job_settings(out, model, preset={
+            **VLLM, "engine__tensor_parallel_size": 2, "source__sample": 12, "sampling__max_tokens": 12,
+            "sampling__top_p": 1.0, "sampling__seed": 3, "sampling__variants": variants})))
+    assert "replica(s) of {'CPU': 1.0}, tensor parallel 2" in caplog.text
+    rows = sorted(read(out, "data"), key=lambda r: r["sample_id"])
+    prompts = {p["sample_id"]: p for p in read(out, "prompts")}
+    assert len(rows) == len(prompts) >= 8 and {r["variant"] for r in rows} == {"greedy", "sampled"}
+    manifest = json.loads((out / "manifest.json").read_text())
+    stop_ids = list(manifest["phases"]["generate"]["tokenizer"]["eos_ids"])
+    requests = [{"prompt": list(prompts[r["sample_id"]]["tokenized_prompt"]),
+                 "params": {**{k: v for k, v in r["sampling"].items() if v is not None},
+                            "stop_token_ids": stop_ids, "detokenize": False}} for r in rows]
+    reference = vllm_reference(tmp_path, model, requests)
+    for row, req, ref in zip(rows, requests, reference):
+        assert list(row["input_ids"]) == req["prompt"] + ref["token_ids"], (row["sample_id"], row["variant"])
+        assert row["finish_reason"] == ref["finish_reason"], row["sample_id"]
+    print(f"\ntensor parallel 2: {len(rows)} rows ({sum(r['variant'] == 'greedy' for r in rows)} greedy) equal "
+          "vllm.LLM.generate's at tensor parallel 1")

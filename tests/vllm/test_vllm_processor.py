@@ -100,11 +100,21 @@ def test_cpu_device_asks_for_cpu_bundles_and_sets_the_kv_cache(kimi):
     assert not gpu.placement_group_config and "kv_cache_memory_bytes" not in gpu.engine_kwargs
 
 
-def test_cpu_device_refuses_tensor_parallel(kimi):
-    from eagle_data.errors import ConfigError
+def test_cpu_tensor_parallel_runs_its_ranks_as_vllm_processes_in_one_bundle(kimi):
+    """The Kimi config (TP 8) on CPU: one CPU bundle per replica, and vLLM's own executor
+    (Ray's default for TP > 1, its "ray" executor, asks for a GPU bundle per rank); on GPU
+    Ray's default is left alone. Each rank's cores: rank_cores."""
+    from eagle_data.job.stages.engines.vllm_udf import rank_cores
 
-    with pytest.raises(ConfigError, match="engine.tensor_parallel_size > 1 is not supported with engine.device=cpu"):
-        load_config(KIMI, ["engine.device=cpu"])  # the Kimi config has TP 8
+    cpu = processor_config(load_config(KIMI, ["engine.device=cpu", "engine.num_cpus=8"]))
+    assert cpu.engine_kwargs["distributed_executor_backend"] == "mp"
+    assert cpu.placement_group_config["bundles"] == [{"CPU": 8, "GPU": 0}]
+    assert "distributed_executor_backend" not in processor_config(kimi).engine_kwargs
+    assert rank_cores([0, 1], 2) == "0|1"
+    assert rank_cores(list(range(8)), 2) == "0,1,2,3|4,5,6,7"
+    assert rank_cores([2, 3, 5], 2) == "2|3"  # a share left over goes unused
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 needs a core per rank; this replica may use 1"):
+        rank_cores([0], 2)
 
 
 def test_no_gpu_in_the_cluster_fails_after_the_wait_instead_of_hanging(ray_local, kimi):

@@ -51,7 +51,12 @@ def typed_engine_kwargs(cfg: Config) -> dict[str, tuple[str, Any]]:
 
 
 def engine_kwargs(cfg: Config) -> dict:
-    return with_passed(typed_engine_kwargs(cfg), cfg.engine.engine_kwargs)  # anything else passes through
+    kwargs = with_passed(typed_engine_kwargs(cfg), cfg.engine.engine_kwargs)  # anything else passes through
+    if cfg.engine.device == "cpu" and cfg.engine.tensor_parallel_size > 1:
+        # The ranks as vLLM's own processes inside the replica's actor, on its one CPU bundle
+        # (Ray's default for TP > 1, its "ray" executor, wants a GPU bundle per rank).
+        kwargs.setdefault("distributed_executor_backend", "mp")
+    return kwargs
 
 
 def replica_needs(cfg: Config) -> dict[str, float]:
@@ -173,4 +178,4 @@ def engine_summary(cfg: Config) -> str:
         except PackageNotFoundError:
             vllm = "not installed"
     return (f"vLLM {vllm} through ray.data.llm's vLLM stage on {cfg.engine.device}, "
-            f"{cfg.engine.replicas} replica(s) of {replica_needs(cfg)}")
+            f"{cfg.engine.replicas} replica(s) of {replica_needs(cfg)}, tensor parallel {cfg.engine.tensor_parallel_size}")

@@ -1,5 +1,6 @@
 """Ray's vLLM stage UDF (ray.data.llm, Ray 2.60, with the vLLM it pins, 0.29) with compact
-log-probabilities and a shutdown that prints nothing when all went well."""
+log-probabilities, a shutdown that prints nothing when all went well, and on vLLM's CPU
+build a core set of its own for each rank of a multi-rank replica."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ def vllm_stage_udf():
     class VLLMEngine(vLLMEngineStageUDF):
         def __init__(self, *args, **kwargs):
             multiprocessing.resource_tracker.ensure_running()
+            engine = kwargs.get("engine_kwargs", {})
+            bind_cpu_ranks(engine.get("tensor_parallel_size", 1) * engine.get("pipeline_parallel_size", 1))
             super().__init__(*args, **kwargs)
             self.llm.generate_async = self.generate_async  # called by Ray's _generate_with_error_handling
             self.stats = EngineStats.attach(self.llm.engine)
@@ -70,6 +73,29 @@ def vllm_stage_udf():
             self.shut_down()
 
     return VLLMEngine
+
+
+def rank_cores(cores: list[int], ranks: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `ranks` tensor-parallel ranks over these cores: each
+    rank its own contiguous share ("0|1", "0-3|4-7"); a share left over goes unused."""
+    if len(cores) < ranks:
+        raise ValueError(f"tensor_parallel_size {ranks} needs a core per rank; this replica may use "
+                         f"{len(cores)} ({cores})")
+    share = len(cores) // ranks
+    groups = [cores[i * share:(i + 1) * share] for i in range(ranks)]
+    return "|".join(",".join(map(str, g)) for g in groups)
+
+
+def bind_cpu_ranks(ranks: int) -> None:
+    """On vLLM's CPU build with ranks > 1, give each rank its own cores from those this
+    process may run on (vLLM's automatic binding wants one NUMA node per rank and refuses to
+    start on one), unless VLLM_CPU_OMP_THREADS_BIND is set already."""
+    if ranks <= 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = rank_cores(sorted(os.sched_getaffinity(0)), ranks)
 
 
 def stop_output_handler(engine, timeout_s: float = 5) -> None:
