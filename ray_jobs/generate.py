@@ -50,9 +50,11 @@ def main(argv: list[str] | None = None) -> int:
             result = run(cfg, phase=args.phase, fresh=args.fresh, allow_empty=args.allow_empty,
                          keep_prompts=args.keep_prompts)
             close_ray()
-        except (KeyboardInterrupt, EagleDataError):  # a stop signal (errors.Stopped), Ctrl-C or a user
-            leave_ray()  # error: the lock is released by now; the worker log lines Ray still streams
-            raise        # are printed before the error, which is the last line
+        # A stop signal (errors.Stopped), Ctrl-C or a user error: the lock is released by now.
+        # Leaving Ray first prints the worker lines it still streams, so the error is the last line.
+        except (KeyboardInterrupt, EagleDataError):
+            leave_ray()
+            raise
         print(summary(out, result))
         return 0
 

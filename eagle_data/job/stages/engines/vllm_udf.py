@@ -77,7 +77,7 @@ def vllm_stage_udf():
 
 def rank_cores(cores: list[int], ranks: int) -> str:
     """VLLM_CPU_OMP_THREADS_BIND for `ranks` tensor-parallel ranks over these cores: each
-    rank its own contiguous share ("0|1", "0-3|4-7"); a share left over goes unused."""
+    rank its own contiguous share ("0|1", "0,1,2,3|4,5,6,7"); cores left over go unused."""
     if len(cores) < ranks:
         raise ValueError(f"tensor_parallel_size {ranks} needs a core per rank; this replica may use "
                          f"{len(cores)} ({cores})")
