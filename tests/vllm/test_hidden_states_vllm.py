@@ -6,7 +6,9 @@ The OUT's rows share a long system prompt (prompts of ~150 tokens, the first ~10
 and vLLM runs with prefix caching on (blocks of 32, vLLM's CPU attention takes multiples
 of 32) and prefill chunks of 32 tokens, so the features also cover cache hits and chunked
 prefill (vLLM #44485: prefix caching once gave fewer rows than tokens). One engine run per
-dtype; the transformers phase, itself checked against HF's own hidden_states in
+dtype, float32 at tensor parallel 2 (production's layout: only rank 0's connector writes, with
+the full hidden size) and bfloat16 at 1, on a model with 2 attention heads (one per rank);
+the transformers phase, itself checked against HF's own hidden_states in
 tests/whole_job/test_hidden_states.py, is the reference."""
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import shutil
 import pytest
 import torch
 
-from support import hidden_features, job_config, write_jsonl
+from support import build_tiny_model, hidden_features, job_config, write_jsonl
 from eagle_data.job.phases.run import run
 from eagle_data.storage.folder import Output
 from eagle_data.storage.hidden_states import Index
@@ -43,26 +45,34 @@ def settings(out, model, dataset, dtype="float32", **extra):
 
 
 @pytest.fixture(scope="module")
-def shared_prefix_out(ray_local, deep_qwen3, tmp_path_factory):
+def deep_2heads(tmp_path_factory, qwen3_tokenizer_dir):
+    """8 layers (EAGLE-3's default ids [2, 4, 5, 8]), head_dim 64, 2 heads for tensor parallel 2."""
+    return build_tiny_model(qwen3_tokenizer_dir, tmp_path_factory.mktemp("model") / "deep-2heads", head_dim=64,
+                            layers=8, heads=2)
+
+
+@pytest.fixture(scope="module")
+def shared_prefix_out(ray_local, deep_2heads, tmp_path_factory):
     """data/ made by the job (transformers), then the transformers hidden-states phase."""
     root = tmp_path_factory.mktemp("hs-vllm")
     dataset = write_jsonl(root / "shared-prefix.jsonl", [
         {"conversations": [{"from": "system", "value": SYSTEM}, {"from": "human", "value": q}], "source": "s"}
         for q in QUESTIONS])
     out = root / "transformers"
-    run(settings(out, deep_qwen3, dataset, hidden_states__enabled=True))
+    run(settings(out, deep_2heads, dataset, hidden_states__enabled=True))
     return out, dataset
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_vllm_phase_equals_the_transformers_phase(shared_prefix_out, deep_qwen3, tmp_path, dtype):
+@pytest.mark.parametrize("dtype, tensor_parallel", [("float32", 2), ("bfloat16", 1)])
+def test_vllm_phase_equals_the_transformers_phase(shared_prefix_out, deep_2heads, tmp_path, dtype, tensor_parallel):
     reference_out, dataset = shared_prefix_out
     out = tmp_path / "vllm"
     shutil.copytree(reference_out, out, ignore=shutil.ignore_patterns("hidden_states", "hidden_failed"))
     manifest = Output(str(out)).manifest  # the copy as it was before its hidden-states phase
     manifest.data["phases"].pop("hidden_states")
     manifest.save()
-    counts = run(settings(out, deep_qwen3, dataset, dtype, **VLLM), phase="hidden_states")["hidden_states"]
+    counts = run(settings(out, deep_2heads, dataset, dtype, **VLLM, engine__tensor_parallel_size=tensor_parallel),
+                 phase="hidden_states")["hidden_states"]
     assert counts["ok"] == counts["selected"] == len(QUESTIONS) and counts["failed_rows"] == 0
     assert verify(str(out))[0] == []
 
@@ -77,6 +87,6 @@ def test_vllm_phase_equals_the_transformers_phase(shared_prefix_out, deep_qwen3,
         assert g.shape == w.shape and g.shape[0] > 128  # longer than four 32-token blocks
         max_rel = max(max_rel, ((g - w).norm(dim=(0, 2)) / w.norm(dim=(0, 2))).max().item())
         min_cos = min(min_cos, torch.nn.functional.cosine_similarity(g, w, dim=-1).min().item())
-    print(f"{dtype}: largest relative difference {max_rel:.3g}, smallest cosine {min_cos:.7f}")
+    print(f"{dtype}, tensor parallel {tensor_parallel}: largest relative difference {max_rel:.3g}, smallest cosine {min_cos:.7f}")
     rel_tol, cos_tol = TOLERANCE[dtype]
     assert max_rel <= rel_tol and min_cos >= cos_tol, (max_rel, min_cos)

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pyarrow as pa
@@ -472,27 +473,75 @@ def test_greedy_parity_with_transformers_backend(ray_local, tmp_path, qwen3_toke
 
 # --- tensor parallel 2: production's layout (one replica, several ranks) ----------------
 
+def _processes(title: str) -> list[int]:
+    """vLLM names its processes (setproctitle): "VLLM::Worker_TP1" is tensor-parallel rank 1."""
+    import psutil
+
+    return [p.pid for p in psutil.process_iter(["cmdline"]) if title in " ".join(p.info["cmdline"] or [])]
+
+
+class RankKiller(threading.Thread):
+    """Once the replica's engine is up (its first counters in the GCS key-value store), stop
+    tensor-parallel rank 1 (the engine stalls at its next step, with the rows it was sent
+    in flight), then kill it: vLLM's executor sees the rank die and fails the engine, Ray's
+    stage exits the replica's actor, and Ray restarts it and retries its batches. Records
+    every rank-1 process it saw, so a restart shows as a second one."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.ranks_seen: set[int] = set()
+        self.killed: int | None = None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        from eagle_data.job.stages.engines.stats import engine_stats
+
+        while not self.done.is_set():
+            ranks = _processes("VLLM::Worker_TP1")
+            self.ranks_seen |= set(ranks)
+            if self.killed is None and ranks and engine_stats():
+                _signal(ranks[:1], signal.SIGSTOP)
+                time.sleep(3)
+                _signal(ranks[:1], signal.SIGKILL)
+                self.killed = ranks[0]
+            time.sleep(0.2)
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_tensor_parallel_2_rows_are_what_vllm_generates_at_tensor_parallel_1(ray_local, tmp_path, qwen3_tokenizer_dir,
                                                                             caplog):
     """engine.tensor_parallel_size=2 through the job as users run it (Ray's vLLM stage, the
     ranks as vLLM's processes in the replica's actor, each bound to its own core), with a
-    greedy and a seeded sampled variant on a random-weight model with 2 attention heads:
-    every data/ row equals vllm.LLM.generate's at tensor parallel 1 on the same requests."""
+    greedy and a seeded sampled variant on a random-weight model with 2 attention heads,
+    and rank 1's process killed once the engine is up: the replica is restarted, every
+    row is in data/ once, verify passes, and every row equals vllm.LLM.generate's at
+    tensor parallel 1 on the same requests."""
     from eagle_data.job.phases.run import run
+    from eagle_data.tools.verify import verify
 
     model = build_tiny_model(qwen3_tokenizer_dir, tmp_path / "tiny-2heads", head_dim=64, heads=2)
     out = tmp_path / "out"
     variants = [{"name": "greedy", "temperature": 0.0}, {"name": "sampled", "temperature": 1.0}]
-    with caplog.at_level("INFO", logger="eagle_data"):
-        run(as_config(job_settings(out, model, preset={
-            **VLLM, "engine__tensor_parallel_size": 2, "source__sample": 12, "sampling__max_tokens": 12,
-            "sampling__top_p": 1.0, "sampling__seed": 3, "sampling__variants": variants})))
+    killer = RankKiller()
+    killer.start()
+    try:
+        with caplog.at_level("INFO", logger="eagle_data"):
+            run(as_config(job_settings(out, model, preset={
+                **VLLM, "engine__tensor_parallel_size": 2, "source__sample": 12, "sampling__max_tokens": 12,
+                "sampling__top_p": 1.0, "sampling__seed": 3, "sampling__variants": variants,
+                "engine__batch_size": 2, "engine__max_concurrent_batches": 2})))
+    finally:
+        killer.done.set()
+        killer.join()
     assert "replica(s) of {'CPU': 1.0}, tensor parallel 2" in caplog.text
+    assert killer.killed is not None, "rank 1 was never killed"
+    assert len(killer.ranks_seen) >= 2, f"no rank 1 after the kill: the replica was not restarted ({killer.ranks_seen})"
+    assert verify(str(out))[0] == []
     rows = sorted(read(out, "data"), key=lambda r: r["sample_id"])
     prompts = {p["sample_id"]: p for p in read(out, "prompts")}
-    assert len(rows) == len(prompts) >= 8 and {r["variant"] for r in rows} == {"greedy", "sampled"}
+    assert len(rows) == len({r["sample_id"] for r in rows}) == len(prompts) >= 8
+    assert {r["variant"] for r in rows} == {"greedy", "sampled"} and not shards(out, "failed")
     manifest = json.loads((out / "manifest.json").read_text())
     stop_ids = list(manifest["phases"]["generate"]["tokenizer"]["eos_ids"])
     requests = [{"prompt": list(prompts[r["sample_id"]]["tokenized_prompt"]),
@@ -502,5 +551,5 @@ def test_tensor_parallel_2_rows_are_what_vllm_generates_at_tensor_parallel_1(ray
     for row, req, ref in zip(rows, requests, reference):
         assert list(row["input_ids"]) == req["prompt"] + ref["token_ids"], (row["sample_id"], row["variant"])
         assert row["finish_reason"] == ref["finish_reason"], row["sample_id"]
-    print(f"\ntensor parallel 2: {len(rows)} rows ({sum(r['variant'] == 'greedy' for r in rows)} greedy) equal "
-          "vllm.LLM.generate's at tensor parallel 1")
+    print(f"\ntensor parallel 2: rank 1 killed, the replica restarted; {len(rows)} rows "
+          f"({sum(r['variant'] == 'greedy' for r in rows)} greedy) equal vllm.LLM.generate's at tensor parallel 1")
