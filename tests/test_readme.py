@@ -129,7 +129,7 @@ def test_the_job_commands_run_as_written_and_read_clean(ray_local, tmp_path, qwe
         summary = max(i for i, line in enumerate(lines) if line.startswith("OUT = "))
         assert all(line.startswith("  ") for line in lines[summary + 1:]), lines[summary:]
         assert lines[-1].startswith("  manifest: "), log[-2000:]
-        if "hidden_states" in argv:  # on the OUT the command before last made
+        if "hidden_states" in argv:  # on the OUT the command before it made
             assert "hidden_states/ 6 of 6 selected samples; 0 failed attempts" in log, log[-3000:]
         if "--phase" not in argv:
             assert "data/     6 ok samples" in log
