@@ -1,5 +1,5 @@
 """No benchmark can rot: each script in benchmarks/ runs at a smoke size (seconds, a real
-model load for vllm_vs_job) and must exit 0 and print its figures. The full sizes stay
+model load for the vLLM ones) and must exit 0 and print its figures. The full sizes stay
 manual (each script's docstring)."""
 
 from __future__ import annotations
@@ -7,10 +7,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from support import REPO, attached
+from support import REPO, attached, vllm_unavailable
 
 # script -> (smoke arguments, text its output must contain)
 SMOKE = {
@@ -45,19 +46,43 @@ MARKS = {"vllm_vs_job.py": pytest.mark.vllm, "hidden_states_throughput.py": pyte
          "engine_feeding.py": pytest.mark.slow, "postprocess_throughput.py": pytest.mark.slow}
 
 
-# Smoke runs on the session's Ray instance (RAY_ADDRESS: benchmarks/_workload.py start_ray, or
-# the job command's own ray.init): a Ray start saved per script. The memory benchmarks keep
-# their own: they sample the Ray workers under their process.
-ATTACHED = {"vllm_vs_job.py", "hidden_states_throughput.py", "server_vs_job.py", "multi_turn_loads.py"}
+# The smoke runs go in three lanes that run side by side (a run only shows that its script
+# still runs and prints its figures: at a smoke size, and side by side, the figures mean
+# nothing). One lane runs on the session's Ray instance (RAY_ADDRESS: benchmarks/_workload.py
+# start_ray, or the job command's own ray.init), one script at a time, since their jobs would
+# compete for its 2 CPUs; the other vLLM scripts start a Ray instance of their own, one at a
+# time beside it; the rest (the memory benchmarks sample the Ray workers under their own
+# process) in the third lane.
+ATTACHED = {"hidden_states_throughput.py", "multi_turn_loads.py"}
+OWN_RAY_VLLM = {"server_vs_job.py", "vllm_vs_job.py"}
+
+
+def run_smoke(script: str, env: dict) -> subprocess.CompletedProcess:
+    args, _ = SMOKE[script]
+    return subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args], cwd=REPO,
+                          env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(request):
+    """The selected scripts' smoke runs, started at once in their lanes; a test waits for its own."""
+    scripts = [item.callspec.params["script"] for item in request.session.items
+               if item.originalname == "test_benchmark_runs_at_smoke_size"
+               and (item.get_closest_marker("vllm") is None or vllm_unavailable() is None)]
+    attached_env = attached(request.getfixturevalue("ray_local")) if ATTACHED & set(scripts) else None
+    own_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    lanes = {"attached": ThreadPoolExecutor(1), "vllm": ThreadPoolExecutor(1), "other": ThreadPoolExecutor(1)}
+    runs = {s: lanes["attached" if s in ATTACHED else "vllm" if s in OWN_RAY_VLLM else "other"].submit(
+        run_smoke, s, attached_env if s in ATTACHED else own_env) for s in scripts}
+    yield runs
+    for lane in lanes.values():
+        lane.shutdown(wait=True, cancel_futures=True)
 
 
 @pytest.mark.parametrize("script", [pytest.param(s, marks=MARKS.get(s, ())) for s in sorted(SMOKE)],
                          ids=lambda s: s.removesuffix(".py"))
-def test_benchmark_runs_at_smoke_size(script, request):
-    args, expected = SMOKE[script]
-    env = attached(request.getfixturevalue("ray_local")) if script in ATTACHED else os.environ
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args], cwd=REPO,
-                          env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900)
+def test_benchmark_runs_at_smoke_size(script, smoke_runs):
+    proc = smoke_runs[script].result()
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
-    assert expected in output, output[-4000:]
+    assert SMOKE[script][1] in output, output[-4000:]
