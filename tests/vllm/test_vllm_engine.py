@@ -11,6 +11,7 @@ session's Ray instance.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -423,54 +424,6 @@ def test_multi_turn_on_deepseek_r1_template(ray_local, tmp_path, babble_r1, capf
     print(f"\nvLLM turns=all on R1: {len(rows)} rows over turns {sorted(by_turn)}, reasoning {seen}, {seconds:.0f}s")
 
 
-# --- backend parity at temperature 0 ----------------------------------------------------
-
-def test_greedy_parity_with_transformers_backend(ray_local, tmp_path, qwen3_tokenizer_dir):
-    """Same random-weight fp32 model, same prompts, temperature 0: vLLM and transformers pick
-    the same argmax, except where two logits are closer than the two implementations'
-    floating-point differences (different kernels and summation orders); after such a tie
-    the continuations differ. The test bounds that: most rows identical, and every row
-    identical up to its first divergence, which must be at a near-tie. Both keep the top-3
-    log-probabilities: on the identical rows the same ids, and values equal up to those
-    floating-point differences."""
-    import numpy as np
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from eagle_data.job.phases.run import run
-
-    model = build_tiny_model(qwen3_tokenizer_dir, tmp_path / "tiny-h64", head_dim=64)
-    rows, logprobs = {}, {}
-    for backend, extra in (("vllm", VLLM), ("transformers", dict(engine__backend="transformers", engine__batch_size=1))):
-        out = tmp_path / backend
-        greedy = {**extra, "source__sample": 12, "sampling__temperature": 0.0, "sampling__max_tokens": 12,
-                  "sampling__logprobs": 3}
-        run(as_config(job_settings(out, model, preset=greedy)))
-        rows[backend] = {r["sample_id"]: list(r["input_ids"]) for r in read(out, "data")}
-        logprobs[backend] = {r["sample_id"]: r for r in read(out, "data")}
-    assert rows["vllm"].keys() == rows["transformers"].keys()
-    same = [sid for sid in rows["vllm"] if rows["vllm"][sid] == rows["transformers"][sid]]
-    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
-    for sid in set(rows["vllm"]) - set(same):
-        a, b = rows["vllm"][sid], rows["transformers"][sid]
-        k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-        with torch.no_grad():
-            logits = hf(torch.tensor([a[:k]])).logits[0, -1]
-        gap = abs(float(logits[a[k]] - logits[b[k]]))
-        assert gap < 1e-3, f"{sid}: diverged at token {k} with a logit gap of {gap}"
-    assert len(same) >= 0.75 * len(rows["vllm"]), f"{len(same)}/{len(rows['vllm'])} identical"
-    gap = 0.0
-    for sid in same:
-        a, b = logprobs["vllm"][sid], logprobs["transformers"][sid]
-        assert a["top_logprob_ids"] == b["top_logprob_ids"], sid
-        for name in ("top_logprobs", "token_logprobs"):
-            gap = max(gap, float(np.abs(np.asarray(a[name]) - np.asarray(b[name])).max()))
-    assert gap < 1e-5, gap  # measured 9.5e-07 (fp32, 10 identical rows of 12 tokens)
-    print(f"\nbackend parity: {len(same)}/{len(rows['vllm'])} rows identical at temperature 0, their top-3 "
-          f"log-probabilities within {gap:.1e}")
-
-
 # --- tensor parallel 2: production's layout (one replica, several ranks) ----------------
 
 def _processes(title: str) -> list[int]:
@@ -507,34 +460,60 @@ class RankKiller(threading.Thread):
             time.sleep(0.2)
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_tensor_parallel_2_rows_are_what_vllm_generates_at_tensor_parallel_1(ray_local, tmp_path, qwen3_tokenizer_dir,
-                                                                            caplog):
+class Lines(logging.Handler):
+    """Every message logged to it (the job flushes its handlers, which empties a BufferingHandler)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+TP2_VARIANTS = [{"name": "greedy", "temperature": 0.0}, {"name": "sampled", "temperature": 1.0}]
+TP2_SETTINGS = {"source__sample": 12, "sampling__max_tokens": 12, "sampling__top_p": 1.0, "sampling__seed": 3,
+                "sampling__variants": TP2_VARIANTS, "sampling__logprobs": 3}
+
+
+@pytest.fixture(scope="module")
+def tp2_run(ray_local, tmp_path_factory, qwen3_tokenizer_dir):
     """engine.tensor_parallel_size=2 through the job as users run it (Ray's vLLM stage, the
     ranks as vLLM's processes in the replica's actor, each bound to its own core), with a
-    greedy and a seeded sampled variant on a random-weight model with 2 attention heads,
-    and rank 1's process killed once the engine is up: the replica is restarted, every
-    row is in data/ once, verify passes, and every row equals vllm.LLM.generate's at
-    tensor parallel 1 on the same requests."""
+    greedy and a seeded sampled variant and the top-3 log-probabilities, on a random-weight
+    fp32 model with 2 attention heads, and rank 1's process killed once the engine is up."""
     from eagle_data.job.phases.run import run
-    from eagle_data.tools.verify import verify
 
-    model = build_tiny_model(qwen3_tokenizer_dir, tmp_path / "tiny-2heads", head_dim=64, heads=2)
-    out = tmp_path / "out"
-    variants = [{"name": "greedy", "temperature": 0.0}, {"name": "sampled", "temperature": 1.0}]
-    killer = RankKiller()
+    tmp = tmp_path_factory.mktemp("tp2")
+    model = build_tiny_model(qwen3_tokenizer_dir, tmp / "tiny-2heads", head_dim=64, heads=2)
+    out = tmp / "out"
+    logger, logged = logging.getLogger("eagle_data"), Lines()
+    level, killer = logger.level, RankKiller()
+    logger.setLevel(logging.INFO)
+    logger.addHandler(logged)
     killer.start()
     try:
-        with caplog.at_level("INFO", logger="eagle_data"):
-            run(as_config(job_settings(out, model, preset={
-                **VLLM, "engine__tensor_parallel_size": 2, "source__sample": 12, "sampling__max_tokens": 12,
-                "sampling__top_p": 1.0, "sampling__seed": 3, "sampling__variants": variants,
-                "engine__batch_size": 2, "engine__max_concurrent_batches": 2})))
+        run(as_config(job_settings(out, model, preset={
+            **VLLM, **TP2_SETTINGS, "engine__tensor_parallel_size": 2, "engine__batch_size": 2,
+            "engine__max_concurrent_batches": 2})))
     finally:
         killer.done.set()
         killer.join()
-    assert "replica(s) of {'CPU': 1.0}, tensor parallel 2" in caplog.text
+        logger.removeHandler(logged)
+        logger.setLevel(level)
+    return {"out": out, "model": model, "killer": killer, "log": "\n".join(logged.lines)}
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_tensor_parallel_2_rows_are_what_vllm_generates_at_tensor_parallel_1(tp2_run, tmp_path):
+    """The TP-2 run lost rank 1 once its engine was up: the replica was restarted, every row
+    is in data/ once, verify passes, and every row equals vllm.LLM.generate's at tensor
+    parallel 1 on the same requests."""
+    from eagle_data.tools.verify import verify
+
+    out, killer = tp2_run["out"], tp2_run["killer"]
+    assert "replica(s) of {'CPU': 1.0}, tensor parallel 2" in tp2_run["log"], tp2_run["log"][-3000:]
     assert killer.killed is not None, "rank 1 was never killed"
     assert len(killer.ranks_seen) >= 2, f"no rank 1 after the kill: the replica was not restarted ({killer.ranks_seen})"
     assert verify(str(out))[0] == []
@@ -547,9 +526,55 @@ def test_tensor_parallel_2_rows_are_what_vllm_generates_at_tensor_parallel_1(ray
     requests = [{"prompt": list(prompts[r["sample_id"]]["tokenized_prompt"]),
                  "params": {**{k: v for k, v in r["sampling"].items() if v is not None},
                             "stop_token_ids": stop_ids, "detokenize": False}} for r in rows]
-    reference = vllm_reference(tmp_path, model, requests)
+    reference = vllm_reference(tmp_path, tp2_run["model"], requests)
     for row, req, ref in zip(rows, requests, reference):
         assert list(row["input_ids"]) == req["prompt"] + ref["token_ids"], (row["sample_id"], row["variant"])
         assert row["finish_reason"] == ref["finish_reason"], row["sample_id"]
     print(f"\ntensor parallel 2: rank 1 killed, the replica restarted; {len(rows)} rows "
           f"({sum(r['variant'] == 'greedy' for r in rows)} greedy) equal vllm.LLM.generate's at tensor parallel 1")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_greedy_parity_with_transformers_backend(tp2_run, tmp_path):
+    """The TP-2 run's greedy rows against the transformers backend's on the same fp32 model
+    and prompts: both pick the same argmax, except where two logits are closer than the two
+    implementations' floating-point differences (different kernels and summation orders,
+    the ranks' all-reduce); after such a tie the continuations differ. The test bounds
+    that: most rows identical, and every row identical up to its first divergence, which
+    must be at a near-tie. On the identical rows the top-3 log-probabilities have the same
+    ids, and values equal up to those floating-point differences."""
+    import numpy as np
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from eagle_data.job.phases.run import run
+
+    model = tp2_run["model"]
+    out = tmp_path / "transformers"
+    run(as_config(job_settings(out, model, preset={**TP2_SETTINGS, "engine__backend": "transformers",
+                                                   "engine__batch_size": 1})))
+    by_backend = {name: {r["sample_id"]: r for r in read(o, "data") if r["variant"] == "greedy"}
+                  for name, o in (("vllm", tp2_run["out"]), ("transformers", out))}
+    rows = {name: {sid: list(r["input_ids"]) for sid, r in got.items()} for name, got in by_backend.items()}
+    assert rows["vllm"].keys() == rows["transformers"].keys() and len(rows["vllm"]) >= 4
+    same = [sid for sid in rows["vllm"] if rows["vllm"][sid] == rows["transformers"][sid]]
+    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    for sid in set(rows["vllm"]) - set(same):
+        a, b = rows["vllm"][sid], rows["transformers"][sid]
+        k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        with torch.no_grad():
+            logits = hf(torch.tensor([a[:k]])).logits[0, -1]
+        gap = abs(float(logits[a[k]] - logits[b[k]]))
+        assert gap < 1e-3, f"{sid}: diverged at token {k} with a logit gap of {gap}"
+    assert len(same) >= 0.75 * len(rows["vllm"]), f"{len(same)}/{len(rows['vllm'])} identical"
+    gap = 0.0
+    for sid in same:
+        a, b = by_backend["vllm"][sid], by_backend["transformers"][sid]
+        assert a["top_logprob_ids"] == b["top_logprob_ids"], sid
+        for name in ("top_logprobs", "token_logprobs"):
+            gap = max(gap, float(np.abs(np.asarray(a[name]) - np.asarray(b[name])).max()))
+    assert gap < 1e-5, gap  # measured 9.5e-07 (fp32, 5 identical greedy rows of 12 tokens; 10 at TP 1 before)
+    print(f"\nbackend parity: {len(same)}/{len(rows['vllm'])} greedy rows identical (vLLM at tensor parallel 2), "
+          f"their top-3 log-probabilities within {gap:.1e}")
