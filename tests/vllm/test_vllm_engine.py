@@ -434,7 +434,8 @@ def _processes(title: str) -> list[int]:
 
 
 class RankKiller(threading.Thread):
-    """Once the replica's engine is up (its first counters in the GCS key-value store), stop
+    """Once the replica's engine is up (counters it published after the killer started: the
+    counters of this test process's earlier vLLM runs stay in the GCS key-value store), stop
     tensor-parallel rank 1 (the engine stalls at its next step, with the rows it was sent
     in flight), then kill it: vLLM's executor sees the rank die and fails the engine, Ray's
     stage exits the replica's actor, and Ray restarts it and retries its batches. Records
@@ -445,6 +446,7 @@ class RankKiller(threading.Thread):
         self.ranks_seen: set[int] = set()
         self.killed: int | None = None
         self.done = threading.Event()
+        self.started = time.time()
 
     def run(self) -> None:
         from eagle_data.job.stages.engines.stats import engine_stats
@@ -452,7 +454,7 @@ class RankKiller(threading.Thread):
         while not self.done.is_set():
             ranks = _processes("VLLM::Worker_TP1")
             self.ranks_seen |= set(ranks)
-            if self.killed is None and ranks and engine_stats():
+            if self.killed is None and ranks and any(e["time"] > self.started for e in engine_stats()):
                 _signal(ranks[:1], signal.SIGSTOP)
                 time.sleep(3)
                 _signal(ranks[:1], signal.SIGKILL)
