@@ -163,7 +163,8 @@ class EngineWatch:
             tokens = sum(s["generated_tokens"] for s in stats)
             then, before = self.last_tokens or (now, tokens)
             self.last_tokens = (now, tokens)
-            rate = (tokens - before) / (now - then) if now > then else 0.0
+            # a replica's counters leave the sum when it stops publishing: never a negative rate
+            rate = max(tokens - before, 0) / (now - then) if now > then else 0.0
             parts.append(f"vLLM {sum(s['running'] for s in stats)} running {sum(s['waiting'] for s in stats)} "
                          f"waiting, {rate:.0f} tok/s")
         return "engine: " + ", ".join(parts)

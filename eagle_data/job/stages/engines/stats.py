@@ -12,6 +12,11 @@ import ray
 log = logging.getLogger("eagle_data")
 
 ENGINE_STATS_NAMESPACE = "eagle_data_engine_stats"
+PUBLISH_EVERY_S = 2
+# Counters older than this are a replica's that stopped publishing (it died, was restarted,
+# or belonged to an earlier phase of this job): its last values would otherwise count forever.
+# (Compared with the driver's clock: nodes' clocks must agree within seconds, as NTP keeps them.)
+STALE_AFTER_S = 10 * PUBLISH_EVERY_S
 
 
 def publish_engine_stats(stats: dict) -> None:
@@ -24,7 +29,8 @@ def publish_engine_stats(stats: dict) -> None:
 
 
 def engine_stats() -> list[dict]:
-    """The counters every engine replica of this job published (publish_engine_stats)."""
+    """The latest counters of every engine replica of this job that is still publishing
+    (publish_engine_stats)."""
     from ray.experimental import internal_kv
 
     prefix = f"{ray.get_runtime_context().get_job_id()}/"
@@ -34,14 +40,13 @@ def engine_stats() -> list[dict]:
     except Exception as e:  # best effort: a progress line without engine counters
         log.debug("engine stats unavailable: %s", e)
         return []
-    return [json.loads(v) for v in values if v]
+    now = time.time()
+    return [s for s in map(json.loads, filter(None, values)) if now - s.get("time", 0) <= STALE_AFTER_S]
 
 
 class EngineStats:
     """A vLLM stat logger that keeps the engine's own counters (generated tokens, requests
     running and waiting) and publishes them every few seconds for the driver's progress line."""
-
-    PUBLISH_EVERY_S = 2
 
     def __init__(self):
         self.generated_tokens = self.running = self.waiting = 0
@@ -80,4 +85,4 @@ class EngineStats:
                                       "waiting": self.waiting, "time": time.time()})
             except Exception as e:  # best effort: the progress line goes without it
                 log.debug("engine stats not published: %s", e)
-            time.sleep(self.PUBLISH_EVERY_S)
+            time.sleep(PUBLISH_EVERY_S)
