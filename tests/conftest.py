@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from smokes import start_smokes
 from support import SMALL_OUT_LOGPROBS, build_tiny_model, extract_tokenizer, job_config, vllm_unavailable
 
 
@@ -48,6 +49,13 @@ def hidden_out(ray_local, deep_qwen3, tmp_path_factory) -> Path:
     return out
 
 
+def pytest_collection_modifyitems(items):
+    """The multi-node cluster tests last: their Ray clusters' start-up and timeouts suffer
+    most from the CPU the background benchmark smokes take (tests/smokes.py), which are done
+    by then."""
+    items.sort(key=lambda item: item.nodeid.startswith("tests/cluster/"))
+
+
 def pytest_runtest_setup(item):
     if item.get_closest_marker("vllm") is None:
         return
@@ -81,3 +89,13 @@ def small_out(ray_local, tiny_qwen3, tmp_path_factory) -> Path:
     run(job_config(out, tiny_qwen3, engine__batch_size=4, sampling__max_tokens=12, source__sample=20,
                    output__rows_per_shard=4, sampling__logprobs=SMALL_OUT_LOGPROBS))
     return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def smoke_runs(request):
+    """The selected benchmark smoke runs (tests/smokes.py), started with the session and
+    running beside the other tests; tests/test_benchmarks.py waits for each."""
+    runs, lanes = start_smokes(request.session.items)
+    yield runs
+    for lane in lanes:
+        lane.shutdown(wait=True, cancel_futures=True)

@@ -160,6 +160,29 @@ def attached(ray_local) -> dict:
     return {**os.environ, "RAY_ADDRESS": ray_local.get_runtime_context().gcs_address}
 
 
+def ray_processes(title: str, root: int | None = None) -> list[int]:
+    """The processes of one Ray instance whose command line holds `title` (Ray names an
+    actor's process after it, ray::MapWorker(MapBatches(TransformersEngine)); vLLM its own,
+    VLLM::Worker_TP1): the descendants of `root`, the pid of a job process that started its
+    own instance, or by default of this test session's raylet (the actors' workers and what
+    they start). Only these: the benchmark smokes run their own Ray instances beside the
+    tests, with processes of the same names."""
+    import psutil
+    import ray
+
+    if root is None:
+        [raylet] = ray._private.worker._global_node.all_processes["raylet"]
+        root = raylet.process.pid
+    found = []
+    for p in psutil.Process(root).children(recursive=True):
+        try:
+            if title in " ".join(p.cmdline()):
+                found.append(p.pid)
+        except psutil.Error:
+            pass
+    return found
+
+
 def job_cli(config: Path, *args: str, cwd=REPO, env: dict | None = None):
     """`python -m ray_jobs.generate --config CONFIG ARGS` as a user runs it (this checkout's code)."""
     import subprocess

@@ -24,7 +24,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from support import REPO, as_config, attached, build_babbling_model, build_tiny_model, job_settings, read, shards, write_jsonl
+from support import (REPO, as_config, attached, build_babbling_model, build_tiny_model, job_settings, read,
+                     ray_processes, shards, write_jsonl)
 
 pytestmark = pytest.mark.vllm
 
@@ -164,13 +165,6 @@ def _plant_too_long_prompt(out, max_model_len: int) -> str:
     return rows[0]["sample_id"]
 
 
-def _vllm_replica_pids() -> list[int]:
-    import psutil
-
-    return [p.pid for p in psutil.process_iter(["cmdline"])
-            if "MapWorker(MapBatches(VLLMEngine))" in " ".join(p.info["cmdline"] or [])]
-
-
 def _kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
@@ -198,8 +192,8 @@ class Faults:
     killed (the replica), or the driver is (the second fault). A pause that sees no new
     row resumes the replica and pauses it again at its next answer."""
 
-    def __init__(self, out, log_path):
-        self.out, self.log_path = out, log_path
+    def __init__(self, out, log_path, job_pid: int):
+        self.out, self.log_path, self.job_pid = out, log_path, job_pid  # the job starts its own Ray
         self.replica_killed, self.rows_at_replica_kill = False, None
         self.paused: list[int] = []
         self.answered_before = 0  # answers logged before the current wait for a new one
@@ -212,7 +206,8 @@ class Faults:
         rows = len(read(self.out, "data")) if shards(self.out, "data") else 0
         answered = self.log_path.read_text(errors="replace").count(ANSWERED)
         if not self.paused:
-            pids = [pid for pid in _vllm_replica_pids() if pid not in self.killed]
+            pids = [pid for pid in ray_processes("MapWorker(MapBatches(VLLMEngine))", self.job_pid)
+                    if pid not in self.killed]
             if pids and answered > self.answered_before:
                 _signal(pids, signal.SIGSTOP)
                 self.paused, self.rows_before, self.paused_at = pids, rows, time.monotonic()
@@ -263,7 +258,7 @@ def faulted_run(ray_local, tmp_path_factory, babble_qwen3) -> dict:
     with open(tmp / "killed-run.log", "w") as job_log:
         job = subprocess.Popen(job_command(settings, tmp), cwd=REPO, env=job_env(), stdout=job_log,
                                stderr=subprocess.STDOUT, start_new_session=True)
-        faults, deadline = Faults(out, tmp / "killed-run.log"), time.monotonic() + 2400
+        faults, deadline = Faults(out, tmp / "killed-run.log", job.pid), time.monotonic() + 2400
         while job.poll() is None and time.monotonic() < deadline and not faults.step():
             time.sleep(0.2)
         finished_early = job.poll() is not None
@@ -426,13 +421,6 @@ def test_multi_turn_on_deepseek_r1_template(ray_local, tmp_path, babble_r1, capf
 
 # --- tensor parallel 2: production's layout (one replica, several ranks) ----------------
 
-def _processes(title: str) -> list[int]:
-    """vLLM names its processes (setproctitle): "VLLM::Worker_TP1" is tensor-parallel rank 1."""
-    import psutil
-
-    return [p.pid for p in psutil.process_iter(["cmdline"]) if title in " ".join(p.info["cmdline"] or [])]
-
-
 class RankKiller(threading.Thread):
     """Once the replica's engine is up (counters it published after the killer started: the
     counters of this test process's earlier vLLM runs stay in the GCS key-value store), stop
@@ -452,7 +440,7 @@ class RankKiller(threading.Thread):
         from eagle_data.job.stages.engines.stats import engine_stats
 
         while not self.done.is_set():
-            ranks = _processes("VLLM::Worker_TP1")
+            ranks = ray_processes("VLLM::Worker_TP1")
             self.ranks_seen |= set(ranks)
             if self.killed is None and ranks and any(e["time"] > self.started for e in engine_stats()):
                 _signal(ranks[:1], signal.SIGSTOP)

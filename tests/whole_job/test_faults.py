@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from support import REPO, as_config, attached, job_settings, read, shards
+from support import REPO, as_config, attached, job_settings, read, ray_processes, shards
 from eagle_data.errors import OutputLocked, OutputMismatch
 from eagle_data.storage.folder import Output
 from eagle_data.job.phases.run import run
@@ -142,17 +142,6 @@ def test_driver_sigkill_at_several_points_then_resume(ray_local, tmp_path, tiny_
           f"{prompts['selected']}; by variant {prompts['conversations_by_variant']}")
 
 
-def _engine_actor_pids():
-    """Ray names an actor's process after it: ray::MapWorker(MapBatches(TransformersEngine))..."""
-    import psutil
-
-    pids = []
-    for proc in psutil.process_iter(["cmdline"]):
-        if "TransformersEngine" in " ".join(proc.info["cmdline"] or []):
-            pids.append(proc.pid)
-    return pids
-
-
 @pytest.mark.slow
 def test_engine_actor_killed_mid_run_loses_nothing(ray_local, tmp_path, tiny_qwen3):
     cfg = as_config(job_settings(tmp_path / "out", tiny_qwen3, preset=FAULTS))
@@ -162,7 +151,7 @@ def test_engine_actor_killed_mid_run_loses_nothing(ray_local, tmp_path, tiny_qwe
     def kill_engine_once_data_flows():
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and not killed:
-            pids = _engine_actor_pids()
+            pids = ray_processes("TransformersEngine")
             if pids and len(shards(out, "data")) >= 2:
                 os.kill(pids[0], signal.SIGKILL)
                 killed.append(pids[0])

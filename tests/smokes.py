@@ -1,0 +1,63 @@
+"""The benchmark smoke runs (tests/test_benchmarks.py): each script in benchmarks/ at a
+smoke size. They start with the test session (conftest.py's `smoke_runs`) and run in the
+background beside the other tests, each on a Ray instance of its own: a smoke run only shows
+that its script still runs and prints its figures (at a smoke size, beside other work, the
+figures mean nothing), and most of it is waiting on one core (imports, model loads, actor
+start-ups) that the tests beside it fill. Two lanes, one script at a time in each: the vLLM
+scripts, and the rest."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import pytest
+
+from support import REPO, vllm_unavailable
+
+# script -> (smoke arguments, text its output must contain)
+SMOKE = {
+    "driver_memory.py": (["--rows", "200", "400"], "driver peak RSS"),
+    "engine_feeding.py": (["--slots", "4", "--rows", "40", "--measure-s", "2", "--settings", "4x4", "naive",
+                           "--no-model-table"], "util"),
+    "hidden_states_throughput.py": (["--smoke"], "| bare vLLM, generate + files written |"),
+    # --logprobs: about 13 s more, nearly all of it importing Ray's vLLM stage (torch, vllm).
+    "multi_turn_loads.py": (["--smoke"], "loads per run (this checkout)"),
+    "postprocess_throughput.py": (["--rows", "40", "--repeats", "1", "--logprobs", "2", "--logprobs-rows", "4"],
+                                  "ours (Postprocessor)"),
+    "prompts_memory.py": (["--smoke"], "driver peak RSS growth"),
+    "reader_memory.py": (["--rows", "400", "--tokens", "50", "--rows-per-shard", "100"], "samples"),
+    "resume_cost.py": (["--rows", "2000", "--rows-per-shard", "500", "--failed", "50", "--repeats", "1"], "resume reads what it needs"),
+    # --skip bare: vllm_vs_job's smoke measures bare vLLM (LLM.generate); here the job is the
+    # reference the server's rows are compared with.
+    "server_vs_job.py": (["--smoke", "--skip", "bare"], "| server, tight timeout | 2 |"),
+    "vocab_count.py": (["--smoke"], "counts equal: True"),
+    "vllm_vs_job.py": (["--smoke"], "| bare vLLM (LLM.generate) |"),
+}
+
+
+# Each smoke run of a whole job, or of 20 s or more, is `slow`; vLLM's is `vllm`.
+VLLM = {"vllm_vs_job.py", "hidden_states_throughput.py", "server_vs_job.py", "multi_turn_loads.py"}
+SLOW = {"driver_memory.py", "prompts_memory.py", "engine_feeding.py", "postprocess_throughput.py"}
+MARKS = {**{s: pytest.mark.slow for s in SLOW}, **{s: pytest.mark.vllm for s in VLLM}}
+
+TEST = "test_benchmark_runs_at_smoke_size"
+
+
+def run_smoke(script: str) -> subprocess.CompletedProcess:
+    args, _ = SMOKE[script]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args], cwd=REPO,
+                          env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900)
+
+
+def start_smokes(items) -> tuple[dict[str, Future], list[ThreadPoolExecutor]]:
+    """The smoke runs of the selected test items, started in their lanes."""
+    scripts = [item.callspec.params["script"] for item in items if item.originalname == TEST
+               and (item.get_closest_marker("vllm") is None or vllm_unavailable() is None)]
+    lanes = {"vllm": ThreadPoolExecutor(1), "other": ThreadPoolExecutor(1)}
+    runs = {s: lanes["vllm" if s in VLLM else "other"].submit(run_smoke, s)
+            for s in scripts}
+    return runs, list(lanes.values())
