@@ -34,6 +34,15 @@ engine's place: each row gets a seeded number of generated tokens, uniform in --
    (save_file), same model and dtype, torch threads = the machine's cores; model load apart.
 4. bytes: the sizes of hidden_states/*.safetensors against `layer_bytes` (tokens x layers x
    H x dtype bytes), and their ratio (the excess is the shards' headers).
+5. OUT's storage traffic: the feature files (`*.safetensors`) written and read on OUT's
+   filesystem while the phase runs (benchmarks/_file_traffic.py: inotify's close events,
+   each file's size), per feature byte (`layer_bytes`); "read back" = the files read before
+   they were published (not in hidden_states/; the phase's status reads the published
+   shards' headers after publishing, shown apart, each counted whole). The phase of 1. runs with
+   `hidden_states.scratch_dir` on node-local storage (the default's role); the baseline is the
+   same phase on a copy of the OUT without its hidden states, with the scratch folder on
+   OUT's storage (what every run did before the scratch setting: vLLM's per-row files on the
+   shared filesystem, read back from it, then packed into shards there).
 """
 
 from __future__ import annotations
@@ -57,6 +66,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
+from _file_traffic import FileTraffic  # noqa: E402
 from _workload import REPO, qwen3_dir, start_ray, write_chat_rows  # noqa: E402
 
 VOCAB_TEXT = 151643  # Qwen3: ids below this are ordinary text tokens
@@ -244,13 +254,14 @@ def main() -> None:
         max_len = 1 << math.ceil(math.log2(args.gen[1] + 256))
         kwargs = {"enforce_eager": True, "max_num_seqs": args.slots}
         b, c = args.feeding or (4, math.ceil((2 + 4 / 8) * args.slots / 4))  # default: the project's feeding rule
-        out = tmp / "out"
+        shared, local = tmp / "shared", tmp / "node-local"  # OUT's filesystem; the engine node's own
+        out = shared / "out"
         cfg = load_config(None, [
             f"source.dataset={tmp / 'rows.jsonl'}", f"model.path={model}", f"output.path={out}",
             "engine.backend=vllm", "engine.device=cpu", "engine.cpu_kv_cache_gib=0.5",
             f"engine.engine_kwargs={json.dumps(kwargs)}", f"engine.max_model_len={max_len}",
             f"sampling.max_tokens={args.gen[1] + 1}", f"engine.batch_size={b}", f"engine.max_concurrent_batches={c}",
-            f"hidden_states.dtype={args.dtype}", "output.log_every_s=3600"])
+            f"hidden_states.dtype={args.dtype}", f"hidden_states.scratch_dir={local}", "output.log_every_s=3600"])
         ray_used = start_ray(num_cpus=os.cpu_count())
         logging.getLogger("ray").setLevel(logging.WARNING)
         run(cfg, phase="prompts")
@@ -278,8 +289,16 @@ def main() -> None:
 
         # 1. the phase on vLLM.
         events = tmp / "events.jsonl"
+        baseline_out = shared / "out-scratch-on-out"
+        shutil.copytree(out, baseline_out)  # before the phase: data/ only
+        lengths = {r["sample_id"]: len(r["input_ids"]) for r in rows}
+
+        def row_bytes(path: str) -> int:  # a per-row file removed before its size was seen
+            return layer_bytes(lengths.get(Path(path).stem, 0), len(ids), hidden_size, args.dtype)
+
         started = time.time()
-        counts = run_hidden_states(cfg, Output(str(out)), engine=timed_hidden_states_engine(str(events)))
+        with FileTraffic(str(shared), row_bytes, lambda name: name.endswith(".safetensors")) as traffic:
+            counts = run_hidden_states(cfg, Output(str(out)), engine=timed_hidden_states_engine(str(events)))
         ended = time.time()
         assert counts["ok"] == len(rows) and counts["failed_rows"] == 0, counts
         calls = [json.loads(line) for line in events.read_text().splitlines()]
@@ -289,6 +308,14 @@ def main() -> None:
         phase_s, wall_s, load_s = ended - first, ended - started, first - started
         written = sum(p.stat().st_size for p in (out / "hidden_states").glob("*.safetensors"))
         estimate = layer_bytes(tokens, len(ids), hidden_size, args.dtype)
+
+        # 5. the baseline: the scratch folder on OUT's storage.
+        baseline_cfg = cfg.model_copy(update={
+            "output": cfg.output.model_copy(update={"path": str(baseline_out)}),
+            "hidden_states": cfg.hidden_states.model_copy(update={"scratch_dir": str(shared / "scratch")})})
+        with FileTraffic(str(shared), row_bytes, lambda name: name.endswith(".safetensors")) as baseline:
+            baseline_counts = run_hidden_states(baseline_cfg, Output(str(baseline_out)))
+        assert baseline_counts["ok"] == len(rows), baseline_counts
         ray.shutdown()
 
         # 3. the per-sample transformers dump.
@@ -317,6 +344,15 @@ def main() -> None:
           f"{estimate} B = {estimate / tokens:.1f} B/token; written/estimate {written / estimate:.4f}"
           f" (bare vLLM's per-request files: {bare['bytes'] / tokens:.1f} B/token"
           + (f", transformers files: {hf['bytes'] / tokens:.1f} B/token)" if hf else ")"))
+    print(f"\nOUT's storage, feature files (*.safetensors) per feature byte ({estimate} B):")
+    print("| scratch_dir | written | read back before publishing | files written | files read back | "
+          "published shards read | sizes estimated |")
+    print("|---|---|---|---|---|---|---|")
+    for name, t in (("node-local (this run)", traffic), ("on OUT's storage (baseline)", baseline)):
+        published = [p for p in t.read if Path(p).parent.name == "hidden_states"]
+        print(f"| {name} | {t.written_bytes / estimate:.3f} | "
+              f"{t.read_bytes(lambda p: p not in published) / estimate:.3f} | {len(t.written)} | "
+              f"{len(t.read) - len(published)} | {len(published)} | {len(t.estimated)} |")
 
 
 if __name__ == "__main__":

@@ -327,8 +327,16 @@ class HiddenStatesConfig(_Section):
         default=None, description="only data/ rows of these sources; null = all")
     rows_per_shard: Int = Field(
         json_schema_extra=RUN_ONLY, default=64, ge=1,
-        description="samples per hidden_states/ shard, at most (Kimi-K2.5: 56 KiB a token, so 64 rows of 1.6k "
-                    "tokens are ~6 GB)")
+        description="samples per hidden_states/ shard, at most; a packing worker holds one shard's samples in "
+                    "memory (Kimi-K2.5: 56 KiB a token, so 64 rows of 1.6k tokens are ~6 GB)")
+    scratch_dir: str = Field(
+        json_schema_extra=RUN_ONLY, default="/tmp/eagle-data", pattern=r"^/",
+        description="an absolute folder on each engine node's own storage (a local disk, or `/dev/shm`, faster "
+                    "where it is large enough) where vLLM's connector writes each row's states, read back and "
+                    "removed there as soon as the row is answered; the states then leave the node in the row. "
+                    "Not OUT's shared storage: every feature byte would be written there twice and read back "
+                    "once. Each run uses `<scratch_dir>/eagle-data-<out_id>/<run_id>/`; a later run's engines "
+                    "remove this OUT's earlier runs' folders on their node")
 
     @model_validator(mode="after")
     def _check_layers(self) -> "HiddenStatesConfig":

@@ -22,7 +22,7 @@ SMOKE = {
     "driver_memory.py": (["--rows", "200", "400"], "driver peak RSS"),
     "engine_feeding.py": (["--slots", "4", "--rows", "40", "--measure-s", "2", "--settings", "4x4", "naive",
                            "--no-model-table"], "util"),
-    "hidden_states_throughput.py": (["--smoke"], "| bare vLLM, generate + files written |"),
+    "hidden_states_throughput.py": (["--smoke"], "| on OUT's storage (baseline) |"),
     # --logprobs: about 13 s more, nearly all of it importing Ray's vLLM stage (torch, vllm).
     "multi_turn_loads.py": (["--smoke"], "loads per run (this checkout)"),
     "postprocess_throughput.py": (["--rows", "40", "--repeats", "1", "--logprobs", "2", "--logprobs-rows", "4"],

@@ -71,10 +71,23 @@ def test_vllm_phase_equals_the_transformers_phase(shared_prefix_out, deep_2heads
     manifest = Output(str(out)).manifest  # the copy as it was before its hidden-states phase
     manifest.data["phases"].pop("hidden_states")
     manifest.save()
-    counts = run(settings(out, deep_2heads, dataset, dtype, **VLLM, engine__tensor_parallel_size=tensor_parallel),
+    # The node's scratch as a killed earlier run of this OUT left it, beside files not ours.
+    ours = tmp_path / "scratch" / f"eagle-data-{manifest.out_id}"
+    (ours / "20260101T000000-abcdef").mkdir(parents=True)
+    (ours / "20260101T000000-abcdef" / "s-1.safetensors").write_bytes(b"left by a killed run")
+    (ours / "notes").mkdir()
+    (tmp_path / "scratch" / "someone-else.txt").write_text("not ours")
+    counts = run(settings(out, deep_2heads, dataset, dtype, **VLLM, engine__tensor_parallel_size=tensor_parallel,
+                          hidden_states__scratch_dir=str(tmp_path / "scratch")),
                  phase="hidden_states")["hidden_states"]
     assert counts["ok"] == counts["selected"] == len(QUESTIONS) and counts["failed_rows"] == 0
     assert verify(str(out))[0] == []
+    # The connector's files were on the scratch, read back there and removed; on OUT only the shards.
+    [run_folder] = [p for p in ours.iterdir() if p.name != "notes"]
+    assert run_folder.name == Output(str(out)).manifest.data["phases"]["hidden_states"]["run_id"]
+    assert list(run_folder.iterdir()) == [] and (ours / "notes").is_dir()
+    assert (tmp_path / "scratch" / "someone-else.txt").read_text() == "not ours"
+    assert {p.parent.name for p in out.rglob("*.safetensors")} == {"hidden_states"}
 
     want = {s: t.float() for s, t in hidden_features(reference_out).items()}
     got = {s: t.float() for s, t in hidden_features(out).items()}

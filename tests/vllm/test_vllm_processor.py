@@ -146,6 +146,7 @@ def test_the_transformers_backend_emits_rays_vllm_output_columns():
 def test_hidden_states_pass_settings(kimi):
     from eagle_data.job.stages.engines.vllm_hidden_states import (
         CONNECTOR_CLASS, CONNECTOR_MODULE, ExtractRequests, HiddenStatesRows, hidden_states_engine_kwargs)
+    from eagle_data.job.stages.engines.vllm_udf import states_file
 
     cfg = load_config(KIMI, ["engine.engine_kwargs.enable_prefix_caching=true", "engine.engine_kwargs.dtype=float16"])
     extra = hidden_states_engine_kwargs([2, 30, 60], "bfloat16", "/scratch")
@@ -173,4 +174,6 @@ def test_hidden_states_pass_settings(kimi):
     answered = batch.append_column("__inference_error__", pa.array([""])).append_column(
         "generated_tokens", pa.array([[7]])).append_column("request_id", pa.array([0]))
     assert HiddenStatesRows()(answered).column_names == ["sample_id", "input_ids", "hidden_states_path", "source",
-                                                         "__inference_error__"]
+                                                         "__inference_error__", "hidden_states",
+                                                         "hidden_states_shape", "hidden_token_ids"]
+    assert states_file(rows[0]["sampling_params"]) == "/hs/a.st" and states_file({"max_tokens": 4}) is None

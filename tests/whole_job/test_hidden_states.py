@@ -22,6 +22,7 @@ from support import REPO, attached, data_rows, job_config, job_settings, read
 from eagle_data.errors import ConfigError, EagleDataError, EmptyResult, NotEnoughSpace, OutputMismatch
 from eagle_data.job.phases.hidden_states import eagle3_layer_ids
 from eagle_data.job.phases.run import run
+from eagle_data.job.stages.engines.state_files import as_columns, with_state_columns
 from eagle_data.job.stages.pack_hidden_states import check_states
 from eagle_data.storage.folder import Output
 from eagle_data.storage.damage import quarantine_corrupt
@@ -190,28 +191,29 @@ def test_sigkill_mid_phase_then_rerun_gives_every_row_once(ray_local, hidden_out
 
 
 def corrupting_engine(bad: dict[str, str]):
-    """A test double of the engine (the logic around it is what is tested): writes each
-    row's file the way the engines do, with true-looking values, and breaks the rows in
-    `bad` (sample_id -> how)."""
+    """A test double of the engine (the logic around it is what is tested): hands each row's
+    states on the way the engines do, with true-looking values, and breaks the rows in `bad`
+    (sample_id -> how)."""
     def engine(ds, cfg, layer_ids, dtype, scratch):
-        def write(batch: pa.Table) -> pa.Table:
-            from safetensors.torch import save_file
-
-            for row in batch.select(["sample_id", "input_ids", "hidden_states_path"]).to_pylist():
+        def answer(batch: pa.Table) -> pa.Table:
+            states = []
+            for row in batch.select(["sample_id", "input_ids"]).to_pylist():
                 ids = row["input_ids"]
                 hidden = torch.randn(len(ids), len(layer_ids), 64)
-                tokens = torch.tensor(ids)
                 how = bad.get(row["sample_id"])
                 if how == "zeros":
                     hidden[:, 1] = 0
                 elif how == "nan":
                     hidden[3, 0, 5] = float("nan")
                 elif how == "short":  # vLLM #44485: fewer rows than tokens
-                    hidden, tokens = hidden[:-2], tokens[:-2]
-                os.makedirs(os.path.dirname(row["hidden_states_path"]), exist_ok=True)
-                save_file({"hidden_states": hidden, "token_ids": tokens}, row["hidden_states_path"])
-            return batch.append_column("__inference_error__", pa.array([""] * batch.num_rows))
-        return ds.map_batches(write, batch_format="pyarrow")
+                    hidden, ids = hidden[:-2], ids[:-2]
+                states.append(as_columns(hidden, ids))
+            batch = batch.append_column("__inference_error__", pa.array([""] * batch.num_rows))
+            handed = pa.Table.from_pylist(states)
+            for name in handed.column_names:
+                batch = batch.append_column(name, handed.column(name))
+            return with_state_columns(batch)
+        return ds.map_batches(answer, batch_format="pyarrow")
     return engine
 
 

@@ -1,16 +1,19 @@
 """Phase 3, hidden states: OUT/data rows -> the target again, prefill only, over their exact
 `input_ids` -> OUT/hidden_states (+ OUT/hidden_failed), for trainers that train offline.
 
-    data/ rows (selected, not done) -> requests (a scratch file path per row)
-      -> engine (vLLM's extract_hidden_states + connector, or transformers) writes the file
-      -> pack (worker): checks, one shard per batch under OUT/.staging/
+    data/ rows (selected, not done) -> requests (a file path per row, for vLLM's connector,
+      under hidden_states.scratch_dir on the engine's node)
+      -> engine (vLLM's extract_hidden_states + connector, or transformers): the row's
+         states as columns (vLLM's file read back on its node and removed)
+      -> pack (worker): checks, one shard per batch under OUT/.staging/, each byte written once
       -> driver: moves the shard into hidden_states/ (the commit point); failed rows to
          hidden_failed/
 
 The same guarantees as data/: a sample is done once a shard holding it is published, so a
 kill at any moment leaves published shards (kept) and staging files (deleted by the next
 run); a rerun does what is not done, and a sample that failed `output.max_attempts` times
-is given up. Features go engine -> OUT's storage; only the small rows reach the driver.
+is given up. Features go engine -> packer -> OUT's storage, written there once and never read
+back; only the small rows reach the driver.
 """
 
 from __future__ import annotations
@@ -31,10 +34,11 @@ from eagle_data.job.phases.phase import Phase
 from eagle_data.job.progress import EngineWatch, PeriodicLine
 from eagle_data.job.ray_internals import one_batch_per_block, read_parquet_in_small_tasks
 from eagle_data.job.stages.engines import ENGINE_CLASSES, apply_hidden_states_engine, engine_start_errors
+from eagle_data.job.stages.engines.state_files import scratch_folder
 from eagle_data.job.stages.pack_hidden_states import HiddenStatesPacker
 from eagle_data.job.stages.requests import HiddenStatesRequests
 from eagle_data.model_files import model_config, text_config_value
-from eagle_data.storage.contract import FAILED_SCHEMA, HIDDEN_FAILED, HIDDEN_STATES, IDS, STAGING
+from eagle_data.storage.contract import FAILED_SCHEMA, HIDDEN_FAILED, HIDDEN_STATES, IDS
 from eagle_data.storage.folder import Output
 from eagle_data.storage.hidden_states import layer_bytes
 from eagle_data.storage.selection import selected_rows
@@ -43,9 +47,6 @@ from eagle_data.storage.status import SampleStatus
 from eagle_data.storage.damage import quarantine_hidden_states
 
 log = logging.getLogger("eagle_data")
-
-REQUESTS = f"{STAGING}/hidden-requests"  # the engine's per-row files, until packed
-
 
 def eagle3_layer_ids(num_layers: int) -> list[int]:
     """EAGLE-3's choice (speculators', SpecForge's and Model-Optimizer's, as vLLM ids): the
@@ -109,7 +110,7 @@ def run_hidden_states(cfg: Config, out: Output, engine=None) -> dict:
     failed = out.writer(HIDDEN_FAILED, FAILED_SCHEMA, run["run_id"], cfg.output.rows_per_shard, cfg.output.flush_seconds)
     publisher = Publisher(out, run["run_id"], failed, total=todo.num_rows, every_s=cfg.output.log_every_s)
     if todo.num_rows:  # starting the engine replicas alone is a model load
-        scratch = f"{out.root}/{REQUESTS}/{run['run_id']}"
+        scratch = scratch_folder(cfg.hidden_states.scratch_dir, out.manifest.out_id, run["run_id"])
         ds = read_parquet_in_small_tasks(data_files, out.fs, [*IDS, "input_ids"])
         ds = ds.map_batches(HiddenStatesRequests(ray.put(todo.column("sample_id").combine_chunks()), scratch),
                             batch_format="pyarrow")

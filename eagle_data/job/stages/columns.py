@@ -60,8 +60,13 @@ MEANING = {
     "top_logprobs": "their log-probabilities (log_softmax of the raw logits)",
     "token_logprobs": "per generated token, the sampled token's own log-probability",
     "error": "the engine's error text (failed/ rows), or why a row's hidden states failed a check",
-    "hidden_states_path": "the row's hidden-states file, written by the engine (safetensors: `hidden_states` "
-                          "[S, n_layers, H], `token_ids` [S]), under OUT/.staging/",
+    "hidden_states_path": "the row's hidden-states file on its engine's node, written by vLLM's connector "
+                          "(safetensors: `hidden_states` [S, n_layers, H], `token_ids` [S]) under "
+                          "hidden_states.scratch_dir, read back and removed there",
+    "hidden_states": "the row's hidden states as bytes, C order, [S, n_layers, H] in the phase's dtype "
+                     "(null when the engine failed on the row)",
+    "hidden_states_shape": "[S, n_layers, H] of `hidden_states`",
+    "hidden_token_ids": "the tokens the engine computed `hidden_states` on (checked against input_ids)",
     "shard": "the hidden-states shard under OUT/.staging/ that holds this row ('' when it failed)",
     "num_tokens": "len(input_ids)",
 }

@@ -1,8 +1,9 @@
 """After the hidden-states engine: check each row's features and pack a batch of them into
 one shard under OUT/.staging/, on the worker, so the bytes never pass through the driver.
 
-The engine (vLLM's connector, or the transformers pass) wrote one file per row at
-`hidden_states_path`: safetensors with `hidden_states` [S, layers, H] and `token_ids`.
+The engine (vLLM's pass, or the transformers pass) hands each ok row's states on in the
+row (state_files.py: `hidden_states` bytes, `hidden_states_shape`, `hidden_token_ids`), so
+the only write of a feature byte to OUT's storage is the shard's, and nothing is read back.
 A row is packed only when its features pass every check; otherwise it leaves with the
 reason in `error` and is never published. The driver then moves the shard into
 hidden_states/ (the commit point) and records the failed rows in hidden_failed/.
@@ -10,8 +11,6 @@ hidden_states/ (the commit point) and records the failed rows in hidden_failed/.
 
 from __future__ import annotations
 
-import fcntl
-import os
 import uuid
 import zlib
 
@@ -19,29 +18,10 @@ import pyarrow as pa
 
 from eagle_data.job.stages.columns import Stage, columns
 from eagle_data.job.stages.engines.outputs import ENGINE_ERROR_COLUMN
+from eagle_data.job.stages.engines.state_files import STATE_COLUMNS
 from eagle_data.storage.contract import IDS, STAGING
 from eagle_data.storage.files import filesystem
-from eagle_data.storage.hidden_states import tensor_bytes, tokens_crc32, write_shard
-
-
-def load_request_file(path: str) -> dict:
-    """The engine's file for one row; waits for vLLM's asynchronous write (its `.lock`)."""
-    from safetensors.torch import load_file
-
-    lock = path + ".lock"
-    if os.path.exists(lock):
-        with open(lock) as f:
-            fcntl.flock(f, fcntl.LOCK_SH)  # held exclusively by the writer until the file is whole
-            return load_file(path)
-    return load_file(path)
-
-
-def remove_request_file(path: str) -> None:
-    for name in (path, path + ".lock", path + ".tmp"):
-        try:
-            os.remove(name)
-        except FileNotFoundError:
-            pass
+from eagle_data.storage.hidden_states import DTYPES, tokens_crc32, write_shard
 
 
 def check_states(hidden, token_ids, input_ids: list[int], layer_ids: list[int], hidden_size: int) -> str:
@@ -67,7 +47,7 @@ class HiddenStatesPacker(Stage):
     """One batch in, one shard (of the rows that pass) in OUT/.staging/, one small row per
     input row out: `shard` is the staging path ("" for a failed row), `error` why not."""
 
-    reads = columns(*IDS, "input_ids", "hidden_states_path", ENGINE_ERROR_COLUMN)
+    reads = columns(*IDS, "input_ids", ENGINE_ERROR_COLUMN, *STATE_COLUMNS)
     makes = columns(*IDS, "shard", "num_tokens", "error")
 
     def __init__(self, out: str, run_id: str, layer_ids: list[int], hidden_size: int, dtype: str,
@@ -75,48 +55,37 @@ class HiddenStatesPacker(Stage):
         self.out, self.run_id, self.layer_ids, self.provenance = out, run_id, layer_ids, provenance
         self.hidden_size, self.dtype = hidden_size, dtype
 
-    def _load(self, path: str, input_ids: list[int]):
-        """(features as stored, "") or (None, why not)."""
+    def _check(self, row: dict) -> str:
+        """Why this row's features must not be published ("" when they pass)."""
         import torch
 
-        try:
-            data = load_request_file(path)
-        except Exception as e:
-            return None, f"the engine's hidden-states file cannot be read ({type(e).__name__}: {e})"
-        hidden = data["hidden_states"].to(getattr(torch, self.dtype))
-        why = check_states(hidden, data["token_ids"], input_ids, self.layer_ids, self.hidden_size)
-        return (None, why) if why else (hidden, "")
+        shape, data = row["hidden_states_shape"], row["hidden_states"]
+        if data is None or shape is None:
+            return "the engine handed over no hidden states for this row"
+        itemsize = DTYPES[self.dtype][1]
+        if len(data) != itemsize * int(torch.tensor(shape).prod()):
+            return f"check: {len(data)} bytes of hidden states for shape {shape} in {self.dtype}"
+        hidden = torch.frombuffer(bytearray(data), dtype=getattr(torch, self.dtype)).view(*shape) if data else \
+            torch.empty(shape, dtype=getattr(torch, self.dtype))
+        return check_states(hidden, torch.tensor(row["hidden_token_ids"]), row["input_ids"], self.layer_ids,
+                            self.hidden_size)
 
     def apply(self, batch: pa.Table) -> pa.Table:
-        rows = batch.select([*IDS, "input_ids", "hidden_states_path", ENGINE_ERROR_COLUMN]).to_pylist()
-        layout, errors = {}, []
-        for row in rows:  # first pass: check each row and note its layout, one sample in memory
-            error = row[ENGINE_ERROR_COLUMN] or ""
-            if not error:
-                hidden, error = self._load(row["hidden_states_path"], row["input_ids"])
-                if hidden is not None:
-                    data = tensor_bytes(hidden)
-                    layout[row["sample_id"]] = (tuple(hidden.shape), len(data), zlib.crc32(data),
-                                                tokens_crc32(row["input_ids"]))
-            errors.append(error)
+        rows = batch.select([*IDS, "input_ids", ENGINE_ERROR_COLUMN, *STATE_COLUMNS]).to_pylist()
+        errors = [row[ENGINE_ERROR_COLUMN] or self._check(row) for row in rows]
+        packed = [row for row, error in zip(rows, errors) if not error]
         fs, root = filesystem(self.out)
-        shard = f"{root}/{STAGING}/hidden-{uuid.uuid4().hex}.safetensors" if layout else ""
-        if layout:
+        shard = f"{root}/{STAGING}/hidden-{uuid.uuid4().hex}.safetensors" if packed else ""
+        if packed:
+            layout = {row["sample_id"]: (tuple(row["hidden_states_shape"]), len(row["hidden_states"]),
+                                         zlib.crc32(row["hidden_states"]), tokens_crc32(row["input_ids"]))
+                      for row in packed}
             fs.create_dir(f"{root}/{STAGING}", recursive=True)
-            paths = {r["sample_id"]: r["hidden_states_path"] for r in rows}
-            payloads = (tensor_bytes(self._reload(paths[s])) for s in layout)
-            write_shard(fs, shard, layout, payloads, self.dtype, self.run_id, self.layer_ids, self.provenance)
-        for row in rows:
-            remove_request_file(row["hidden_states_path"])
+            write_shard(fs, shard, layout, (row["hidden_states"] for row in packed), self.dtype, self.run_id,
+                        self.layer_ids, self.provenance)
         return pa.table({
             **{name: [r[name] for r in rows] for name in IDS},
             "shard": pa.array([shard if not e else "" for e in errors], pa.string()),
             "num_tokens": pa.array([len(r["input_ids"]) for r in rows], pa.int64()),
             "error": pa.array(errors, pa.string()),
         })
-
-    def _reload(self, path: str):
-        """Second pass: the checked features again, to stream them into the shard."""
-        import torch
-
-        return load_request_file(path)["hidden_states"].to(getattr(torch, self.dtype))

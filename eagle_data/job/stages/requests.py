@@ -81,7 +81,8 @@ def engine_sampling(cfg: Config) -> dict[str, dict]:
 
 
 class HiddenStatesRequests(Stage):
-    """The data/ rows still to do, each with the file its engine writes (under OUT/.staging/)."""
+    """The data/ rows still to do, each with the file vLLM's connector writes for it (under the
+    run's scratch folder on the engine's node; the transformers pass writes none)."""
 
     reads = columns("sample_id", "input_ids")
     makes = columns("sample_id", "input_ids", "hidden_states_path")

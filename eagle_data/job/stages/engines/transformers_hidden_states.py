@@ -1,7 +1,7 @@
 """The hidden-states pass on transformers: a Ray actor pool running the model's forward over
-each row's exact `input_ids` and writing the states at the chosen layers, with vLLM's
-layer semantics, to the file the row names (as vLLM's connector does, so the packing stage
-after either engine is the same).
+each row's exact `input_ids`; each row comes out with the states at the chosen layers, with
+vLLM's layer semantics, in the hand-over columns vLLM's pass gives too (state_files.py), so
+the packing stage after either engine is the same. No file is written.
 
 Layer id k < L is HF's `hidden_states[k]` (the residual stream after k decoder layers).
 Id L is the last decoder layer's output before the final norm, taken with a forward hook:
@@ -10,14 +10,13 @@ HF's `hidden_states[L]` is after the norm (Qwen3, Llama under transformers 5).
 
 from __future__ import annotations
 
-import os
-
 import pyarrow as pa
 import ray
 
 from eagle_data.config import Config
 from eagle_data.job.stages.columns import Stage, columns
 from eagle_data.job.stages.engines.outputs import ENGINE_ERROR_COLUMN
+from eagle_data.job.stages.engines.state_files import STATE_COLUMNS, as_columns
 from eagle_data.job.stages.engines.transformers_backend import actor_pool, load_model
 
 
@@ -33,8 +32,8 @@ def decoder_layers(model):
 class TransformersHiddenStates(Stage):
     """Loads the model once per actor; one forward per row (no padding: exact positions)."""
 
-    reads = columns("sample_id", "input_ids", "hidden_states_path")
-    makes = columns("sample_id", "hidden_states_path", ENGINE_ERROR_COLUMN)
+    reads = columns("sample_id", "input_ids")
+    makes = columns("sample_id", ENGINE_ERROR_COLUMN, *STATE_COLUMNS)
 
     def __init__(self, model_path: str, trust_remote_code: bool, layer_ids: list[int], dtype: str,
                  cpu_threads: int | None = None):
@@ -61,21 +60,18 @@ class TransformersHiddenStates(Stage):
         return torch.stack(picked, dim=1).cpu()
 
     def apply(self, batch: pa.Table) -> pa.Table:
-        from safetensors.torch import save_file
-
-        errors = []
-        for row in batch.select(["input_ids", "hidden_states_path"]).to_pylist():
+        errors, states = [], []
+        for ids in batch.column("input_ids").to_pylist():
             try:
-                hidden = self.states(row["input_ids"])
-                path = row["hidden_states_path"]
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                save_file({"hidden_states": hidden.contiguous(),
-                           "token_ids": self.torch.tensor(row["input_ids"], dtype=self.torch.int64)}, path + ".tmp")
-                os.replace(path + ".tmp", path)  # whole or absent, as the packer reads it
+                states.append(as_columns(self.states(ids), ids))
                 errors.append("")
             except Exception as e:  # the row fails, the batch goes on
+                states.append(dict.fromkeys(STATE_COLUMNS))
                 errors.append(f"{type(e).__name__}: {e}")
-        return batch.append_column(ENGINE_ERROR_COLUMN, pa.array(errors, pa.string()))
+        batch = batch.append_column(ENGINE_ERROR_COLUMN, pa.array(errors, pa.string()))
+        for name, kind in STATE_COLUMNS.items():
+            batch = batch.append_column(name, pa.array([s[name] for s in states], kind))
+        return batch
 
 
 def transformers_hidden_states_stage(ds: ray.data.Dataset, cfg: Config, layer_ids: list[int],

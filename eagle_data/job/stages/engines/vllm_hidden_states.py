@@ -1,6 +1,6 @@
 """The hidden-states phase's engine stage: the target model run prefill-only on each row's
-exact tokens through Ray's vLLM stage, writing the row's EAGLE-3 aux hidden states to the
-file the row names.
+exact tokens through Ray's vLLM stage; each ok row comes out with its EAGLE-3 aux hidden
+states as columns (state_files.py).
 
 vLLM's mechanism: the speculative method `extract_hidden_states` keeps the residual
 stream of the layers in `layer_ids` in a KV-cache-like buffer, and the KV connector
@@ -8,22 +8,18 @@ stream of the layers in `layer_ids` in a KV-cache-like buffer, and the KV connec
 on CPU too) writes it, when the request finishes, to the request's
 `sampling_params.extra_args.kv_transfer_params.hidden_states_path`: one safetensors file
 per row, `hidden_states` [S, len(layer_ids), H] in `dtype` and `token_ids` [S] (the
-row's `input_ids`). Ray's output rows do not carry vLLM's `kv_transfer_params`, so the
-path the row names is the only way to find its file. Layer id k is the residual stream
-after k decoder layers (transformers' `hidden_states[k]` for k < L); id L is the last
-layer's output before the final norm. Columns come in ascending layer order whatever
-order vLLM is given, so `layer_ids` must be ascending.
+row's `input_ids`), on the engine's node (`hidden_states.scratch_dir`). The engine's actor
+(vllm_udf.py) reads it back there as soon as the row is answered, waiting for the
+connector's asynchronous write (a `<path>.lock` it holds exclusively), and removes it.
+Layer id k is the residual stream after k decoder layers (transformers' `hidden_states[k]`
+for k < L); id L is the last layer's output before the final norm. Columns come in
+ascending layer order whatever order vLLM is given, so `layer_ids` must be ascending.
 
-In: `sample_id`, `input_ids` (list[int]), `hidden_states_path` (absolute, local to the
-engine's node; folders are made) and carried columns. Out: `sample_id`,
-`hidden_states_path`, `input_ids`, `__inference_error__` ("" on success) and the carried
-columns; Ray's generation and bookkeeping columns are dropped
-(a carried column must not share their names).
-
-A row comes out once the engine has the states in memory; the file is written
-asynchronously while a `<path>.lock` companion is held (flock LOCK_EX, taken before the
-row is answered). A reader must take the lock shared first (pack_hidden_states.py's
-`load_request_file`, or vLLM's `load_hidden_states`). A row with an error has no file.
+In: `sample_id`, `input_ids` (list[int]), `hidden_states_path` (absolute, on the engine's
+node; folders are made) and carried columns. Out: `sample_id`, `hidden_states_path`,
+`input_ids`, `__inference_error__` ("" on success), on an ok row the hand-over columns
+(`hidden_states`, `hidden_states_shape`, `hidden_token_ids`), and the carried columns; Ray's
+generation and bookkeeping columns are dropped (a carried column must not share their names).
 
 Engine settings over `engine_kwargs(cfg)`: `dtype`, `speculative_config`,
 `kv_transfer_config`. Anything else comes from `cfg.engine.engine_kwargs`, prefix caching
@@ -42,6 +38,7 @@ import ray
 from eagle_data.config import Config
 from eagle_data.job.stages.columns import Stage, columns
 from eagle_data.job.stages.engines.outputs import ENGINE_ERROR_COLUMN, VLLM_OUTPUT_DEFAULTS, VLLM_STAGE_EXTRA_COLUMNS
+from eagle_data.job.stages.engines.state_files import STATE_COLUMNS, with_state_columns
 
 CONNECTOR_MODULE = "eagle_data.job.stages.engines.hidden_states_connector"
 CONNECTOR_CLASS = "HiddenStatesConnector"
@@ -91,11 +88,11 @@ class HiddenStatesRows(Stage):
     token is unused)."""
 
     reads = columns("sample_id", "input_ids", "hidden_states_path", ENGINE_ERROR_COLUMN)
-    makes = reads
+    makes = {**reads, **columns(*STATE_COLUMNS)}
     DROP = (*VLLM_OUTPUT_DEFAULTS, *VLLM_STAGE_EXTRA_COLUMNS, "tokenized_prompt", "sampling_params")
 
     def apply(self, batch: pa.Table) -> pa.Table:
-        return batch.drop_columns([c for c in self.DROP if c in batch.column_names])
+        return with_state_columns(batch.drop_columns([c for c in self.DROP if c in batch.column_names]))
 
 
 def vllm_hidden_states_stage(ds: ray.data.Dataset, cfg: Config, layer_ids: list[int], dtype: str,

@@ -9,6 +9,7 @@ import time
 
 from eagle_data.job.stages.engines.logprobs import flat_logprob_values
 from eagle_data.job.stages.engines.processes import descendants, wait_for_exit
+from eagle_data.job.stages.engines.state_files import clean_earlier_runs, take
 from eagle_data.job.stages.engines.stats import EngineStats
 
 
@@ -18,7 +19,9 @@ def vllm_stage_udf():
     - `generate_async` is Ray's (`vLLMEngineWrapper.generate_async`: the same request,
       semaphore and timing) except that it asks vLLM for its flat log-probabilities and
       hands them on as arrays (logprobs.py); Ray's per-token dicts make Ray Data pickle
-      each row (docs/performance.md, section 8).
+      each row (docs/performance.md, section 8). A request that names a hidden-states file
+      (the hidden-states pass) gets the file's states as columns, read back here on the
+      engine's node and removed (state_files.py).
     - At shutdown it cancels the task reading the engine's outputs first (vLLM 0.29 stops
       the engine before it, and the task logs an `EngineDeadError`), and waits for vLLM's
       processes to exit: Ray kills an exiting actor's children, the resource tracker among
@@ -36,6 +39,11 @@ def vllm_stage_udf():
             super().__init__(*args, **kwargs)
             self.llm.generate_async = self.generate_async  # called by Ray's _generate_with_error_handling
             self.stats = EngineStats.attach(self.llm.engine)
+            transfer = engine.get("kv_transfer_config") or {}
+            self.states_dtype = engine.get("dtype")
+            scratch = (transfer.get("kv_connector_extra_config") or {}).get("shared_storage_path")
+            if scratch:
+                clean_earlier_runs(scratch)
             self.shut = False
             # At the actor's exit vLLM's own exit hook (a weakref finalizer) may stop the
             # engine before `__del__` runs; atexit runs hooks last-registered first, so
@@ -43,10 +51,13 @@ def vllm_stage_udf():
             atexit.register(self.shut_down)
 
         async def generate_async(self, row: dict) -> tuple:
+            import asyncio
+
             from ray.llm._internal.batch.stages.vllm_engine_stage import vLLMOutputData
 
             wrapper = self.llm
             k = (row.get("sampling_params") or {}).get("logprobs") or 0
+            states_path = states_file(row.get("sampling_params"))
             if k:
                 row["sampling_params"] = {**row["sampling_params"], "flat_logprobs": True}
             request = await wrapper._prepare_llm_request(row)
@@ -58,6 +69,8 @@ def vllm_stage_udf():
             if k:
                 extra = flat_logprob_values(output.outputs[0], k)
                 output.outputs[0].logprobs = None  # Ray's per-token dicts are never built
+            if states_path:  # off the event loop: it waits for the connector's write
+                extra.update(await asyncio.to_thread(take, states_path, self.states_dtype))
             return request, {**vLLMOutputData.from_vllm_engine_output(output).model_dump(), **extra}, took
 
         def shut_down(self) -> None:
@@ -73,6 +86,12 @@ def vllm_stage_udf():
             self.shut_down()
 
     return VLLMEngine
+
+
+def states_file(sampling_params: dict | None) -> str | None:
+    """The hidden-states file a request names (vllm_hidden_states.ExtractRequests), if any."""
+    transfer = ((sampling_params or {}).get("extra_args") or {}).get("kv_transfer_params") or {}
+    return transfer.get("hidden_states_path")
 
 
 def rank_cores(cores: list[int], ranks: int) -> str:
