@@ -50,10 +50,13 @@ def hidden_out(ray_local, deep_qwen3, tmp_path_factory) -> Path:
 
 
 def pytest_collection_modifyitems(items):
-    """The multi-node cluster tests last: their Ray clusters' start-up and timeouts suffer
-    most from the CPU the background benchmark smokes take (tests/smokes.py), which are done
-    by then."""
-    items.sort(key=lambda item: item.nodeid.startswith("tests/cluster/"))
+    """The benchmark smokes' tests late, so the smokes (started with the session in the
+    background, tests/smokes.py) are done by the time a test waits for one; the multi-node
+    cluster tests last, after the smokes: their Ray clusters' start-up and timeouts suffer
+    most from the CPU the smokes take."""
+    late = {"tests/test_benchmarks.py": 1, "tests/cluster/": 2}
+    items.sort(key=lambda item: max([rank for prefix, rank in late.items() if item.nodeid.startswith(prefix)],
+                                    default=0))
 
 
 def pytest_runtest_setup(item):

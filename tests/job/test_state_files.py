@@ -14,8 +14,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eagle_data.job.stages.engines.state_files import (STATE_COLUMNS, clean_earlier_runs, scratch_folder, take,
-                                                       with_state_columns)
+from eagle_data.errors import NotWritable
+from eagle_data.job.stages.engines.state_files import (STATE_COLUMNS, clean_earlier_runs, prepare, scratch_folder,
+                                                       take, with_state_columns)
 
 
 def test_take_waits_for_the_writers_lock_then_hands_the_bytes_on_and_removes_the_file(tmp_path):
@@ -78,3 +79,11 @@ def test_the_hand_over_columns_have_one_type_whether_or_not_rows_failed():
     assert failed.schema == ok.schema and failed.column("hidden_states").null_count == 1
     assert {name: ok.schema.field(name).type for name in STATE_COLUMNS} == STATE_COLUMNS
     assert pa.concat_tables([failed, ok]).num_rows == 2
+
+
+def test_a_scratch_folder_that_cannot_be_made_is_one_clear_error(tmp_path):
+    (tmp_path / "a-file").write_text("not a folder")
+    with pytest.raises(NotWritable, match="hidden_states.scratch_dir: cannot make .*a-file/eagle-data-o/r"):
+        prepare(str(tmp_path / "a-file" / "eagle-data-o" / "r"))
+    prepare(str(tmp_path / "eagle-data-o" / "20261202T101010-aaaaaa"))
+    assert (tmp_path / "eagle-data-o" / "20261202T101010-aaaaaa").is_dir()

@@ -27,6 +27,8 @@ import shutil
 
 import pyarrow as pa
 
+from eagle_data.errors import NotWritable
+
 STATE_COLUMNS = {"hidden_states": pa.large_binary(), "hidden_states_shape": pa.list_(pa.int64()),
                    "hidden_token_ids": pa.list_(pa.int64())}
 RUN_FOLDER = re.compile(r"^\d{8}T\d{6}-[0-9a-f]{6}$")  # manifest.new_run_id's names
@@ -81,6 +83,18 @@ def remove(path: str) -> None:
             os.remove(name)
         except FileNotFoundError:
             pass
+
+
+def prepare(run_folder: str) -> None:
+    """At an engine actor's start on its node: this run's scratch folder made (one that
+    cannot be is the engine's start failure, said in one line, instead of a failed row per
+    request), and this OUT's earlier runs' folders there removed."""
+    try:
+        os.makedirs(run_folder, exist_ok=True)
+    except OSError as e:
+        raise NotWritable(f"hidden_states.scratch_dir: cannot make {run_folder} on this node ({e}); choose a "
+                          "folder on each engine node's own storage that the job may write") from None
+    clean_earlier_runs(run_folder)
 
 
 def clean_earlier_runs(run_folder: str) -> list[str]:

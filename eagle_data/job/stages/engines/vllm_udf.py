@@ -9,7 +9,7 @@ import time
 
 from eagle_data.job.stages.engines.logprobs import flat_logprob_values
 from eagle_data.job.stages.engines.processes import descendants, wait_for_exit
-from eagle_data.job.stages.engines.state_files import clean_earlier_runs, take
+from eagle_data.job.stages.engines.state_files import prepare, take
 from eagle_data.job.stages.engines.stats import EngineStats
 
 
@@ -43,7 +43,7 @@ def vllm_stage_udf():
             self.states_dtype = engine.get("dtype")
             scratch = (transfer.get("kv_connector_extra_config") or {}).get("shared_storage_path")
             if scratch:
-                clean_earlier_runs(scratch)
+                prepare(scratch)
             self.shut = False
             # At the actor's exit vLLM's own exit hook (a weakref finalizer) may stop the
             # engine before `__del__` runs; atexit runs hooks last-registered first, so
