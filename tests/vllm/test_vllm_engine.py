@@ -11,6 +11,7 @@ session's Ray instance.
 from __future__ import annotations
 
 import json
+import re
 import logging
 import os
 import signal
@@ -421,28 +422,30 @@ def test_multi_turn_on_deepseek_r1_template(ray_local, tmp_path, babble_r1, capf
 
 # --- tensor parallel 2: production's layout (one replica, several ranks) ----------------
 
-class RankKiller(threading.Thread):
-    """Once the replica's engine is up (counters it published after the killer started: the
-    counters of this test process's earlier vLLM runs stay in the GCS key-value store), stop
-    tensor-parallel rank 1 (the engine stalls at its next step, with the rows it was sent
-    in flight), then kill it: vLLM's executor sees the rank die and fails the engine, Ray's
-    stage exits the replica's actor, and Ray restarts it and retries its batches. Records
-    every rank-1 process it saw, so a restart shows as a second one."""
+IN_ENGINE = re.compile(r"([1-9]\d*) replica\(s\) up, ([1-9]\d*) rows in the engine")
 
-    def __init__(self):
+
+class RankKiller(threading.Thread):
+    """Once the replica's engine is up and has rows (the job's latest progress line: a kill
+    after the engine's last answer would need no restart, and the engine's own counters are
+    up to 2 s old), stop tensor-parallel rank 1 (the engine stalls at its next step, with the
+    rows it was sent in flight), then kill it: vLLM's executor sees the rank die and fails
+    the engine, Ray's stage exits the replica's actor, and Ray restarts it and retries its
+    batches. Records every rank-1 process it saw, so a restart shows as a second one."""
+
+    def __init__(self, progress: "Lines"):
         super().__init__(daemon=True)
+        self.progress = progress
         self.ranks_seen: set[int] = set()
         self.killed: int | None = None
         self.done = threading.Event()
-        self.started = time.time()
 
     def run(self) -> None:
-        from eagle_data.job.stages.engines.stats import engine_stats
-
         while not self.done.is_set():
             ranks = ray_processes("VLLM::Worker_TP1")
             self.ranks_seen |= set(ranks)
-            if self.killed is None and ranks and any(e["time"] > self.started for e in engine_stats()):
+            lines = [line for line in self.progress.lines[-20:] if line.startswith("progress:")]
+            if self.killed is None and ranks and lines and IN_ENGINE.search(lines[-1]):
                 _signal(ranks[:1], signal.SIGSTOP)
                 time.sleep(3)
                 _signal(ranks[:1], signal.SIGKILL)
@@ -478,14 +481,14 @@ def tp2_run(ray_local, tmp_path_factory, qwen3_tokenizer_dir):
     model = build_tiny_model(qwen3_tokenizer_dir, tmp / "tiny-2heads", head_dim=64, heads=2)
     out = tmp / "out"
     logger, logged = logging.getLogger("eagle_data"), Lines()
-    level, killer = logger.level, RankKiller()
+    level, killer = logger.level, RankKiller(logged)
     logger.setLevel(logging.INFO)
     logger.addHandler(logged)
     killer.start()
     try:
         run(as_config(job_settings(out, model, preset={
             **VLLM, **TP2_SETTINGS, "engine__tensor_parallel_size": 2, "engine__batch_size": 2,
-            "engine__max_concurrent_batches": 2})))
+            "engine__max_concurrent_batches": 2, "output__log_every_s": 0.5})))
     finally:
         killer.done.set()
         killer.join()
