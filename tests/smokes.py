@@ -25,6 +25,7 @@ SMOKE = {
     "hidden_states_throughput.py": (["--smoke"], "| on OUT's storage (baseline) |"),
     # --logprobs: about 13 s more, nearly all of it importing Ray's vLLM stage (torch, vllm).
     "multi_turn_loads.py": (["--smoke"], "loads per run (this checkout)"),
+    "one_pass.py": (["--smoke"], "| plain, temperature 0.8 |"),
     "postprocess_throughput.py": (["--rows", "40", "--repeats", "1", "--logprobs", "2", "--logprobs-rows", "4"],
                                   "ours (Postprocessor)"),
     "prompts_memory.py": (["--smoke"], "driver peak RSS growth"),
@@ -39,7 +40,7 @@ SMOKE = {
 
 
 # Each smoke run of a whole job, or of 20 s or more, is `slow`; vLLM's is `vllm`.
-VLLM = {"vllm_vs_job.py", "hidden_states_throughput.py", "server_vs_job.py", "multi_turn_loads.py"}
+VLLM = {"vllm_vs_job.py", "hidden_states_throughput.py", "server_vs_job.py", "multi_turn_loads.py", "one_pass.py"}
 SLOW = {"driver_memory.py", "prompts_memory.py", "engine_feeding.py", "postprocess_throughput.py"}
 MARKS = {**{s: pytest.mark.slow for s in SLOW}, **{s: pytest.mark.vllm for s in VLLM}}
 
