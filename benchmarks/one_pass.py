@@ -89,8 +89,10 @@ def engine_kwargs(model: str, slots: int, max_len: int, one_pass: bool = False, 
 
 def engine_child(spec_path: str, result_path: str) -> None:
     """One `vllm.LLM` (its engine process is spawned, so this runs under the __main__ guard)
-    and the runs the spec lists, in order: each is (name, prompts, params, files) with files
-    None or a folder for one file per request."""
+    and the runs the spec lists, in order. A run: `name`; `prompts` (token ids), or None and
+    `prompts_from`, an earlier run whose prompts + answers it takes; `params`, one per prompt
+    or one for all; `files`, None or a folder for one hidden-states file per request, with
+    `include_output_tokens`."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -100,9 +102,8 @@ def engine_child(spec_path: str, result_path: str) -> None:
     llm.generate(warm, [SamplingParams(max_tokens=2, detokenize=False)], use_tqdm=False)  # first-call costs
     results = {}
     for run in spec["runs"]:
-        prompts = run["prompts"] if run["prompts"] is not None else [
-            results[run["prompts_from"]]["prompts"][i] + results[run["prompts_from"]]["answers"][i]
-            for i in range(len(results[run["prompts_from"]]["answers"]))]
+        earlier = results.get(run.get("prompts_from"))
+        prompts = run["prompts"] if earlier is None else [p + a for p, a in zip(earlier["prompts"], earlier["answers"])]
         params = []
         for i, p in enumerate(run["params"] if isinstance(run["params"], list) else [run["params"]] * len(prompts)):
             extra = None
@@ -153,9 +154,9 @@ def peaked_model(dest: Path, scale: float) -> Path:
     return dest
 
 
-def chi2_homogeneity(a: list, b: list) -> tuple[float, int]:
-    """Chi-square test that two samples come from one distribution: (p-value, degrees of
-    freedom); categories with an expected count below 5 in either sample are pooled."""
+def chi2_homogeneity(a: list, b: list) -> float:
+    """Chi-square test that two samples come from one distribution: its p-value; categories
+    with an expected count below 5 in either sample are pooled."""
     import torch
 
     ca, cb = Counter(a), Counter(b)
@@ -172,7 +173,7 @@ def chi2_homogeneity(a: list, b: list) -> tuple[float, int]:
     if sum(pooled):
         cells.append(tuple(pooled))
     if len(cells) < 2:
-        return 1.0, 0
+        return 1.0
     stat = 0.0
     for x, y in cells:
         total = x + y
@@ -181,7 +182,7 @@ def chi2_homogeneity(a: list, b: list) -> tuple[float, int]:
             stat += (observed - expected) ** 2 / expected
     dof = len(cells) - 1
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64))), dof
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
 
 
 def workload(args, pool: np.ndarray) -> dict:
@@ -259,7 +260,7 @@ def distribution_lines(args, w: dict, plain: dict, ones: dict[str, dict]) -> lis
              "", "| against plain (temperature 1.0) | tests | p < 0.01 | smallest p | median p | token 2 = token 1 |",
              "|---|---|---|---|---|---|"]
     for name in (*ones, "plain, other seeds", "plain, temperature 0.8"):
-        ps = [chi2_homogeneity([stat(a) for a in samples[name][k]], [stat(a) for a in samples["plain"][k]])[0]
+        ps = [chi2_homogeneity([stat(a) for a in samples[name][k]], [stat(a) for a in samples["plain"][k]])
               for k in range(args.prompts) for stat in stats.values()]
         again = sum(a[1] == a[0] for s in samples[name] for a in s)
         lines.append(f"| {name} | {len(ps)} | {sum(p < 0.01 for p in ps)} | {min(ps):.2g} | "
@@ -274,10 +275,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=48)
     parser.add_argument("--gen", type=int, nargs=2, default=[128, 512], metavar=("MIN", "MAX"))
-    parser.add_argument("--slots", type=int, default=16, help="max_num_seqs of the cost runs")
+    parser.add_argument("--slots", type=int, default=16, help="max_num_seqs of every engine")
     parser.add_argument("--samples", type=int, default=1000, help="requests per prompt and setting")
     parser.add_argument("--prompts", type=int, default=3)
-    parser.add_argument("--scale", type=float, default=30.0, help="the distribution model's output-layer scale")
+    parser.add_argument("--scale", type=float, default=30.0, help="the target's output-layer scale")
     parser.add_argument("--smoke", action="store_true", help="4 rows of 8-24 tokens; 2 prompts x 100 samples")
     parser.add_argument("--vllm-fix", action="store_true",
                         help="also one pass with vLLM's proposed fix of the method (_extract_feedback_fix.py)")
