@@ -102,8 +102,10 @@ def engine_child(spec_path: str, result_path: str) -> None:
     llm.generate(warm, [SamplingParams(max_tokens=2, detokenize=False)], use_tqdm=False)  # first-call costs
     results = {}
     for run in spec["runs"]:
-        earlier = results.get(run.get("prompts_from"))
-        prompts = run["prompts"] if earlier is None else [p + a for p, a in zip(earlier["prompts"], earlier["answers"])]
+        prompts = run["prompts"]
+        if prompts is None:  # an earlier run's prompts + answers; a name not run yet is a KeyError
+            earlier = results[run["prompts_from"]]
+            prompts = [p + a for p, a in zip(earlier["prompts"], earlier["answers"])]
         params = []
         for i, p in enumerate(run["params"] if isinstance(run["params"], list) else [run["params"]] * len(prompts)):
             extra = None
