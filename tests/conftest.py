@@ -50,11 +50,10 @@ def hidden_out(ray_local, deep_qwen3, tmp_path_factory) -> Path:
 
 
 def pytest_collection_modifyitems(items):
-    """The benchmark smokes' tests late, so the smokes (started with the session in the
-    background, tests/smokes.py) are done by the time a test waits for one; the multi-node
-    cluster tests last, after the smokes: their Ray clusters' start-up and timeouts suffer
-    most from the CPU the smokes take."""
-    late = {"tests/test_benchmarks.py": 1, "tests/cluster/": 2}
+    """The multi-node cluster tests late, then the benchmark smokes' tests last, so that the
+    smokes (started with the session in the background at the lowest priority,
+    tests/smokes.py) have had the whole run to finish before a test waits for one."""
+    late = {"tests/cluster/": 1, "tests/test_benchmarks.py": 2}
     items.sort(key=lambda item: max([rank for prefix, rank in late.items() if item.nodeid.startswith(prefix)],
                                     default=0))
 
@@ -68,6 +67,14 @@ def pytest_runtest_setup(item):
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         pytest.fail(f"CI=true and a vLLM test cannot run: {reason}", pytrace=False)
     pytest.skip(reason)
+
+
+# Ray starts its workers at niceness 15 (the driver, raylet and gcs stay at 0). The tests' Ray
+# instances (the session's, and those job processes and clusters start, which inherit this
+# environment) start theirs at 0, so that the tests keep the cores against the benchmark
+# smokes beside them (niceness 19, tests/smokes.py). Scheduling priority only: nothing a
+# test checks depends on it.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 
 @pytest.fixture(scope="session")

@@ -47,8 +47,8 @@ MARKS = {**{s: pytest.mark.slow for s in SLOW}, **{s: pytest.mark.vllm for s in 
 TEST = "test_benchmark_runs_at_smoke_size"
 
 # The smokes run at the lowest priority, with every process they start (their own Ray
-# instances' workers included: Ray adds its worker niceness to what it is started with, and
-# the sum stays 19). The tests beside them then run as if alone where they need the cores,
+# instances' workers included: Ray adds its worker niceness, 0 in the tests (conftest.py),
+# to what it is started with). The tests beside them keep the cores where they need them,
 # and the smokes take what the tests leave: waits on Ray, on a subprocess, on one thread.
 NICENESS = 19
 
