@@ -147,7 +147,11 @@ def start_server(model: Path, kwargs: dict, log_path: Path) -> tuple[subprocess.
            str(kwargs["max_num_batched_tokens"]), "--max-model-len", str(MAX_MODEL_LEN),
            "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--disable-uvicorn-access-log"]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+    # A process group, not a session: Linux schedules each session as one group (autogroup),
+    # so a session of its own would give the server an equal share of the CPU against this
+    # process and everything else it started, whatever their niceness (the test suite runs
+    # this smoke at niceness 19 beside the tests).
+    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, process_group=0,
                             env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
     url = f"http://127.0.0.1:{port}"
     while time.perf_counter() - t0 < 600:
