@@ -56,9 +56,9 @@ NICENESS = 19
 def run_smoke(script: str) -> subprocess.CompletedProcess:
     args, _ = SMOKE[script]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    return subprocess.run(["nice", "-n", str(NICENESS), sys.executable, str(REPO / "benchmarks" / script), *args],
-                          cwd=REPO,
-                          env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=1800)
+    command = ["nice", "-n", str(NICENESS), sys.executable, str(REPO / "benchmarks" / script), *args]
+    return subprocess.run(command, cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          timeout=1800)
 
 
 def start_smokes(items) -> tuple[dict[str, Future], list[ThreadPoolExecutor]]:
