@@ -423,6 +423,10 @@ def export_offline(out_path: str, dest: str, fmt: str, finish_reason: Sequence[s
             raise EagleDataError(f"export: no samples with hidden states left after the filters ({describe(removed)}; "
                                  f"{samples.missing_hidden_states} without hidden states); {dest} was not written. "
                                  "Change the filters, or pass --allow-empty")
+        if rows == 0 and fmt == "speculators-offline":
+            raise EagleDataError(f"export: speculators-offline cannot hold 0 samples (datasets cannot load an "
+                                 f"empty saved dataset, so speculators could not read it); {dest} was not "
+                                 "written. Change the filters")
         counts = {"format": fmt, "dest": dest, "rows": rows, "removed_by_filter": removed,
                   "without_hidden_states": samples.missing_hidden_states, "layer_ids": layer_ids,
                   "aux_layer_ids": [layer_ids[a] for a in aux], "final_layer_id": num_layers,
@@ -446,7 +450,8 @@ def export_offline(out_path: str, dest: str, fmt: str, finish_reason: Sequence[s
 def write_speculators_dataset(dest: str, samples: Iterator[OfflineSample], cache: str) -> None:
     """The datasets.save_to_disk folder speculators' ArrowDataset loads: input_ids,
     loss_mask (int64 lists) and seq_len (int64), torch format, one row per hs_<i> file.
-    Rows stream through a Parquet file in `cache` (memory: one row group of tokens)."""
+    Rows stream through a Parquet file in `cache` (memory: one row group of tokens).
+    No rows: nothing is written (datasets cannot load an empty saved dataset)."""
     import datasets
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -456,14 +461,18 @@ def write_speculators_dataset(dest: str, samples: Iterator[OfflineSample], cache
                         ("seq_len", pa.int64())])
     staged = os.path.join(cache, "rows.parquet")
     with pq.ParquetWriter(staged, schema) as w:
-        batch = []
+        batch, rows = [], 0
         for s in samples:
             batch.append({"input_ids": s.input_ids.tolist(), "loss_mask": s.loss_mask.tolist(),
                           "seq_len": len(s.input_ids)})
+            rows += 1
             if len(batch) == 256:
                 w.write_table(pa.Table.from_pylist(batch, schema))
                 batch = []
-        w.write_table(pa.Table.from_pylist(batch, schema))
+        if batch:
+            w.write_table(pa.Table.from_pylist(batch, schema))
+    if rows == 0:
+        return
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
                                   "loss_mask": datasets.Sequence(datasets.Value("int64")),
                                   "seq_len": datasets.Value("int64")})
@@ -548,7 +557,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                    help="rows to keep (default: specforge 'stop', other formats all)")
     p.add_argument("--source", nargs="+", default=None, help="keep only these sources")
     p.add_argument("--overwrite", action="store_true", help="replace DEST if it exists")
-    p.add_argument("--allow-empty", action="store_true", help="write DEST even when no row is left")
+    p.add_argument("--allow-empty", action="store_true", help="write DEST even when no row is left (not speculators-offline: datasets cannot load an empty dataset)")
     p.add_argument("--model", default=None,
                    help="*-offline formats that store the final state post-norm (specforge, modelopt): the "
                         "target's local folder to read the final norm from (default: the model.path the "

@@ -245,11 +245,24 @@ def test_filters_and_samples_without_hidden_states(hidden_out, model, rows, tmp_
     counts = ex.export(str(copy), str(tmp_path / "d"), "modelopt-offline", model=str(model))
     assert gone and counts["without_hidden_states"] == len(gone) and counts["rows"] == len(rows) - len(gone)
     assert {p.stem for p in (tmp_path / "d").glob("*.pt")} == set(rows) - gone
-    source = sorted({r["source"] for r in rows.values()})[0]
-    kept = {s for s, r in rows.items() if r["source"] == source and r["finish_reason"] == "length"} - gone
-    counts = ex.export(str(copy), str(tmp_path / "f"), "speculators-offline", finish_reason=["length"],
-                       source=[source], allow_empty=True)
-    assert counts["rows"] == len(kept) and sorted(order(tmp_path / "f")) == sorted(kept)
+    first = rows[sorted(set(rows) - gone)[0]]  # a (source, finish reason) pair that keeps a row
+    kept = {s for s, r in rows.items()
+            if (r["source"], r["finish_reason"]) == (first["source"], first["finish_reason"])} - gone
+    counts = ex.export(str(copy), str(tmp_path / "f"), "speculators-offline",
+                       finish_reason=[first["finish_reason"]], source=[first["source"]])
+    assert counts["rows"] == len(kept) > 0 and sorted(order(tmp_path / "f")) == sorted(kept)
+
+
+def test_an_empty_export_is_written_where_the_format_can_hold_it(hidden_out, model, tmp_path):
+    """datasets cannot load an empty saved dataset, so speculators' format refuses 0 rows
+    even with --allow-empty, naming why; the file formats write an empty folder."""
+    counts = ex.export(str(hidden_out), str(tmp_path / "m"), "modelopt-offline", model=str(model),
+                       source=["no-such-source"], allow_empty=True)
+    assert counts["rows"] == 0 and order(tmp_path / "m") == []
+    with pytest.raises(EagleDataError, match="speculators-offline cannot hold 0 samples"):
+        ex.export(str(hidden_out), str(tmp_path / "s"), "speculators-offline", source=["no-such-source"],
+                  allow_empty=True)
+    assert not (tmp_path / "s").exists() and not list(tmp_path.glob(".s.*"))
 
 
 def test_dest_is_never_something_else_replaced(hidden_out, model, tmp_path, capsys):
