@@ -557,7 +557,8 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                    help="rows to keep (default: specforge 'stop', other formats all)")
     p.add_argument("--source", nargs="+", default=None, help="keep only these sources")
     p.add_argument("--overwrite", action="store_true", help="replace DEST if it exists")
-    p.add_argument("--allow-empty", action="store_true", help="write DEST even when no row is left (not speculators-offline: datasets cannot load an empty dataset)")
+    p.add_argument("--allow-empty", action="store_true",
+                   help="write DEST even when no row is left (not speculators-offline: datasets cannot load it)")
     p.add_argument("--model", default=None,
                    help="*-offline formats that store the final state post-norm (specforge, modelopt): the "
                         "target's local folder to read the final norm from (default: the model.path the "
