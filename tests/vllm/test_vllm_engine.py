@@ -166,11 +166,29 @@ def _plant_too_long_prompt(out, max_model_len: int) -> str:
     return rows[0]["sample_id"]
 
 
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+def _kill_session(sid: int) -> None:
+    """SIGKILL every process of the killed job's session (started with start_new_session,
+    so its sid is the job's pid): the driver's local Ray instance, and the processes outside
+    its process group, Ray's workers and the vLLM engine they start. Killing the group alone
+    left the replica's engine (VLLM::EngineCore and its worker) running for the rest of the
+    test session: the raylet that would have reaped them died in the same instant."""
+    import psutil
+
+    def left() -> list[int]:
+        mine = []
+        for p in psutil.process_iter():
+            try:
+                if os.getsid(p.pid) == sid:
+                    mine.append(p.pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+        return mine
+
+    deadline = time.monotonic() + 30
+    while (pids := left()) and time.monotonic() < deadline:
+        _signal(pids, signal.SIGKILL)
+        time.sleep(0.5)
+    assert not pids, f"processes of the killed job's session still run: {pids}"
 
 
 def _signal(pids: list[int], sig: int) -> None:
@@ -266,7 +284,7 @@ def faulted_run(ray_local, tmp_path_factory, babble_qwen3) -> dict:
         if not finished_early:
             os.kill(job.pid, signal.SIGKILL)
         job.wait()
-    _kill_group(job.pid)  # the killed driver's local Ray instance and engine, started in its session
+    _kill_session(job.pid)  # the killed driver's local Ray instance and engine
 
     after_kill = {r["sample_id"] for r in read(out, "data")}
     # 2. The same job again finishes the rest, fed in batches (on the session's Ray instance:
