@@ -6,7 +6,8 @@ Ray instance's agents), not its wall time: a cluster test waiting on three nodes
 twice its duration. Each test's setup + call + teardown is bracketed with /proc/stat's busy
 time (all processes, so run the tests alone, without the benchmark smokes:
 `--ignore=tests/test_benchmarks.py`). Each test's record goes, as one JSON line, to the
-file CPU_PROFILE names (default cpu-profile.jsonl), and the summary lists the costliest."""
+file CPU_PROFILE names (default cpu-profile.jsonl), emptied when the session starts and
+written test by test (a killed run keeps what it measured); the summary lists the costliest."""
 
 from __future__ import annotations
 
@@ -19,6 +20,14 @@ import pytest
 
 TICKS = os.sysconf("SC_CLK_TCK")
 RECORDS: list[dict] = []
+
+
+def profile_path() -> str:
+    return os.environ.get("CPU_PROFILE", "cpu-profile.jsonl")
+
+
+def pytest_sessionstart(session):
+    open(profile_path(), "w").close()
 
 
 def busy_seconds() -> float:
@@ -36,7 +45,7 @@ def pytest_runtest_protocol(item, nextitem):
     record = {"id": item.nodeid, "wall_s": round(time.monotonic() - wall, 2),
               "cpu_s": round(busy_seconds() - cpu, 2)}
     RECORDS.append(record)
-    with open(os.environ.get("CPU_PROFILE", "cpu-profile.jsonl"), "a") as f:
+    with open(profile_path(), "a") as f:
         f.write(json.dumps(record) + "\n")
 
 

@@ -21,9 +21,10 @@ def test_each_test_gets_the_cpu_it_spent(tmp_path):
         "    time.sleep(0.5)\n")
     records = tmp_path / "cpu.jsonl"
     env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "CPU_PROFILE": str(records)}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "cpu_profile", "-p", "no:cacheprovider",
-                           "test_burn.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
+    for _ in range(2):  # the second run's records replace the first's
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "cpu_profile", "-p", "no:cacheprovider",
+                               "test_burn.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
     burn, sleep = (json.loads(line) for line in records.read_text().splitlines())
     assert burn["id"] == "test_burn.py::test_burns_half_a_second" and sleep["id"] == "test_burn.py::test_sleeps"
     # Machine-wide: other processes (the benchmark smokes beside the suite) only add to it.
