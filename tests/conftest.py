@@ -76,6 +76,15 @@ def pytest_runtest_setup(item):
 # test checks depends on it.
 os.environ.setdefault("RAY_worker_niceness", "0")
 
+# Ray keeps as many idle workers as the node has CPUs (2 here) and kills the others after 1 s
+# idle; the next stage (or the next test's job in this process's Ray job) then starts new
+# workers that import Ray Data, transformers and torch and load the tokenizer again. Kept
+# (up to 10, for 10 minutes), a test's whole-job run reuses the workers of the one before:
+# the in-process whole-job tests spent 37% less CPU (docs/development.md). Each Ray instance
+# a test starts inherits it; nothing a test checks depends on it.
+os.environ.setdefault("RAY_num_workers_soft_limit", "10")
+os.environ.setdefault("RAY_idle_worker_killing_time_threshold_ms", "600000")
+
 
 @pytest.fixture(scope="session")
 def ray_local():
