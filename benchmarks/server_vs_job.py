@@ -1,42 +1,74 @@
-"""The job against the HTTP regenerators: bare `vllm.LLM.generate`, the job's generate phase
-and the peers' way (`vllm serve` + an asyncio OpenAI client at concurrency C), in one run on
-the same prompts, sampling and engine kwargs. vLLM's CPU build, one engine.
+"""The job against bare vLLM and against the HTTP regenerators, in one run on the same
+prompts, sampling and engine kwargs: bare `vllm.LLM.generate`, the job's generate phase
+(requests, Ray's vLLM stage, postprocess, shard writers) and the peers' way (`vllm serve` +
+an asyncio OpenAI client at concurrency C). vLLM's CPU build, one engine.
 
     .venv/bin/python benchmarks/server_vs_job.py [--rows 128] [--max-tokens 256] [--mean 48]
-        [--slots 64] [--concurrency 4 16 64] [--timeouts tight raised] [--timeout-s S] [--skip bare|job] [--smoke]
+        [--slots 64] [--settings default naive] [--concurrency 4 16 64] [--timeouts tight raised]
+        [--timeout-s S] [--repeats 3] [--skip bare|job|server ...] [--worker-niceness N] [--smoke]
 
-Workload: the babbling Qwen3 of benchmarks/vllm_vs_job.py (fixed next-token distribution,
-p(eos) = 1/--mean: geometric, long-tailed lengths capped at --max-tokens) on synthetic chat
-rows; the prompts phase tokenizes them once (the job's `tokenized_prompt`). Every path asks
-for temperature 1, top_p 1, the job's per-row seed (`row_seed(0, sample_id)`) and its stop
-ids, so every path that keeps the engine's tokens stores the same ones.
+Workload: a "babbling" Qwen3 (head_dim 64, real Qwen3 tokenizer) whose next-token
+distribution is fixed, p(eos) = 1/--mean: geometric, long-tailed lengths capped at
+--max-tokens, on synthetic chat rows that the prompts phase tokenizes once (the job's
+`tokenized_prompt`). Every path asks for temperature 1, top_p 1, the job's per-row seed
+(`row_seed(0, sample_id)`) and its stop ids, so every path that keeps the engine's tokens
+stores the same ones. Same engine kwargs everywhere (bf16, enforce_eager, max_num_seqs =
+--slots, max_num_batched_tokens 8192, max_model_len 1024, a 0.5 GiB KV cache).
+max_num_batched_tokens is set, not left to vLLM: its CPU default is 4096 for LLM and 2048
+for the server and Ray's stage, and a prefill split over two steps crashes a seeded request
+on the CPU build ("CPU Generator does not use offset"); 8192 holds every prefill of a step.
 
-- bare: `LLM.generate` on the tokenized prompts (child process); tokens/s of the call.
-- job: `run(cfg, phase="generate")`, the project's default feeding; tokens/s of engine time
-  (first request queued to last token, vLLM's per-request metrics), load apart.
+Paths, each run --repeats times, interleaved (bare, job, server; bare, job, server; ...) so
+that a slow spell of the machine hits every path; the tables give the median and the range.
+- bare: `LLM.generate` on the tokenized prompts (child process); seconds = the call.
+- job: `run(cfg, phase="generate")` per --settings: `default` = the project's feeding rule
+  (batch 4, batch_size x max_concurrent_batches = (2 + 4/8) x slots rows in flight,
+  eagle_data/job/stages/engines/vllm_backend.py), `naive` = one batch of `slots` rows at a
+  time; seconds = first request queued in the engine to its last token (vLLM's per-request
+  metrics that Ray's stage returns: the engine has one clock). Ray and the pipeline
+  starting and the model load are reported apart.
 - server: `python -m vllm.entrypoints.openai.api_server` (what `vllm serve` runs) on a free
-  local port with the same engine kwargs, started once for the sweep (its load apart);
+  local port, started once per repeat for its sweep (start to /health apart);
   `openai.AsyncOpenAI` chat.completions on the rows' messages, at most C in flight (an
-  asyncio.Semaphore), the client's default retries (2); tokens/s = successful
-  completion tokens / the setting's wall time.
+  asyncio.Semaphore), the client's default retries (2, attempts counted per row by an httpx
+  hook); seconds = the setting's wall time; tokens = the successful rows' completion tokens.
+  A row is lost when its request still fails after the retries.
 
-The tight timeout plays the role of the OpenAI client's default (600 s) in the seed's run,
-scaled to this machine by the token budget it gives one request: 600 s x (1,500 tok/s / 200
-streams) = 4,500 tokens, 3.46x the mean completion of the workload shape the issue speaks of
-(benchmarks/_workload.py: mean 1,300). Here: budget = 3.46 x --mean tokens, at the per-stream
-rate of the top concurrency, bare tokens/s / max(C): timeout = budget x max(C) / bare tokens/s
-(--timeout-s overrides it). The raised one is the client's literal default, 600 s, which no
-request on this size comes near.
+Timeouts. The tight one plays the role of the OpenAI client's default (600 s) in the seed's
+run, scaled to this machine by the token budget it gives one request: 600 s x (1,500 tok/s /
+200 streams) = 4,500 tokens, 3.46x the mean completion of the workload shape the issue
+speaks of (benchmarks/_workload.py: mean 1,300). Here: budget = 3.46 x --mean tokens at the
+per-stream rate of the top concurrency, the reference's tokens/s / max(C) in the same
+repeat (--timeout-s overrides it). The raised one is the client's literal default, 600 s.
 
-Exactness: the job's data/ ids and the server's `return_token_ids` (a vLLM extra field) are
-compared per row with bare vLLM's; the server's text, re-tokenized with the target tokenizer
-as the text-storing peers do downstream, is compared with bare's ids less the final stop
-token (the chat template adds it back). The server's prompt ids are checked against the job's
-`tokenized_prompt` (usage.prompt_tokens = its length, and the ids themselves).
+Exactness, per row against the reference (bare vLLM; the job with `--skip bare`): the job's
+data/ ids; the server's `return_token_ids` (a vLLM extra field) and its text re-tokenized
+with the target tokenizer, as the text-storing peers do downstream, against the reference's
+ids less the final stop token (the chat template adds it back). The server's prompt ids are
+checked against the job's `tokenized_prompt`.
 
-`--skip bare` leaves bare vLLM out: the job's ids and tokens/s are then the reference (the
-smoke run in tests/test_benchmarks.py does this, since benchmarks/vllm_vs_job.py's smoke
-measures bare vLLM already); `--skip job` leaves the job out.
+Where the time goes, a second table, per path (median over repeats, range):
+- the engine's idle time inside its window (no request between scheduled and last token)
+  and its mean occupancy (running requests / max_num_seqs), from vLLM's per-request metrics
+  (`RequestStateStats`; bare: `RequestOutput.metrics`, the job: Ray's `metrics` column;
+  not available over HTTP, so not for the server);
+- CPU seconds each process used inside the window (bare and job: the engine's; the server:
+  the setting's wall time), psutil sampled every 0.5 s over this process and its
+  descendants (the local Ray session, the server and their engines): the engine core, the
+  process in front of it (bare: the `LLM` process; the job: the replica actor running Ray's
+  stage; the server: its API process), Ray Data's other workers, raylet, gcs, the other Ray
+  processes, and this process (the job's driver; the server's client), less the sampler's
+  own thread, given apart, with this process's threads that used 0.05 CPU s or more; and
+  each kind's niceness (Ray starts workers at `worker_niceness`, 15; `--worker-niceness 0`
+  starts this run's local Ray with its workers at 0, as `RAY_worker_niceness=0 ray start`
+  would on a cluster). Ray stays up (idle) while the server runs: its processes' CPU shows
+  in the server's column. The CPU figures are approximate: a worker's CPU goes to the task
+  it ran at the sample, and a process that ends inside the window counts up to its last
+  sample.
+
+With RAY_ADDRESS set the job runs on that Ray instance, whose workers are not this process's
+descendants: the job's CPU breakdown then misses them. `--skip` leaves paths out (the test
+suite's smoke run keeps all three, at a tiny size, in one repeat).
 """
 
 from __future__ import annotations
@@ -47,6 +79,7 @@ os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
+import bisect  # noqa: E402
 import collections  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
@@ -54,21 +87,159 @@ import math  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
+import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 import urllib.request  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import psutil  # noqa: E402
+
 from _workload import REPO, qwen3_dir, start_ray, write_chat_rows  # noqa: E402
 
-# Copied from benchmarks/vllm_vs_job.py (the same babbling vocabulary), not imported: that
-# script is being changed at the same time and this one must not depend on its internals.
 WORDS = [" the", " cat", " sat", " on", " mat", " and", " dog", " ran", "."]
 KV_CACHE_BYTES = 2**29  # = engine.cpu_kv_cache_gib 0.5, the job's setting
 MAX_MODEL_LEN = 1024
 SEED_BUDGET_IN_MEANS = 600 * 1500 / 200 / 1300  # the seed's per-request token budget, in mean completions
+BARE = "bare vLLM (LLM.generate)"
+
+# Process kinds, in the breakdown's order: (kind, strings one of which its command line contains).
+KINDS = [("engine model worker (VLLM::Worker)", ("VLLM::Worker",)), ("engine core (VLLM::EngineCore)", ("EngineCore",)),
+         ("engine front (replica actor / LLM process / API server)", ("VLLMEngine", "openai.api_server")),
+         ("driver (the job's; the server's client)", ()),
+         ("Ray's actors and agents", ("_StatsActor", "Coordinator", "ActorLocationTracker", "Agent")),
+         ("Ray Data task workers (reads, requests, postprocess)", ("ray::",)), ("raylet", ("raylet/raylet",)),
+         ("gcs", ("gcs_server",)), ("other processes", ("",))]
+DRIVER = KINDS[3][0]
+FRONT = KINDS[2][0]
+
+
+def engine_kwargs(slots: int) -> dict:
+    """The pass-through every engine gets (the job's max_model_len is its typed key)."""
+    return {"dtype": "bfloat16", "enforce_eager": True, "max_num_seqs": slots, "max_num_batched_tokens": 8192}
+
+
+class CpuSampler:
+    """CPU seconds and niceness of this process and its descendants, sampled every `every_s`
+    on the monotonic clock vLLM's engine core stamps its metrics with. A worker's command
+    line is its current Ray task, so a sample's CPU goes to the kind the process had then."""
+
+    def __init__(self, front: str | None = None, every_s: float = 0.5):
+        self.front, self.every_s = front, every_s  # front: the kind of this process itself
+        self.pid = os.getpid()  # the sampled process (bare's samples are read by its parent)
+        # (time, {pid: (kind, cpu s, nice)}, the sampler thread's own CPU s so far: the
+        # driver's figure includes it)
+        self.samples: list[tuple[float, dict, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="cpu-sampler")
+
+    def kind(self, proc: psutil.Process) -> str:
+        if proc.pid == os.getpid():
+            return self.front or DRIVER
+        line = " ".join(proc.cmdline())
+        return next(kind for kind, needles in KINDS if any(n in line for n in needles))
+
+    def sample(self) -> None:
+        me = psutil.Process()
+        snap = {}
+        for proc in [me, *me.children(recursive=True)]:
+            try:
+                with proc.oneshot():
+                    cpu = proc.cpu_times()
+                    snap[proc.pid] = (self.kind(proc), cpu.user + cpu.system, proc.nice())
+            except psutil.Error:  # exited meanwhile
+                pass
+        snap.update(self.own_threads(me))
+        self.samples.append((time.monotonic(), snap, time.thread_time()))
+
+    def own_threads(self, me: psutil.Process) -> dict:
+        """This process's threads as (-thread id: ("thread: NAME", cpu s, nice)), NAME the
+        Python thread's name or the OS one (Ray's C++ threads), digits dropped."""
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        threads = {}
+        for t in me.threads():
+            try:
+                name = names.get(t.id) or Path(f"/proc/self/task/{t.id}/comm").read_text().strip()
+                nice = os.getpriority(os.PRIO_PROCESS, t.id)
+            except OSError:  # ended meanwhile
+                continue
+            name = name.split("-dataset_")[0].rstrip("0123456789_-")  # one row per kind of thread
+            if name != self._thread.name:  # given as "sampler thread"
+                threads[-t.id] = ("thread: " + name, t.user_time + t.system_time, nice)
+        return threads
+
+    def _run(self) -> None:
+        while True:
+            self.sample()  # here only: its thread_time() is this thread's
+            if self._stop.wait(self.every_s):
+                return self.sample()
+
+    def __enter__(self) -> "CpuSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def window(self, start: float, end: float) -> dict:
+        """{kind: [CPU s, {nice values}]} between the last sample at or before `start` and
+        the first at or after `end` (a process started meanwhile counts from 0, one gone by
+        then, like the job's engine after its last row, up to its last sample); the sampler's
+        own CPU is taken out of the driver's and given as "sampler thread"."""
+        times = [t for t, _, _ in self.samples]
+        begin = max(bisect.bisect_right(times, start) - 1, 0)
+        stop = min(bisect.bisect_left(times, end), len(times) - 1)
+        _, first, own0 = self.samples[begin]
+        last = {pid: value for _, snap, _ in self.samples[begin:stop + 1] for pid, value in snap.items()}
+        own1 = self.samples[stop][2]
+        kinds: dict = {"sampler thread": [own1 - own0, set()]}
+        for pid, (kind, cpu, nice) in last.items():
+            entry = kinds.setdefault(kind, [0.0, set()])
+            entry[0] += cpu - (first[pid][1] if pid in first else 0.0) - (own1 - own0 if pid == self.pid else 0)
+            entry[1].add(nice)
+        return kinds
+
+
+def occupancy(spans: list[tuple[float, float, float]], slots: int) -> dict:
+    """The engine's window (first queued to last token), its idle time (no request between
+    its scheduled and last token) and mean running requests / slots, from (queued,
+    scheduled, last token) per request."""
+    start, end = min(s[0] for s in spans), max(s[2] for s in spans)
+    events = sorted([(s[1], 1) for s in spans] + [(s[2], -1) for s in spans])
+    running, at, idle, area = 0, start, 0.0, 0.0
+    for t, step in events:
+        idle += (t - at) if running == 0 else 0.0
+        area += running * (t - at)
+        running, at = running + step, t
+    window = max(end - start, 1e-9)
+    return {"start": start, "end": end, "window_s": window, "idle_s": idle, "occupancy": area / (window * slots)}
+
+
+def spans_of(metrics) -> list[tuple[float, float, float]]:
+    return [(m["queued_ts"], m["scheduled_ts"], m["last_token_ts"]) for m in metrics]
+
+
+def occupancy(spans: list[tuple[float, float, float]], slots: int) -> dict:
+    """The engine's window (first queued to last token), its idle time (no request between
+    its scheduled and last token) and mean running requests / slots, from (queued,
+    scheduled, last token) per request."""
+    start, end = min(s[0] for s in spans), max(s[2] for s in spans)
+    events = sorted([(s[1], 1) for s in spans] + [(s[2], -1) for s in spans])
+    running, at, idle, area = 0, start, 0.0, 0.0
+    for t, step in events:
+        idle += (t - at) if running == 0 else 0.0
+        area += running * (t - at)
+        running, at = running + step, t
+    window = max(end - start, 1e-9)
+    return {"start": start, "end": end, "window_s": window, "idle_s": idle, "occupancy": area / (window * slots)}
+
+
+def spans_of(metrics) -> list[tuple[float, float, float]]:
+    return [(m["queued_ts"], m["scheduled_ts"], m["last_token_ts"]) for m in metrics]
 
 
 def read_prompts(out: Path) -> list[dict]:
@@ -79,8 +250,10 @@ def read_prompts(out: Path) -> list[dict]:
 
 
 def bare_vllm(spec_path: str, result_path: str) -> None:
-    """The child process: vllm.LLM on the prompts of the base OUT, writing each row's ids
-    (its engine process is spawned, so this runs under the __main__ guard)."""
+    """The child process: vllm.LLM on the prompts of the base OUT (its engine process is
+    spawned, so this runs under the __main__ guard)."""
+    import dataclasses
+
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -89,36 +262,52 @@ def bare_vllm(spec_path: str, result_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     prompts = read_prompts(Path(spec["out"]))
     t0 = time.perf_counter()
-    llm = LLM(model=spec["model"], kv_cache_memory_bytes=KV_CACHE_BYTES, **spec["engine_kwargs"])
+    # Stats on, as in Ray's stage (they give the per-request metrics the breakdown uses).
+    llm = LLM(model=spec["model"], kv_cache_memory_bytes=KV_CACHE_BYTES, disable_log_stats=False,
+              **spec["engine_kwargs"])
     load = time.perf_counter() - t0
-    params = [SamplingParams(max_tokens=spec["max_tokens"], temperature=1.0, top_p=1.0,
-                             seed=row_seed(0, p["sample_id"]), stop_token_ids=spec["stop_ids"], detokenize=False)
-              for p in prompts]
-    t0 = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=list(p["tokenized_prompt"])) for p in prompts], params,
-                        use_tqdm=False)
-    engine_s = time.perf_counter() - t0
-    ids = {p["sample_id"]: list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)}
-    Path(result_path).write_text(json.dumps({"load_s": load, "engine_s": engine_s, "ids": ids}))
+    params = [SamplingParams(max_tokens=spec["max_tokens"], temperature=1.0, top_p=1.0, seed=row_seed(0, p["sample_id"]),
+                             stop_token_ids=spec["stop_ids"], detokenize=False) for p in prompts]
+    with CpuSampler(front=FRONT) as cpu:
+        t0 = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=list(p["tokenized_prompt"])) for p in prompts], params,
+                            use_tqdm=False)
+        engine_s = time.perf_counter() - t0
+    spans = spans_of([dataclasses.asdict(o.metrics) for o in outs]) if all(o.metrics for o in outs) else []
+    Path(result_path).write_text(json.dumps({
+        "load_s": load, "engine_s": engine_s, "spans": spans, "samples": cpu.samples, "pid": cpu.pid,
+        "ids": {p["sample_id"]: list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)}}))
 
 
 def timed_engine(events: str):
-    """The configured engine stage + a step recording each batch's vLLM request metrics
-    (copied from benchmarks/vllm_vs_job.py, see WORDS)."""
+    """The configured engine stage (Ray's vLLM stage) + a step recording each request's
+    vLLM metrics."""
     from eagle_data.job.stages.engines import apply_engine
 
     def record(batch, path):
         metrics = [m for m in batch.column("metrics").to_pylist() if m]
         with open(path, "a") as f:
-            f.write(json.dumps({"queued": min(m["queued_ts"] for m in metrics),
-                                "last": max(m["last_token_ts"] for m in metrics),
-                                "arrival": min(m["arrival_time"] for m in metrics)}) + "\n")
+            f.write(json.dumps({"spans": spans_of(metrics), "arrival": min(m["arrival_time"] for m in metrics)}) + "\n")
         return batch
 
     def stage(ds, cfg, pad_id):
         return apply_engine(ds, cfg, pad_id).map_batches(record, batch_format="pyarrow", fn_kwargs={"path": events})
 
     return stage
+
+
+def run_bare(tmp: Path, spec: Path, repeat: int, slots: int) -> dict:
+    result = tmp / f"bare-{repeat}.json"
+    subprocess.run([sys.executable, __file__, "--bare", str(spec), str(result)], check=True,
+                   env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
+    bare = json.loads(result.read_text())
+    cpu = CpuSampler()
+    cpu.pid = bare["pid"]
+    cpu.samples = [(t, {int(pid): tuple(v) for pid, v in snap.items()}, own) for t, snap, own in bare["samples"]]
+    engine = occupancy(bare["spans"], slots) if bare["spans"] else None
+    window = (engine["start"], engine["end"]) if engine else (cpu.samples[0][0], cpu.samples[-1][0])
+    return {"ids": bare["ids"], "seconds": bare["engine_s"], "load_s": bare["load_s"], "engine": engine,
+            "cpu": cpu.window(*window)}
 
 
 def job_ids(out: Path) -> dict[str, list[int]]:
@@ -128,6 +317,29 @@ def job_ids(out: Path) -> dict[str, list[int]]:
     rows = pads.dataset(sorted(Path(out, "data").glob("*.parquet"))).to_table(
         columns=["sample_id", "input_ids", "num_prompt_tokens"]).to_pylist()
     return {r["sample_id"]: r["input_ids"][r["num_prompt_tokens"]:] for r in rows}
+
+
+def run_job(tmp: Path, base: list[str], setting: str, repeat: int, slots: int) -> dict:
+    from eagle_data.config import load_config
+    from eagle_data.job.phases.run import run
+
+    b, c = (4, math.ceil((2 + 4 / 8) * slots / 4)) if setting == "default" else (slots, 1)
+    out = tmp / f"out-{setting}-{repeat}"
+    shutil.copytree(tmp / "base", out)
+    events = tmp / f"events-{setting}-{repeat}.jsonl"
+    cfg = load_config(None, base + [f"output.path={out}", f"engine.batch_size={b}",
+                                    f"engine.max_concurrent_batches={c}"])
+    started = time.time()
+    with CpuSampler() as cpu:
+        counts = run(cfg, phase="generate", engine=timed_engine(str(events)))["generate"]
+    calls = [json.loads(line) for line in events.read_text().splitlines()]
+    engine = occupancy([tuple(s) for c_ in calls for s in c_["spans"]], slots)
+    ids = job_ids(out)
+    assert counts["ok"] == len(ids), counts
+    shutil.rmtree(out)
+    return {"feeding": f"{b}x{c}", "ids": ids, "seconds": engine["window_s"],
+            "load_s": min(c_["arrival"] for c_ in calls) - started, "engine": engine,
+            "cpu": cpu.window(engine["start"], engine["end"])}
 
 
 def free_port() -> int:
@@ -142,7 +354,7 @@ def start_server(model: Path, kwargs: dict, log_path: Path) -> tuple[subprocess.
     that stop_server kills its engine process too; returns once /health answers."""
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enforce-eager",
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", kwargs["dtype"], "--enforce-eager",
            "--max-num-seqs", str(kwargs["max_num_seqs"]), "--max-num-batched-tokens",
            str(kwargs["max_num_batched_tokens"]), "--max-model-len", str(MAX_MODEL_LEN),
            "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--disable-uvicorn-access-log"]
@@ -206,33 +418,116 @@ async def drive(url: str, model: str, prompts: list[dict], concurrency: int, tim
             except openai.APIError as e:  # timeouts (after the retries) and HTTP errors: the row is lost
                 return p["sample_id"], e
 
-    t0 = time.perf_counter()
+    start = time.monotonic()
     results = await asyncio.gather(*(one(p) for p in prompts))
-    wall = time.perf_counter() - t0
+    end = time.monotonic()
     await client.close()
-    return {"wall_s": wall, "results": dict(results), "retries": sum(attempts.values()) - len(prompts)}
+    return {"start": start, "end": end, "results": dict(results), "retries": sum(attempts.values()) - len(prompts)}
 
 
-def server_row(run: dict, prompts: list[dict], reference_ids: dict, tokenizer, stop_ids: list[int]) -> dict:
-    """Rows ok / lost, tokens, and exactness of one sweep setting."""
+def run_server(tmp: Path, model: Path, kwargs: dict, prompts: list[dict], sweep: list[tuple[int, str, float]],
+               max_tokens: int, stop_ids: list[int], repeat: int) -> dict:
+    """One server start and its sweep: {(C, timeout name): result}."""
     import openai
 
-    by_id = {p["sample_id"]: p for p in prompts}
-    ok = {s: r for s, r in run["results"].items() if not isinstance(r, Exception)}
-    lost = collections.Counter("timeout" if isinstance(r, openai.APITimeoutError) else "error"
-                               for r in run["results"].values() if isinstance(r, Exception))
-    prompt_mismatch = sum(r.usage.prompt_tokens != len(by_id[s]["tokenized_prompt"])
-                          or r.prompt_token_ids != list(by_id[s]["tokenized_prompt"]) for s, r in ok.items())
-    ids_exact = sum(r.choices[0].token_ids == reference_ids.get(s) for s, r in ok.items())
+    proc, url, load_s = start_server(model, kwargs, tmp / f"server-{repeat}.log")
+    results = {}
+    try:
+        for conc, name, timeout in sweep:
+            with CpuSampler() as cpu:
+                got = asyncio.run(drive(url, str(model), prompts, conc, timeout, max_tokens, stop_ids))
+            ok = {s: r for s, r in got["results"].items() if not isinstance(r, Exception)}
+            lost = collections.Counter("timeout" if isinstance(r, openai.APITimeoutError) else "error"
+                                       for r in got["results"].values() if isinstance(r, Exception))
+            results[conc, name] = {
+                "feeding": conc, "timeout_s": timeout, "retries": got["retries"], "lost": lost, "responses": ok,
+                "ids": {s: r.choices[0].token_ids for s, r in ok.items()}, "seconds": got["end"] - got["start"],
+                "tokens": sum(r.usage.completion_tokens for r in ok.values()), "load_s": load_s, "engine": None,
+                "cpu": cpu.window(got["start"], got["end"])}
+            seconds = results[conc, name]["seconds"]
+            print(f"server C={conc} {name}: {len(ok)} ok, lost {dict(lost) or 0}, {seconds:.1f} s", flush=True)
+    finally:
+        stop_server(proc)
+    return results
+
+
+def exactness(run: dict, reference: dict, prompts: list[dict], tokenizer, stop_ids: list[int]) -> str:
+    """Rows whose ids equal the reference's; for the server also its re-tokenized text, and
+    prompts whose ids differ from the job's tokenized_prompt."""
+    ids_exact = sum(ids == reference.get(s) for s, ids in run["ids"].items())
+    text = f"ids {ids_exact}/{len(run['ids'])}"
+    if "responses" not in run:
+        return text
 
     def without_stop(ids):
         return ids[:-1] if ids and ids[-1] in stop_ids else ids
 
+    by_id = {p["sample_id"]: p for p in prompts}
     text_exact = sum(tokenizer.encode(r.choices[0].message.content or "", add_special_tokens=False)
-                     == without_stop(reference_ids.get(s, [])) for s, r in ok.items())
-    return {"ok": len(ok), "lost": lost, "retries": run["retries"], "prompt_mismatch": prompt_mismatch,
-            "tokens": sum(r.usage.completion_tokens for r in ok.values()), "seconds": run["wall_s"],
-            "exact": f"ids {ids_exact}/{len(ok)}; text {text_exact}/{len(ok)}"}
+                     == without_stop(reference.get(s, [])) for s, r in run["responses"].items())
+    prompt_mismatch = sum(r.usage.prompt_tokens != len(by_id[s]["tokenized_prompt"])
+                          or r.prompt_token_ids != list(by_id[s]["tokenized_prompt"])
+                          for s, r in run["responses"].items())
+    return text + f"; text {text_exact}/{len(run['ids'])}" + (f"; prompt ids differ {prompt_mismatch}"
+                                                                 if prompt_mismatch else "")
+
+
+def median_range(values: list[float], fmt: str) -> str:
+    text = format(statistics.median(values), fmt)
+    return text if len(values) == 1 else f"{text} ({format(min(values), fmt)}-{format(max(values), fmt)})"
+
+
+def print_results(runs: dict[str, list[dict]], reference: str, rows: int) -> None:
+    """A row per path: median (range) over repeats; the ratio is against the reference path's
+    run of the same repeat; rows lost and retries summed over the repeats."""
+    print(f"\n| run | feeding / C | timeout s | rows ok | rows lost | retries | generated tokens | seconds | tokens/s | "
+          f"vs {reference.split(' (')[0]} (same repeat) | exact rows | load s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, rs in runs.items():
+        rates = [r["tokens"] / r["seconds"] for r in rs]
+        ratios = [rate / (ref["tokens"] / ref["seconds"]) for rate, ref in zip(rates, runs[reference])]
+        lost = collections.Counter()
+        for r in rs:
+            lost.update(r.get("lost") or {"": rows - len(r["ids"])})
+        server = "timeout_s" in rs[0]
+        cells = [name, rs[0].get("feeding", "-"), median_range([r["timeout_s"] for r in rs], ".1f") if server else "-",
+                 median_range([len(r["ids"]) for r in rs], ".0f"),
+                 ", ".join(f"{n} {k}".strip() for k, n in sorted(lost.items()) if n) or "0",
+                 sum(r["retries"] for r in rs) if server else "-", "/".join(map(str, sorted({r["tokens"] for r in rs}))),
+                 median_range([r["seconds"] for r in rs], ".1f"), median_range(rates, ".0f"),
+                 median_range(ratios, ".3f"), " / ".join(sorted({r["exact"] for r in rs})),
+                 median_range([r["load_s"] for r in rs], ".0f")]
+        print("| " + " | ".join(map(str, cells)) + " |")
+
+
+def print_breakdown(runs: dict[str, list[dict]]) -> None:
+    """A column per path (median over repeats, range): the engine's idle time and occupancy
+    (bare and the job), then CPU seconds by kind of process inside its window [niceness]."""
+    print("\n| inside the engine's window (the server: the setting's wall time) | " + " | ".join(runs) + " |")
+    print("|---|" + "---|" * len(runs))
+    for label, key, fmt, scale in (("engine idle s", "idle_s", ".2f", 1),
+                                   ("engine occupancy %", "occupancy", ".1f", 100)):
+        print(f"| {label} | " + " | ".join(median_range([scale * r["engine"][key] for r in rs], fmt)
+                                           if rs[0]["engine"] else "-" for rs in runs.values()) + " |")
+    print("| window s | " + " | ".join(median_range([r["seconds"] for r in rs], ".1f") for rs in runs.values()) + " |")
+    # This process's (and bare's LLM process's) threads that used 0.05 CPU s or more in a run.
+    threads = sorted({k for rs in runs.values() for r in rs for k, v in r["cpu"].items()
+                      if k.startswith("thread: ") and v[0] >= 0.05})
+    for kind in [k for k, _ in KINDS] + threads + ["sampler thread", "all processes", "all processes per 1,000 tokens"]:
+        cells = []
+        for rs in runs.values():
+            if kind.startswith("all processes"):
+                per = 1000 if kind.endswith("tokens") else None
+                present = [(sum(v[0] for k, v in r["cpu"].items()
+                                if k != "sampler thread" and not k.startswith("thread: "))
+                            * (per / r["tokens"] if per else 1), set()) for r in rs]
+            else:
+                present = [r["cpu"][kind] for r in rs if kind in r["cpu"]]
+            nice = ",".join(map(str, sorted(set().union(*(p[1] for p in present)))))
+            cells.append(median_range([p[0] for p in present], ".2f") + (f" [nice {nice}]" if nice else "")
+                         if present else "-")
+        label = f"of which {kind} (driver / LLM process)" if kind.startswith("thread: ") else kind
+        print(f"| CPU s: {label} | " + " | ".join(cells) + " |")
 
 
 def main() -> None:
@@ -242,19 +537,28 @@ def main() -> None:
     parser.add_argument("--mean", type=float, default=48, help="mean completion length before the cap (1/p(eos))")
     parser.add_argument("--slots", type=int, default=64, help="max_num_seqs (at least the top concurrency, as a "
                                                              "peer's server is sized for its client)")
+    parser.add_argument("--settings", nargs="+", default=["default"], choices=["default", "naive"],
+                        help="the job's feeding settings")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[4, 16, 64])
     parser.add_argument("--timeouts", nargs="+", default=["tight", "raised"], choices=["tight", "raised"])
     parser.add_argument("--timeout-s", type=float, help="the tight timeout (default: the scaling rule above)")
     parser.add_argument("--raised-timeout-s", type=float, default=600.0)
-    parser.add_argument("--skip", choices=["bare", "job"], help="leave out bare vLLM (the job's ids and rate are "
-                        "then the reference) or the job")
-    parser.add_argument("--smoke", action="store_true", help="6 rows, 16 tokens, C = 2, tight timeout only")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each path, interleaved; the median is reported")
+    parser.add_argument("--skip", nargs="+", default=[], choices=["bare", "job", "server"],
+                        help="paths to leave out (without bare, the job is the reference)")
+    parser.add_argument("--worker-niceness", type=int, help="Ray's worker_niceness for this run's local Ray "
+                        "(Ray's default: 15); the cluster-wide setting `RAY_worker_niceness` of `ray start`")
+    parser.add_argument("--smoke", action="store_true", help="6 rows, 16 tokens, every path, C = 2, tight timeout, "
+                                                             "one repeat")
     parser.add_argument("--bare", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.bare:
         return bare_vllm(*args.bare)
     if args.smoke:
-        args.rows, args.max_tokens, args.mean, args.slots, args.concurrency, args.timeouts = 6, 16, 8, 4, [2], ["tight"]
+        args.rows, args.max_tokens, args.mean, args.slots, args.concurrency, args.timeouts, args.repeats = \
+            6, 16, 8, 4, [2], ["tight"], 1
+    if "bare" in args.skip and "job" in args.skip:
+        raise SystemExit("--skip: keep bare or the job, the reference the others are compared with")
 
     sys.path.insert(0, str(REPO / "tests"))
     from support import build_babbling_model
@@ -272,21 +576,16 @@ def main() -> None:
         probs = {**{w: (1 - p_stop) / len(WORDS) for w in WORDS}, "<|im_end|>": p_stop}
         model = build_babbling_model(qwen3_dir(tmp), tmp / "babble", ["<|im_end|>", "<|endoftext|>"], probs, head_dim=64)
         write_chat_rows(tmp / "rows.jsonl", args.rows, (5, 40))
-        # max_num_batched_tokens set, not left to vLLM: its CPU default is 4096 for LLM and
-        # 2048 for the server and Ray's stage, and a prefill split over two steps crashes a
-        # seeded request on the CPU build ("CPU Generator does not use offset"); 8192 holds
-        # every prefill of a step here (slots x the longest prompt).
-        kwargs = {"dtype": "bfloat16", "enforce_eager": True, "max_num_seqs": args.slots,
-                  "max_num_batched_tokens": 8192}
-        b = 4  # the project's feeding rule for batches of 4 (eagle_data/job/stages/engines/vllm_backend.py)
-        c = math.ceil((2 + b / 8) * args.slots / b)
+        kwargs = engine_kwargs(args.slots)
         base = [f"source.dataset={tmp / 'rows.jsonl'}", f"model.path={model}", "engine.backend=vllm",
                 "engine.device=cpu", f"engine.cpu_kv_cache_gib={KV_CACHE_BYTES / 2**30}",
                 f"engine.engine_kwargs={json.dumps(kwargs)}", f"engine.max_model_len={MAX_MODEL_LEN}",
                 f"sampling.max_tokens={args.max_tokens}", "sampling.temperature=1.0", "sampling.top_p=1.0",
-                "sampling.seed=0", "output.rows_per_shard=64", "output.log_every_s=3600",
-                f"engine.batch_size={b}", f"engine.max_concurrent_batches={c}"]
-        ray_used = start_ray(num_cpus=2)
+                "sampling.seed=0", "output.rows_per_shard=64", "output.log_every_s=3600"]
+        niceness = {} if args.worker_niceness is None else {"worker_niceness": args.worker_niceness}
+        if niceness and os.environ.get("RAY_ADDRESS"):
+            raise SystemExit("--worker-niceness starts a Ray instance of its own: unset RAY_ADDRESS")
+        ray_used = start_ray(num_cpus=2, _system_config=niceness)
         logging.getLogger("ray").setLevel(logging.WARNING)
         base_cfg = load_config(None, base + [f"output.path={tmp / 'base'}"])
         run(base_cfg, phase="prompts")
@@ -294,79 +593,45 @@ def main() -> None:
         stop_ids = list(target_tokens(base_cfg, tokenizer).eos_ids)  # what the job asks for
         prompts = read_prompts(tmp / "base")
 
-        table, loads = [], []
-        reference = None  # (name, each row's ids, tokens/s): what the other paths are compared with
-        if args.skip != "bare":
-            spec = tmp / "bare.json"
-            spec.write_text(json.dumps({"out": str(tmp / "base"), "model": str(model),
-                                        "engine_kwargs": {**kwargs, "max_model_len": MAX_MODEL_LEN},
-                                        "max_tokens": args.max_tokens, "stop_ids": stop_ids}))
-            subprocess.run([sys.executable, __file__, "--bare", str(spec), str(tmp / "bare-result.json")], check=True,
-                           env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
-            bare = json.loads((tmp / "bare-result.json").read_text())
-            bare_ids = bare["ids"]
-            bare_tokens = sum(map(len, bare_ids.values()))
-            reference = ("bare", bare_ids, bare_tokens / bare["engine_s"])
-            table.append(("bare vLLM (LLM.generate)", "-", "-", len(bare_ids), "0", "-", bare_tokens, bare["engine_s"],
-                          f"ids {len(bare_ids)}/{len(bare_ids)} (the reference)"))
-            loads.append(f"bare LLM(...) {bare['load_s']:.1f} s")
+        spec = tmp / "bare.json"
+        spec.write_text(json.dumps({"out": str(tmp / "base"), "model": str(model),
+                                    "engine_kwargs": {**kwargs, "max_model_len": MAX_MODEL_LEN},
+                                    "max_tokens": args.max_tokens, "stop_ids": stop_ids}))
+        runs: dict[str, list[dict]] = collections.defaultdict(list)
+        reference = BARE if "bare" not in args.skip else f"job, {args.settings[0]} feeding"
+        for repeat in range(args.repeats):
+            done: dict[str, dict] = {}  # this repeat's runs
+            if "bare" not in args.skip:
+                done[BARE] = run_bare(tmp, spec, repeat, args.slots)
+            if "job" not in args.skip:
+                for setting in args.settings:
+                    done[f"job, {setting} feeding"] = run_job(tmp, base, setting, repeat, args.slots)
+            ref = done[reference]
+            for result in done.values():
+                result["tokens"] = sum(map(len, result["ids"].values()))
+            if "server" not in args.skip:
+                tight = args.timeout_s or SEED_BUDGET_IN_MEANS * args.mean * max(args.concurrency) / (
+                    ref["tokens"] / ref["seconds"])
+                timeouts = {"tight": tight, "raised": args.raised_timeout_s}
+                sweep = [(c, name, timeouts[name]) for c in args.concurrency for name in args.timeouts]
+                for (conc, name), result in run_server(tmp, model, kwargs, prompts, sweep, args.max_tokens, stop_ids,
+                                                       repeat).items():
+                    done[f"server C={conc}, {name} timeout"] = result
+            for name, result in done.items():
+                result["exact"] = (f"ids {len(ref['ids'])}/{len(ref['ids'])} (the reference)" if name == reference
+                                   else exactness(result, ref["ids"], prompts, tokenizer, stop_ids))
+                runs[name].append(result)
+            print(f"repeat {repeat + 1}/{args.repeats} done", flush=True)
+        ray.shutdown()
 
-        if args.skip != "job":
-            out = tmp / "job"
-            shutil.copytree(tmp / "base", out)
-            events = tmp / "events.jsonl"
-            started = time.time()
-            counts = run(load_config(None, base + [f"output.path={out}"]), phase="generate",
-                         engine=timed_engine(str(events)))["generate"]
-            calls = [json.loads(line) for line in events.read_text().splitlines()]
-            engine_s = max(e["last"] for e in calls) - min(e["queued"] for e in calls)
-            loads.append(f"job (Ray + pipeline start + load) {min(e['arrival'] for e in calls) - started:.1f} s")
-            ids = job_ids(out)
-            tokens = sum(map(len, ids.values()))
-            if reference is None:
-                reference = ("job", ids, tokens / engine_s)
-            ref_ids = reference[1]
-            table.append((f"job, default feeding {b}x{c}", "-", "-", len(ids), str(len(prompts) - len(ids)), "-",
-                          tokens, engine_s, f"ids {sum(ids[s] == ref_ids.get(s) for s in ids)}/{len(ids)}"
-                          + (" (the reference)" if reference[0] == "job" else "")))
-            assert counts["ok"] == len(ids), counts
-        ray.shutdown()  # the server gets the cores the job had
-        ref_name, ref_ids, ref_rate = reference
-        ref_tokens = sum(map(len, ref_ids.values()))
-        lengths = sorted(map(len, ref_ids.values()))
-        print(f"workload: {len(prompts)} prompts, geometric lengths mean {args.mean:g} capped at {args.max_tokens} "
-              f"(measured mean {ref_tokens / len(lengths):.1f}, longest {lengths[-1]}), max_num_seqs {args.slots}; "
-              f"reference: {ref_name}{'' if args.skip is None else f' (--skip {args.skip})'}; ray: {ray_used}",
-              flush=True)
-
-        tight = args.timeout_s or SEED_BUDGET_IN_MEANS * args.mean * max(args.concurrency) / ref_rate
-        timeouts = {"tight": tight, "raised": args.raised_timeout_s}
-        proc, url, load_s = start_server(model, kwargs, tmp / "server.log")
-        loads.append(f"vllm serve (start to /health) {load_s:.1f} s")
-        mismatches = 0
-        try:
-            for conc in args.concurrency:
-                for name in args.timeouts:
-                    result = asyncio.run(drive(url, str(model), prompts, conc, timeouts[name], args.max_tokens,
-                                               stop_ids))
-                    row = server_row(result, prompts, ref_ids, tokenizer, stop_ids)
-                    mismatches += row["prompt_mismatch"]
-                    lost = ", ".join(f"{n} {k}" for k, n in sorted(row["lost"].items())) or "0"
-                    table.append((f"server, {name} timeout", conc, f"{timeouts[name]:.1f}", row["ok"], lost,
-                                  row["retries"], row["tokens"], row["seconds"], row["exact"]))
-                    print(f"server C={conc} {name}: {row['ok']} ok, lost {lost}, {row['seconds']:.1f} s", flush=True)
-        finally:
-            stop_server(proc)
-
-    print(f"\nloads (apart from the seconds below): {'; '.join(loads)}")
-    print(f"prompts: server prompt ids differing from the job's tokenized_prompt: {mismatches} rows")
-    print("\n| path | C | timeout s | rows ok | rows lost | retries | generated tokens | seconds | tokens/s | "
-          f"vs {ref_name} | exact rows |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for path, conc, timeout, ok, lost, retries, tokens, seconds, exact in table:
-        rate = tokens / seconds
-        print(f"| {path} | {conc} | {timeout} | {ok} | {lost} | {retries} | {tokens} | {seconds:.1f} | {rate:.0f} "
-              f"| {rate / ref_rate:.2f} | {exact} |")
+    lengths = sorted(map(len, runs[reference][0]["ids"].values()))
+    print(f"workload: {len(prompts)} prompts, geometric lengths mean {args.mean:g} capped at {args.max_tokens} "
+          f"(measured mean {sum(lengths) / len(lengths):.1f}, longest {lengths[-1]}), max_num_seqs {args.slots}; "
+          f"{args.repeats} repeat(s), interleaved, median (range); reference: {reference}; driver nice {os.nice(0)}; "
+          f"ray: {ray_used}")
+    print("load s: bare = LLM(...); the job = Ray + pipeline start + model load; the server = start to /health")
+    print_results(runs, reference, len(prompts))
+    print_breakdown(runs)
 
 
 if __name__ == "__main__":

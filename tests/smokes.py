@@ -31,16 +31,15 @@ SMOKE = {
     "prompts_memory.py": (["--smoke"], "driver peak RSS growth"),
     "reader_memory.py": (["--rows", "400", "--tokens", "50", "--rows-per-shard", "100"], "samples"),
     "resume_cost.py": (["--rows", "2000", "--rows-per-shard", "500", "--failed", "50", "--repeats", "1"], "resume reads what it needs"),
-    # --skip bare: vllm_vs_job's smoke measures bare vLLM (LLM.generate); here the job is the
-    # reference the server's rows are compared with.
-    "server_vs_job.py": (["--smoke", "--skip", "bare"], "| server, tight timeout | 2 |"),
+    # Every path ran: the breakdown's header names each.
+    "server_vs_job.py": (["--smoke"],
+                         "| bare vLLM (LLM.generate) | job, default feeding | server C=2, tight timeout |"),
     "vocab_count.py": (["--smoke"], "counts equal: True"),
-    "vllm_vs_job.py": (["--smoke"], "| bare vLLM (LLM.generate) |"),
 }
 
 
 # Each smoke run of a whole job, or of 20 s or more, is `slow`; vLLM's is `vllm`.
-VLLM = {"vllm_vs_job.py", "hidden_states_throughput.py", "server_vs_job.py", "multi_turn_loads.py", "one_pass.py"}
+VLLM = {"hidden_states_throughput.py", "server_vs_job.py", "multi_turn_loads.py", "one_pass.py"}
 SLOW = {"driver_memory.py", "prompts_memory.py", "engine_feeding.py", "postprocess_throughput.py"}
 MARKS = {**{s: pytest.mark.slow for s in SLOW}, **{s: pytest.mark.vllm for s in VLLM}}
 
