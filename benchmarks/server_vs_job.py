@@ -223,25 +223,6 @@ def spans_of(metrics) -> list[tuple[float, float, float]]:
     return [(m["queued_ts"], m["scheduled_ts"], m["last_token_ts"]) for m in metrics]
 
 
-def occupancy(spans: list[tuple[float, float, float]], slots: int) -> dict:
-    """The engine's window (first queued to last token), its idle time (no request between
-    its scheduled and last token) and mean running requests / slots, from (queued,
-    scheduled, last token) per request."""
-    start, end = min(s[0] for s in spans), max(s[2] for s in spans)
-    events = sorted([(s[1], 1) for s in spans] + [(s[2], -1) for s in spans])
-    running, at, idle, area = 0, start, 0.0, 0.0
-    for t, step in events:
-        idle += (t - at) if running == 0 else 0.0
-        area += running * (t - at)
-        running, at = running + step, t
-    window = max(end - start, 1e-9)
-    return {"start": start, "end": end, "window_s": window, "idle_s": idle, "occupancy": area / (window * slots)}
-
-
-def spans_of(metrics) -> list[tuple[float, float, float]]:
-    return [(m["queued_ts"], m["scheduled_ts"], m["last_token_ts"]) for m in metrics]
-
-
 def read_prompts(out: Path) -> list[dict]:
     import pyarrow.dataset as pads
 
