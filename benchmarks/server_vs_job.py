@@ -106,15 +106,14 @@ MAX_MODEL_LEN = 1024
 SEED_BUDGET_IN_MEANS = 600 * 1500 / 200 / 1300  # the seed's per-request token budget, in mean completions
 BARE = "bare vLLM (LLM.generate)"
 
+FRONT = "engine front (replica actor / LLM process / API server)"
+DRIVER = "driver (the job's; the server's client)"  # this process
 # Process kinds, in the breakdown's order: (kind, strings one of which its command line contains).
 KINDS = [("engine model worker (VLLM::Worker)", ("VLLM::Worker",)), ("engine core (VLLM::EngineCore)", ("EngineCore",)),
-         ("engine front (replica actor / LLM process / API server)", ("VLLMEngine", "openai.api_server")),
-         ("driver (the job's; the server's client)", ()),
+         (FRONT, ("VLLMEngine", "openai.api_server")), (DRIVER, ()),
          ("Ray's actors and agents", ("_StatsActor", "Coordinator", "ActorLocationTracker", "Agent")),
          ("Ray Data task workers (reads, requests, postprocess)", ("ray::",)), ("raylet", ("raylet/raylet",)),
          ("gcs", ("gcs_server",)), ("other processes", ("",))]
-DRIVER = KINDS[3][0]
-FRONT = KINDS[2][0]
 
 
 def engine_kwargs(slots: int) -> dict:
@@ -303,8 +302,9 @@ def job_ids(out: Path) -> dict[str, list[int]]:
 def run_job(tmp: Path, base: list[str], setting: str, repeat: int, slots: int) -> dict:
     from eagle_data.config import load_config
     from eagle_data.job.phases.run import run
+    from eagle_data.job.stages.engines.vllm_backend import feed_factor
 
-    b, c = (4, math.ceil((2 + 4 / 8) * slots / 4)) if setting == "default" else (slots, 1)
+    b, c = (4, math.ceil(feed_factor(4) * slots / 4)) if setting == "default" else (slots, 1)
     out = tmp / f"out-{setting}-{repeat}"
     shutil.copytree(tmp / "base", out)
     events = tmp / f"events-{setting}-{repeat}.jsonl"
