@@ -203,6 +203,20 @@ ANSWERED = "Elapsed time for batch"  # Ray's vLLM stage logs this line per answe
 PAUSE_S = 30  # how long a paused replica waits for its answered rows to reach data/
 
 
+def answers_logged(pid: int) -> int:
+    """The batches a replica has answered, from the log files its own stdout and stderr
+    write to: the job's log gets them later, through Ray's log forwarding, which let a
+    restarted replica answer every remaining row before the test saw its first answer."""
+    count = 0
+    for fd in (1, 2):
+        try:
+            with open(os.readlink(f"/proc/{pid}/fd/{fd}"), errors="replace") as log:
+                count += log.read().count(ANSWERED)
+        except OSError:  # the process is gone, or its output is not a file
+            pass
+    return count
+
+
 class Faults:
     """Kill the vLLM replica, then the driver, each while answered rows are reaching data/
     and rows are still to do. On 2 CPUs the tiny model answers all 32 rows in seconds,
@@ -211,26 +225,27 @@ class Faults:
     killed (the replica), or the driver is (the second fault). A pause that sees no new
     row resumes the replica and pauses it again at its next answer."""
 
-    def __init__(self, out, log_path, job_pid: int):
-        self.out, self.log_path, self.job_pid = out, log_path, job_pid  # the job starts its own Ray
+    def __init__(self, out, job_pid: int):
+        self.out, self.job_pid = out, job_pid  # the job starts its own Ray
         self.replica_killed, self.rows_at_replica_kill = False, None
         self.paused: list[int] = []
-        self.answered_before = 0  # answers logged before the current wait for a new one
+        self.answered_before: dict[int, int] = {}  # per replica pid: answers before the current wait
         self.rows_before = 0  # rows in data/ before the pause
         self.paused_at = 0.0
         self.killed: set[int] = set()
+        self.replicas: list[int] = []
+        self.replicas_seen_at = 0.0
 
     def step(self) -> bool:
         """One look; True once the driver should be killed."""
-        rows = len(read(self.out, "data")) if shards(self.out, "data") else 0
-        answered = self.log_path.read_text(errors="replace").count(ANSWERED)
         if not self.paused:
-            pids = [pid for pid in ray_processes("MapWorker(MapBatches(VLLMEngine))", self.job_pid)
-                    if pid not in self.killed]
-            if pids and answered > self.answered_before:
+            pids = self.live_replicas()
+            if any(answers_logged(pid) > self.answered_before.get(pid, 0) for pid in pids):
                 _signal(pids, signal.SIGSTOP)
-                self.paused, self.rows_before, self.paused_at = pids, rows, time.monotonic()
+                self.paused, self.paused_at = pids, time.monotonic()
+                self.rows_before = self.rows()
             return False
+        rows = self.rows()
         if rows > self.rows_before:  # answered rows arrived while the replica is paused
             if self.replica_killed:
                 return True  # the driver goes, the paused replica with it
@@ -241,8 +256,20 @@ class Faults:
             return False
         else:
             _signal(self.paused, signal.SIGCONT)
-        self.paused, self.answered_before = [], answered
+        self.answered_before.update({pid: answers_logged(pid) for pid in self.paused})
+        self.paused = []
         return False
+
+    def live_replicas(self) -> list[int]:
+        """The replica processes not killed, looked up at most every half second (a look
+        walks the job's process tree; the answers are counted every 50 ms)."""
+        if time.monotonic() - self.replicas_seen_at > 0.5:
+            self.replicas = ray_processes("MapWorker(MapBatches(VLLMEngine))", self.job_pid)
+            self.replicas_seen_at = time.monotonic()
+        return [pid for pid in self.replicas if pid not in self.killed]
+
+    def rows(self) -> int:
+        return len(read(self.out, "data")) if shards(self.out, "data") else 0
 
 
 LOGPROBS = 5  # the faulted run also keeps the top-5 log-probabilities, checked for exactness
@@ -277,9 +304,9 @@ def faulted_run(ray_local, tmp_path_factory, babble_qwen3) -> dict:
     with open(tmp / "killed-run.log", "w") as job_log:
         job = subprocess.Popen(job_command(settings, tmp), cwd=REPO, env=job_env(), stdout=job_log,
                                stderr=subprocess.STDOUT, start_new_session=True)
-        faults, deadline = Faults(out, tmp / "killed-run.log", job.pid), time.monotonic() + 2400
+        faults, deadline = Faults(out, job.pid), time.monotonic() + 2400
         while job.poll() is None and time.monotonic() < deadline and not faults.step():
-            time.sleep(0.2)
+            time.sleep(0.2 if faults.paused else 0.05)
         finished_early = job.poll() is not None
         if not finished_early:
             os.kill(job.pid, signal.SIGKILL)
