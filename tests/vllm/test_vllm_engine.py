@@ -166,29 +166,17 @@ def _plant_too_long_prompt(out, max_model_len: int) -> str:
     return rows[0]["sample_id"]
 
 
-def _kill_session(sid: int) -> None:
-    """SIGKILL every process of the killed job's session (started with start_new_session,
-    so its sid is the job's pid): the driver's local Ray instance, and the processes outside
-    its process group, Ray's workers and the vLLM engine they start. Killing the group alone
-    left the replica's engine (VLLM::EngineCore and its worker) running for the rest of the
-    test session: the raylet that would have reaped them died in the same instant."""
-    import psutil
-
+def _wait_engines_gone(timeout_s: float = 60) -> None:
+    """After a driver is killed Ray kills its job's actors, the vLLM replica among them,
+    and reaps the replica's engine processes: every one has to go (none left running for
+    the rest of the session), and the rerun's replica needs the killed one's CPU."""
     def left() -> list[int]:
-        mine = []
-        for p in psutil.process_iter():
-            try:
-                if os.getsid(p.pid) == sid:
-                    mine.append(p.pid)
-            except (ProcessLookupError, PermissionError):
-                pass
-        return mine
+        return ray_processes("MapWorker(MapBatches(VLLMEngine))") + ray_processes("VLLM::")
 
-    deadline = time.monotonic() + 30
-    while (pids := left()) and time.monotonic() < deadline:
-        _signal(pids, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while left() and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not pids, f"processes of the killed job's session still run: {pids}"
+    assert not left(), f"the killed job's vLLM processes still run: {left()}"
 
 
 def _signal(pids: list[int], sig: int) -> None:
@@ -225,8 +213,8 @@ class Faults:
     killed (the replica), or the driver is (the second fault). A pause that sees no new
     row resumes the replica and pauses it again at its next answer."""
 
-    def __init__(self, out, job_pid: int):
-        self.out, self.job_pid = out, job_pid  # the job starts its own Ray
+    def __init__(self, out):
+        self.out = out
         self.replica_killed, self.rows_at_replica_kill = False, None
         self.paused: list[int] = []
         self.answered_before: dict[int, int] = {}  # per replica pid: answers before the current wait
@@ -264,7 +252,7 @@ class Faults:
         """The replica processes not killed, looked up at most every half second (a look
         walks the job's process tree; the answers are counted every 50 ms)."""
         if time.monotonic() - self.replicas_seen_at > 0.5:
-            self.replicas = ray_processes("MapWorker(MapBatches(VLLMEngine))", self.job_pid)
+            self.replicas = ray_processes("MapWorker(MapBatches(VLLMEngine))")
             self.replicas_seen_at = time.monotonic()
         return [pid for pid in self.replicas if pid not in self.killed]
 
@@ -281,7 +269,8 @@ def faulted_run(ray_local, tmp_path_factory, babble_qwen3) -> dict:
 
     One row per batch, one batch in flight, one sequence slot: rows are answered one at a
     time, and a paused replica holds the rest back, so both kills land with rows still to
-    do (Faults). Batches
+    do (Faults). Both runs join the session's Ray instance (a Ray start saved): when the
+    first run's driver is killed, Ray kills its job's actors and their engines. Batches
     of one row also give the row vLLM rejects a batch of its own (all rows failed, its
     `metrics` null-typed): Ray 2.60 cannot concatenate such a batch with an answered one,
     which it never has to, since each engine task gets one batch (generate_phase). The
@@ -302,20 +291,19 @@ def faulted_run(ray_local, tmp_path_factory, babble_qwen3) -> dict:
     # 1. Once data flows the vLLM replica is SIGKILLed (Ray restarts it and retries its
     # batch); once more rows have arrived, the driver is SIGKILLed.
     with open(tmp / "killed-run.log", "w") as job_log:
-        job = subprocess.Popen(job_command(settings, tmp), cwd=REPO, env=job_env(), stdout=job_log,
-                               stderr=subprocess.STDOUT, start_new_session=True)
-        faults, deadline = Faults(out, job.pid), time.monotonic() + 2400
+        job = subprocess.Popen(job_command(settings, tmp), cwd=REPO, env=job_env(attached(ray_local)),
+                               stdout=job_log, stderr=subprocess.STDOUT)
+        faults, deadline = Faults(out), time.monotonic() + 2400
         while job.poll() is None and time.monotonic() < deadline and not faults.step():
             time.sleep(0.2 if faults.paused else 0.05)
         finished_early = job.poll() is not None
         if not finished_early:
             os.kill(job.pid, signal.SIGKILL)
         job.wait()
-    _kill_session(job.pid)  # the killed driver's local Ray instance and engine
+    _wait_engines_gone()
 
     after_kill = {r["sample_id"] for r in read(out, "data")}
-    # 2. The same job again finishes the rest, fed in batches (on the session's Ray instance:
-    # the killed run's is gone with it).
+    # 2. The same job again finishes the rest, fed in batches.
     batched = {**settings, "engine": {**settings["engine"], "batch_size": 4, "max_concurrent_batches": 4,
                                       "engine_kwargs": VLLM["engine__engine_kwargs"]}}
     rerun = subprocess.run(job_command(batched, tmp), cwd=REPO, env=job_env(attached(ray_local)),
