@@ -232,7 +232,9 @@ def generate_runs(out: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def head():
-    cluster = RayCluster(num_cpus=2)
+    """One head for the module; the node-lost test, last, joins its two worker nodes to it
+    (fast health checks: a lost node is noticed in seconds)."""
+    cluster = RayCluster(num_cpus=2, env=FAST_HEALTH_CHECKS)
     yield cluster
     cluster.stop()
 
@@ -335,7 +337,7 @@ def test_ray_job_stop_then_the_same_submit_resumes(head, tiny_qwen3):
 
 
 @pytest.mark.cluster
-def test_one_replica_per_node_and_a_node_lost_mid_run(tiny_qwen3):
+def test_one_replica_per_node_and_a_node_lost_mid_run(head, tiny_qwen3):
     """Head (no replica resource) + two workers declaring one replica each, standing in for
     8-GPU nodes: engine.replicas=2 puts one replica on each. Then one worker's raylet is
     killed while its replica generates: Ray Data restarts that replica's actor on the first
@@ -344,11 +346,11 @@ def test_one_replica_per_node_and_a_node_lost_mid_run(tiny_qwen3):
     The head has 2 CPUs for the CPU stages: Ray Data counts the restarting replica's CPU as in
     use, so with 1 CPU left for them after the loss it throttles the stages that feed the
     survivor, which then idles and is never released (a deadlock seen on CI)."""
-    cluster = RayCluster(num_cpus=2, env=FAST_HEALTH_CHECKS)
+    cluster = head
+    kept = cluster.add_worker(num_cpus=1, resources={"eagle_replica": 1})
+    lost = cluster.add_worker(num_cpus=1, resources={"eagle_replica": 1})
     try:
-        kept = cluster.add_worker(num_cpus=1, resources={"eagle_replica": 1})
-        lost = cluster.add_worker(num_cpus=1, resources={"eagle_replica": 1})
-        out = Path(cluster.root) / "out"
+        out = Path(cluster.root) / "out-node-lost"
         client = cluster.client()
         job = client.submit_job(entrypoint=entrypoint(
             out, tiny_qwen3, "source.sample=40", "sampling.max_tokens=32", "engine.replicas=2",
@@ -382,7 +384,8 @@ def test_one_replica_per_node_and_a_node_lost_mid_run(tiny_qwen3):
         assert rows_at_loss < counts["prompts"] - 4, f"node lost with {rows_at_loss} of {counts['prompts']} rows done"
         print(f"\nnode lost with {rows_at_loss} of {counts['prompts']} rows done")
     finally:
-        cluster.stop()
+        kept.stop()
+        lost.stop()
 
 
 def validate_cluster_config(config: dict) -> None:
