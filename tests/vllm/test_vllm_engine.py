@@ -174,9 +174,9 @@ def _wait_engines_gone(timeout_s: float = 60) -> None:
         return ray_processes("MapWorker(MapBatches(VLLMEngine))") + ray_processes("VLLM::")
 
     deadline = time.monotonic() + timeout_s
-    while left() and time.monotonic() < deadline:
+    while (pids := left()) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not left(), f"the killed job's vLLM processes still run: {left()}"
+    assert not pids, f"the killed job's vLLM processes still run: {pids}"
 
 
 def _signal(pids: list[int], sig: int) -> None:
@@ -250,7 +250,7 @@ class Faults:
 
     def live_replicas(self) -> list[int]:
         """The replica processes not killed, looked up at most every half second (a look
-        walks the job's process tree; the answers are counted every 50 ms)."""
+        walks the session raylet's process tree; the answers are counted every 50 ms)."""
         if time.monotonic() - self.replicas_seen_at > 0.5:
             self.replicas = ray_processes("MapWorker(MapBatches(VLLMEngine))")
             self.replicas_seen_at = time.monotonic()
