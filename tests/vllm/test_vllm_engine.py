@@ -83,9 +83,10 @@ def check_ok(proc: subprocess.CompletedProcess) -> str:
 
 
 def verify_ok(out) -> None:
-    proc = subprocess.run([sys.executable, "-m", "eagle_data", "verify", str(out)], cwd=REPO, env=job_env(),
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    from eagle_data.tools.verify import verify
+
+    problems, _ = verify(str(out))
+    assert problems == [], problems
 
 
 # vllm.LLM.generate itself on the same TokensPrompts and SamplingParams, in a subprocess
@@ -536,13 +537,11 @@ def test_tensor_parallel_2_rows_are_what_vllm_generates_at_tensor_parallel_1(tp2
     """The TP-2 run lost rank 1 once its engine was up: the replica was restarted, every row
     is in data/ once, verify passes, and every row equals vllm.LLM.generate's at tensor
     parallel 1 on the same requests."""
-    from eagle_data.tools.verify import verify
-
     out, killer = tp2_run["out"], tp2_run["killer"]
     assert "replica(s) of {'CPU': 1.0}, tensor parallel 2" in tp2_run["log"], tp2_run["log"][-3000:]
     assert killer.killed is not None, "rank 1 was never killed"
     assert len(killer.ranks_seen) >= 2, f"no rank 1 after the kill: the replica was not restarted ({killer.ranks_seen})"
-    assert verify(str(out))[0] == []
+    verify_ok(out)
     rows = sorted(read(out, "data"), key=lambda r: r["sample_id"])
     prompts = {p["sample_id"]: p for p in read(out, "prompts")}
     assert len(rows) == len({r["sample_id"] for r in rows}) == len(prompts) >= 8
