@@ -301,3 +301,23 @@ def hidden_features(out) -> dict:
     fs, root = filesystem(str(out))
     index = Index.read(fs, f"{root}/hidden_states")
     return {sid: read_sample(fs, e, index.dtype) for sid, e in index.entries.items()}
+
+
+# The vLLM hidden-states phase against the transformers phase's float32 states, per stored
+# dtype: (largest relative difference per row and layer, smallest cosine per token and layer).
+STATES_TOLERANCE = {"float32": (1e-4, 0.99999), "bfloat16": (3e-2, 0.999)}
+
+
+def states_gap(got: dict, want: dict) -> tuple[float, float]:
+    """(largest relative difference per row and layer, smallest cosine per token and layer)
+    between two {sample_id: [S, layers, H]} sets of states with the same samples and shapes."""
+    import torch
+
+    assert set(got) == set(want) and want
+    max_rel, min_cos = 0.0, 1.0
+    for sample_id, w in want.items():
+        g, w = got[sample_id].float(), w.float()
+        assert g.shape == w.shape, (sample_id, g.shape, w.shape)
+        max_rel = max(max_rel, ((g - w).norm(dim=(0, 2)) / w.norm(dim=(0, 2))).max().item())
+        min_cos = min(min_cos, torch.nn.functional.cosine_similarity(g, w, dim=-1).min().item())
+    return max_rel, min_cos

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 import readme
-from support import REPO, build_babbling_model, job_config
+from support import (REPO, STATES_TOLERANCE, build_babbling_model, hidden_features, job_config, read,
+                     states_gap)
+from eagle_data.storage.folder import Output
 
 WORDS = [" the", " cat", " sat", " on", " mat", "."]
 
@@ -107,7 +109,10 @@ def test_the_job_commands_run_as_written_and_read_clean(ray_local, tmp_path, qwe
     prints no traceback, says what the engine does while it starts, and its summary is the
     last thing it prints. The first runs exactly as a user types it (it starts its own Ray
     instance); the others join the session's (RAY_ADDRESS, as on a machine with Ray
-    running), a Ray start saved per command."""
+    running), a Ray start saved per command. The hidden-states command's features (vLLM,
+    the demo's bfloat16, tensor parallel 1) equal the transformers pass's float32 states on
+    the same rows within bfloat16's tolerance (tests/vllm/test_hidden_states_vllm.py checks
+    float32 at tensor parallel 2)."""
     from support import build_tiny_model
 
     model = build_tiny_model(qwen3_tokenizer_dir, tmp_path / "tiny-qwen3-h64", head_dim=64)
@@ -115,6 +120,7 @@ def test_the_job_commands_run_as_written_and_read_clean(ray_local, tmp_path, qwe
     sizes = ["--set", "source.sample=6", "--set", "sampling.max_tokens=16", "--set", "output.log_every_s=2"]
     commands = readme.starting("python", "-m", "ray_jobs.generate")
     assert any("--phase" not in c for c in commands), "no command that runs the engine"
+    assert any("hidden_states" in c for c in commands), "no hidden-states command"
     address = ray_local.get_runtime_context().gcs_address
     for i, argv in enumerate(commands):
         argv = with_out(argv, out)
@@ -135,3 +141,20 @@ def test_the_job_commands_run_as_written_and_read_clean(ray_local, tmp_path, qwe
             assert "data/     6 ok samples" in log
             assert "replica(s) loading the model" in log and "rows in the engine" in log, log[-3000:]
             assert "logging_progress" not in log, "Ray Data's per-operator progress dump is on"
+    check_states_against_transformers(out, model)
+
+
+def check_states_against_transformers(out: Path, model: Path) -> None:
+    from eagle_data.job.stages.engines.transformers_hidden_states import TransformersHiddenStates
+    from eagle_data.storage.hidden_states import Index
+
+    stored = hidden_features(out)
+    meta = Index.read(Output(str(out)).fs, str(out / "hidden_states"))
+    assert meta.dtype == "bfloat16" and len(stored) == 6, (meta.dtype, len(stored))
+    reference = TransformersHiddenStates(str(model), False, meta.layer_ids, "float32")
+    want = {r["sample_id"]: reference.states(list(r["input_ids"])) for r in read(out, "data")}
+    max_rel, min_cos = states_gap(stored, want)
+    rel_tol, cos_tol = STATES_TOLERANCE["bfloat16"]
+    print(f"\nthe README's hidden-states command (vLLM, bfloat16, layer ids {meta.layer_ids}): largest relative "
+          f"difference {max_rel:.3g}, smallest cosine {min_cos:.7f} against transformers' float32 states")
+    assert max_rel <= rel_tol and min_cos >= cos_tol, (max_rel, min_cos)
