@@ -189,7 +189,10 @@ def _signal(pids: list[int], sig: int) -> None:
 
 
 ANSWERED = "Elapsed time for batch"  # Ray's vLLM stage logs this line per answered batch
-PAUSE_S = 30  # how long a paused replica waits for its answered rows to reach data/
+# How long a paused replica waits for its answered rows to reach data/: 3 s in a traced run.
+# A pause can also land after the replica logged its batch but before the batch left it
+# (Ray's stage logs first); then no row comes until it resumes.
+PAUSE_S = 8
 
 
 def answers_logged(pid: int) -> int:
@@ -212,7 +215,7 @@ class Faults:
     faster than the first answers travel through postprocess to a shard; so once the
     replica has answered a batch it is paused (SIGSTOP) until rows reach data/, then
     killed (the replica), or the driver is (the second fault). A pause that sees no new
-    row resumes the replica and pauses it again at its next answer."""
+    row in PAUSE_S resumes the replica and pauses it again at its next answer."""
 
     def __init__(self, out):
         self.out = out
