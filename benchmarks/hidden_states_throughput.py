@@ -43,6 +43,18 @@ engine's place: each row gets a seeded number of generated tokens, uniform in --
    same phase on a copy of the OUT without its hidden states, with the scratch folder on
    OUT's storage (what every run did before the scratch setting: vLLM's per-row files on the
    shared filesystem, read back from it, then packed into shards there).
+6. the floor: the same phase, on another copy of the OUT, with an engine that computes
+   nothing (`instant_engine`: an actor per replica, same batch size and concurrency, that
+   hands each row back at once with constant states of its shape, through row dicts as Ray's
+   stage does), after the vLLM replicas above have exited. It is the job's machinery alone
+   (reads, requests, the hand-over, packing, publishing, Ray Data, the driver): no engine can
+   make the phase faster than that on the same cores.
+7. CPU seconds by kind of process inside each window (`_cpu.CpuSampler`, every 0.1 s: bare
+   vLLM from its generate call to its last file, the phase and the floor from the first request
+   to the call returning), with each window's capacity (seconds x cores), and the job's
+   machinery per row (every process but vLLM's engine core and model worker); and how many
+   requests the phase's engine held through its window (vLLM's per-request times), to tell
+   an engine short of work from an engine short of CPU.
 """
 
 from __future__ import annotations
@@ -66,6 +78,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
+from _cpu import FRONT, KINDS, CpuSampler  # noqa: E402
 from _file_traffic import FileTraffic  # noqa: E402
 from _workload import REPO, qwen3_dir, start_ray, write_chat_rows  # noqa: E402
 
@@ -126,6 +139,7 @@ def timed_hidden_states_engine(events: str):
                 f.write(json.dumps({"queued": min(m["queued_ts"] for m in metrics),
                                     "last": max(m["last_token_ts"] for m in metrics),
                                     "arrival": min(m["arrival_time"] for m in metrics),
+                                    "spans": [(m["queued_ts"], m["scheduled_ts"], m["last_token_ts"]) for m in metrics],
                                     "rows": len(metrics)}) + "\n")
         return batch
 
@@ -144,6 +158,75 @@ def timed_hidden_states_engine(events: str):
         return ds.map_batches(HiddenStatesRows(), batch_format="pyarrow")
 
     return stage
+
+
+def instant_engine(events: str, hidden_size: int):
+    """A stand-in for Ray's vLLM stage that computes nothing: an actor (one per replica, the
+    same batch size and concurrency) that turns each batch into row dicts and hands each
+    row back at once with constant states of its exact shape (bytes 0x3f: finite, not zero, so
+    they pass the packer's checks), built as row dicts the way Ray's
+    stage builds its output. The rest of the phase (reads, requests, packing, publishing) is
+    the job's own, so the phase with it is the job's machinery alone: a floor under the
+    phase's time that no engine can go below on the same cores."""
+    from eagle_data.job.stages.engines.vllm_hidden_states import HiddenStatesRows
+
+    class InstantStates:
+        def __init__(self, layers: int, itemsize: int):
+            self.row_bytes = layers * hidden_size * itemsize
+            self.layers = layers
+
+        async def __call__(self, batch: pa.Table):
+            with open(events, "a") as f:
+                f.write(json.dumps({"arrival": time.time(), "rows": batch.num_rows}) + "\n")
+            rows = batch.to_pylist()
+            for row in rows:
+                n = len(row["input_ids"])
+                row.update({"hidden_states": b"\x3f" * (n * self.row_bytes), "hidden_states_shape": [n, self.layers, hidden_size],
+                            "hidden_token_ids": list(row["input_ids"]), "__inference_error__": ""})
+            yield {name: [row[name] for row in rows] for name in rows[0]}
+
+    def stage(ds, cfg, layer_ids, dtype, scratch_dir):
+        import ray
+
+        ds = ds.map_batches(InstantStates, fn_constructor_args=(len(layer_ids), {"float32": 4}.get(dtype, 2)),
+                            batch_size=cfg.engine.batch_size, batch_format="pyarrow",
+                            compute=ray.data.ActorPoolStrategy(size=cfg.engine.replicas),
+                            max_concurrency=cfg.engine.max_concurrent_batches)
+        return ds.map_batches(HiddenStatesRows(), batch_format="pyarrow")
+
+    return stage
+
+
+def queue_depth(spans: list[tuple[float, float, float]]) -> dict:
+    """From vLLM's per-request (queued, scheduled, last token) times: how many requests the
+    engine held (in its queue or running), sampled every 10 ms of its window, and the share
+    of the window with none waiting to be scheduled (the engine short of work)."""
+    start, end = min(q for q, _, _ in spans), max(t for _, _, t in spans)
+    held, none_waiting = [], 0
+    steps = max(int((end - start) / 0.01), 1)
+    for k in range(steps):
+        t = start + k * 0.01
+        held.append(sum(q <= t < last for q, _, last in spans))
+        none_waiting += not any(q <= t < s for q, s, _ in spans)
+    return {"held_mean": sum(held) / len(held), "held_min": min(held), "none_waiting": none_waiting / steps}
+
+
+def engines_gone(timeout_s: float = 120) -> None:
+    """Wait until no vLLM replica of this benchmark's Ray instance is left (an actor that
+    Ray Data released exits in the background, its vLLM processes with it)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        lines = []
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                lines.append(" ".join(proc.cmdline()))
+            except psutil.Error:
+                pass
+        if not any("VLLMEngine" in line or "spawn_main" in line for line in lines):
+            return
+        time.sleep(0.5)
 
 
 def bare_vllm(spec_path: str, result_path: str) -> None:
@@ -170,13 +253,16 @@ def bare_vllm(spec_path: str, result_path: str) -> None:
     with open(warm + ".lock") as f:
         fcntl.flock(f, fcntl.LOCK_SH)
     warm_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    generate_s = time.perf_counter() - t0
-    for p in paths:  # until every file is whole: the connector holds <path>.lock exclusively while writing
-        with open(p + ".lock") as f:
-            fcntl.flock(f, fcntl.LOCK_SH)
-    written_s = time.perf_counter() - t0
+    with CpuSampler(front=FRONT, every_s=0.1) as cpu:
+        t0 = time.perf_counter()
+        window = [time.monotonic()]
+        llm.generate(prompts, params, use_tqdm=False)
+        generate_s = time.perf_counter() - t0
+        for p in paths:  # until every file is whole: the connector holds <path>.lock exclusively while writing
+            with open(p + ".lock") as f:
+                fcntl.flock(f, fcntl.LOCK_SH)
+        written_s = time.perf_counter() - t0
+        window.append(time.monotonic())
     missing = [p for p in paths if not os.path.exists(p)]
     from safetensors import safe_open
 
@@ -185,7 +271,8 @@ def bare_vllm(spec_path: str, result_path: str) -> None:
     Path(result_path).write_text(json.dumps({
         "load_s": load, "warm_s": warm_s, "generate_s": generate_s, "written_s": written_s, "rows": len(rows),
         "tokens": sum(len(r["input_ids"]) for r in rows), "missing": len(missing), "first_shape": shape,
-        "bytes": sum(os.path.getsize(p) for p in paths if os.path.exists(p))}))
+        "bytes": sum(os.path.getsize(p) for p in paths if os.path.exists(p)), "cpu": cpu.window(*window)},
+        default=sorted))
     os.remove(warm)
 
 
@@ -290,14 +377,17 @@ def main() -> None:
         # 1. the phase on vLLM.
         events = tmp / "events.jsonl"
         baseline_out = shared / "out-scratch-on-out"
-        shutil.copytree(out, baseline_out)  # before the phase: data/ only
+        floor_out = shared / "out-floor"
+        for copy in (baseline_out, floor_out):
+            shutil.copytree(out, copy)  # before the phase: data/ only
         lengths = {r["sample_id"]: len(r["input_ids"]) for r in rows}
 
         def row_bytes(path: str) -> int:  # a per-row file removed before its size was seen
             return layer_bytes(lengths.get(Path(path).stem, 0), len(ids), hidden_size, args.dtype)
 
         started = time.time()
-        with FileTraffic(str(shared), row_bytes, lambda name: name.endswith(".safetensors")) as traffic:
+        with FileTraffic(str(shared), row_bytes, lambda name: name.endswith(".safetensors")) as traffic, \
+                CpuSampler(every_s=0.1) as cpu:
             counts = run_hidden_states(cfg, Output(str(out)), engine=timed_hidden_states_engine(str(events)))
         ended = time.time()
         assert counts["ok"] == len(rows) and counts["failed_rows"] == 0, counts
@@ -305,7 +395,10 @@ def main() -> None:
         assert sum(c_["rows"] for c_ in calls) == len(rows), calls
         engine_s = max(c_["last"] for c_ in calls) - min(c_["queued"] for c_ in calls)
         first = min(c_["arrival"] for c_ in calls)
+        waiting = queue_depth([span for c_ in calls for span in c_["spans"]])
         phase_s, wall_s, load_s = ended - first, ended - started, first - started
+        to_monotonic = time.monotonic() - time.time()
+        phase_cpu = cpu.window(first + to_monotonic, ended + to_monotonic)
         written = sum(p.stat().st_size for p in (out / "hidden_states").glob("*.safetensors"))
         estimate = layer_bytes(tokens, len(ids), hidden_size, args.dtype)
 
@@ -316,6 +409,21 @@ def main() -> None:
         with FileTraffic(str(shared), row_bytes, lambda name: name.endswith(".safetensors")) as baseline:
             baseline_counts = run_hidden_states(baseline_cfg, Output(str(baseline_out)))
         assert baseline_counts["ok"] == len(rows), baseline_counts
+
+        # 6. the floor: the same phase with an engine that computes nothing, once the vLLM
+        # replicas above have exited (their shutdown would run inside the floor's window).
+        engines_gone()
+        floor_events = tmp / "floor-events.jsonl"
+        floor_cfg = cfg.model_copy(update={"output": cfg.output.model_copy(update={"path": str(floor_out)})})
+        with CpuSampler(every_s=0.1) as cpu:
+            floor_counts = run_hidden_states(floor_cfg, Output(str(floor_out)),
+                                             engine=instant_engine(str(floor_events), hidden_size))
+        floor_end = time.time()
+        assert floor_counts["ok"] == len(rows) and floor_counts["failed_rows"] == 0, floor_counts
+        floor_first = min(json.loads(line)["arrival"] for line in floor_events.read_text().splitlines())
+        to_monotonic = time.monotonic() - time.time()
+        floor = {"seconds": floor_end - floor_first,
+                 "cpu": cpu.window(floor_first + to_monotonic, floor_end + to_monotonic)}
         ray.shutdown()
 
         # 3. the per-sample transformers dump.
@@ -329,6 +437,7 @@ def main() -> None:
         ("phase on vLLM, first request to phase done", phase_s, load_s),
         ("phase on vLLM, engine (first queued to last token)", engine_s, load_s),
         ("phase on vLLM, wall (incl. Ray pipeline start + load)", wall_s, 0.0),
+        ("floor: the phase with an engine that computes nothing, first row to phase done", floor["seconds"], 0.0),
     ]
     if hf:
         table.append(("transformers per-sample dump (forward + save_file)", hf["seconds"], hf["load_s"]))
@@ -338,6 +447,10 @@ def main() -> None:
         rate = tokens / seconds
         print(f"| {name} | {len(rows)} | {tokens} | {seconds:.2f} | {rate:.0f} | {rate / bare_rate:.2f} | "
               f"{load:.1f} |")
+    print(f"\nthe phase's engine held {waiting['held_mean']:.1f} requests on average (fewest {waiting['held_min']}, "
+          f"max_num_seqs {args.slots}); none waiting to be scheduled in {100 * waiting['none_waiting']:.1f}% of its window")
+    print_cpu({"bare vLLM": {"seconds": bare["written_s"], "cpu": bare["cpu"]},
+               "phase on vLLM": {"seconds": phase_s, "cpu": phase_cpu}, "floor (no engine)": floor}, len(rows))
     per_token = len(ids) * hidden_size * (2 if args.dtype != "float32" else 4)
     print(f"\nbytes: the phase wrote {written} B in hidden_states/ = {written / tokens:.1f} B/token; estimate "
           f"(layer_bytes: {len(ids)} layers x H {hidden_size} x {per_token // (len(ids) * hidden_size)} B) "
@@ -353,6 +466,28 @@ def main() -> None:
         print(f"| {name} | {t.written_bytes / estimate:.3f} | "
               f"{t.read_bytes(lambda p: p not in published) / estimate:.3f} | {len(t.written)} | "
               f"{len(t.read) - len(published)} | {len(published)} | {len(t.estimated)} |")
+
+
+def print_cpu(runs: dict[str, dict], rows: int) -> None:
+    """CPU seconds by kind of process inside each run's window (bare: the generate call until
+    every file is written; the phase and the floor: first request to the phase returning),
+    the cores' capacity in that window, and the job's machinery per row: every process but
+    vLLM's two and the sampler."""
+    engine = {k for k, _ in KINDS[:2]}
+    print("\n| CPU s inside the window | " + " | ".join(runs) + " |")
+    print("|---|" + "---|" * len(runs))
+    print("| window s (x cores = capacity) | " + " | ".join(
+        f"{r['seconds']:.2f} (x {os.cpu_count()} = {r['seconds'] * os.cpu_count():.2f})" for r in runs.values()) + " |")
+    for kind in [k for k, _ in KINDS]:
+        print(f"| {kind} | " + " | ".join(f"{r['cpu'][kind][0]:.2f}" if kind in r["cpu"] else "-"
+                                          for r in runs.values()) + " |")
+    machinery = {name: sum(v[0] for k, v in r["cpu"].items() if k not in engine and k != "sampler thread"
+                           and not k.startswith("thread: ")) for name, r in runs.items()}
+    print("| all processes | " + " | ".join(
+        f"{sum(v[0] for k, v in r['cpu'].items() if k != 'sampler thread' and not k.startswith('thread: ')):.2f}"
+        for r in runs.values()) + " |")
+    print("| all but vLLM's two processes, per row (ms) | " + " | ".join(
+        f"{machinery[name]:.2f} ({1000 * machinery[name] / rows:.1f})" for name in runs) + " |")
 
 
 if __name__ == "__main__":
