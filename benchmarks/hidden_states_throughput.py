@@ -162,12 +162,12 @@ def timed_hidden_states_engine(events: str):
 
 def instant_engine(events: str, hidden_size: int):
     """A stand-in for Ray's vLLM stage that computes nothing: an actor (one per replica, the
-    same batch size and concurrency) that turns each batch into row dicts and hands each
-    row back at once with constant states of its exact shape (bytes 0x3f: finite, not zero, so
-    they pass the packer's checks), built as row dicts the way Ray's
-    stage builds its output. The rest of the phase (reads, requests, packing, publishing) is
-    the job's own, so the phase with it is the job's machinery alone: a floor under the
-    phase's time that no engine can go below on the same cores."""
+    same batch size and concurrency) that turns each batch into row dicts, as Ray's stage
+    does, and hands each row back at once with constant states of its exact shape (bytes
+    0x3f: finite and not zero, so they pass the packer's checks). The rest of the phase
+    (reads, requests, packing, publishing) is the job's own, so the phase with it is the
+    job's machinery alone: a floor under the phase's time that no engine can go below on the
+    same cores."""
     from eagle_data.job.stages.engines.vllm_hidden_states import HiddenStatesRows
 
     class InstantStates:
@@ -181,7 +181,8 @@ def instant_engine(events: str, hidden_size: int):
             rows = batch.to_pylist()
             for row in rows:
                 n = len(row["input_ids"])
-                row.update({"hidden_states": b"\x3f" * (n * self.row_bytes), "hidden_states_shape": [n, self.layers, hidden_size],
+                row.update({"hidden_states": b"\x3f" * (n * self.row_bytes),
+                            "hidden_states_shape": [n, self.layers, hidden_size],
                             "hidden_token_ids": list(row["input_ids"]), "__inference_error__": ""})
             yield {name: [row[name] for row in rows] for name in rows[0]}
 
