@@ -136,9 +136,7 @@ def timed_hidden_states_engine(events: str):
         metrics = [m for m in batch.column("metrics").to_pylist() if m]
         if metrics:
             with open(path, "a") as f:
-                f.write(json.dumps({"queued": min(m["queued_ts"] for m in metrics),
-                                    "last": max(m["last_token_ts"] for m in metrics),
-                                    "arrival": min(m["arrival_time"] for m in metrics),
+                f.write(json.dumps({"arrival": min(m["arrival_time"] for m in metrics),
                                     "spans": [(m["queued_ts"], m["scheduled_ts"], m["last_token_ts"]) for m in metrics],
                                     "rows": len(metrics)}) + "\n")
         return batch
@@ -228,6 +226,7 @@ def engines_gone(timeout_s: float = 120) -> None:
         if not any("VLLMEngine" in line or "spawn_main" in line for line in lines):
             return
         time.sleep(0.5)
+    print(f"warning: vLLM processes still running after {timeout_s:g} s: the floor's CPU figures include them")
 
 
 def bare_vllm(spec_path: str, result_path: str) -> None:
@@ -394,9 +393,10 @@ def main() -> None:
         assert counts["ok"] == len(rows) and counts["failed_rows"] == 0, counts
         calls = [json.loads(line) for line in events.read_text().splitlines()]
         assert sum(c_["rows"] for c_ in calls) == len(rows), calls
-        engine_s = max(c_["last"] for c_ in calls) - min(c_["queued"] for c_ in calls)
+        spans = [span for c_ in calls for span in c_["spans"]]  # (queued, scheduled, last token) per request
+        engine_s = max(last for _, _, last in spans) - min(queued for queued, _, _ in spans)
         first = min(c_["arrival"] for c_ in calls)
-        waiting = queue_depth([span for c_ in calls for span in c_["spans"]])
+        waiting = queue_depth(spans)
         phase_s, wall_s, load_s = ended - first, ended - started, first - started
         to_monotonic = time.monotonic() - time.time()
         phase_cpu = cpu.window(first + to_monotonic, ended + to_monotonic)
@@ -475,6 +475,11 @@ def print_cpu(runs: dict[str, dict], rows: int) -> None:
     the cores' capacity in that window, and the job's machinery per row: every process but
     vLLM's two and the sampler."""
     engine = {k for k, _ in KINDS[:2]}
+
+    def total(cpu: dict, skip: set) -> float:  # the sampler's thread and the driver's threads apart
+        return sum(v[0] for k, v in cpu.items() if k not in skip and k != "sampler thread"
+                   and not k.startswith("thread: "))
+
     print("\n| CPU s inside the window | " + " | ".join(runs) + " |")
     print("|---|" + "---|" * len(runs))
     print("| window s (x cores = capacity) | " + " | ".join(
@@ -482,13 +487,9 @@ def print_cpu(runs: dict[str, dict], rows: int) -> None:
     for kind in [k for k, _ in KINDS]:
         print(f"| {kind} | " + " | ".join(f"{r['cpu'][kind][0]:.2f}" if kind in r["cpu"] else "-"
                                           for r in runs.values()) + " |")
-    machinery = {name: sum(v[0] for k, v in r["cpu"].items() if k not in engine and k != "sampler thread"
-                           and not k.startswith("thread: ")) for name, r in runs.items()}
-    print("| all processes | " + " | ".join(
-        f"{sum(v[0] for k, v in r['cpu'].items() if k != 'sampler thread' and not k.startswith('thread: ')):.2f}"
-        for r in runs.values()) + " |")
+    print("| all processes | " + " | ".join(f"{total(r['cpu'], set()):.2f}" for r in runs.values()) + " |")
     print("| all but vLLM's two processes, per row (ms) | " + " | ".join(
-        f"{machinery[name]:.2f} ({1000 * machinery[name] / rows:.1f})" for name in runs) + " |")
+        f"{total(r['cpu'], engine):.2f} ({1000 * total(r['cpu'], engine) / rows:.1f})" for r in runs.values()) + " |")
 
 
 if __name__ == "__main__":
