@@ -8,6 +8,7 @@ import importlib.resources
 import json
 import os
 import shutil
+import sys
 import zipfile
 from pathlib import Path
 
@@ -321,3 +322,46 @@ def states_gap(got: dict, want: dict) -> tuple[float, float]:
         max_rel = max(max_rel, ((g - w).norm(dim=(0, 2)) / w.norm(dim=(0, 2))).max().item())
         min_cos = min(min_cos, torch.nn.functional.cosine_similarity(g, w, dim=-1).min().item())
     return max_rel, min_cos
+
+
+def stream_train_loop(config: dict) -> None:
+    """Each worker: iterate its shard once (all epochs), pad each batch with `collate`,
+    and save what it got (sample_id, epoch, tensors) for the test to check."""
+    import ray.train
+    import torch
+
+    from eagle_data.stream import collate
+
+    shard = ray.train.get_dataset_shard("train")
+    got = []
+    for batch in shard.iter_batches(batch_size=3, batch_format="numpy"):
+        padded = collate(batch, pad_id=config["pad_id"], dtype=config["dtype"])
+        for i, (sid, epoch) in enumerate(zip(padded["sample_id"], padded["epoch"])):
+            n = int(padded["attention_mask"][i].sum())
+            got.append({"sample_id": sid, "epoch": epoch, "input_ids": padded["input_ids"][i, :n].clone(),
+                        "loss_mask": padded["loss_mask"][i, :n].clone(),
+                        "hidden_states": padded["hidden_states"][i, :n].clone(),
+                        "padding_is_zero": bool((padded["hidden_states"][i, n:] == 0).all())})
+    torch.save(got, Path(config["save"]) / f"rank{ray.train.get_context().get_world_rank()}.pt")
+
+
+# The training workers reserve no CPU (a bundle needs some resource: one byte of memory): the
+# engine replica and Ray's vLLM stage's pre-processing tasks take the session's 2 CPUs.
+NO_CPU = {"memory": 1}
+
+
+def stream_into_trainer(ds, tmp_path: Path, pad_id: int, dtype: str, workers: int = 2) -> list[list[dict]]:
+    """Run `stream_train_loop` in a TorchTrainer of `workers` CPU workers on the stream `ds`;
+    what each worker got, by rank."""
+    import ray.cloudpickle
+    import torch
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import tests/
+    config = {"pad_id": pad_id, "dtype": dtype, "save": str(tmp_path)}
+    trainer = TorchTrainer(stream_train_loop, train_loop_config=config, datasets={"train": ds},
+                           scaling_config=ScalingConfig(num_workers=workers, resources_per_worker=NO_CPU),
+                           run_config=RunConfig(storage_path=str(tmp_path / "ray-train"), name="stream"))
+    trainer.fit()
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(workers)]

@@ -17,7 +17,7 @@ LAYERS = [
     ("eagle_data.storage", 1), ("eagle_data.reader", 2), ("eagle_data.tools", 3),
     ("eagle_data.job.ray_internals", 4), ("eagle_data.job.stages.columns", 4),  # what the stages build on
     ("eagle_data.job.stages.engines", 5),  # the engine stage: its backends and what they share
-    ("eagle_data.job.phases.run", 8), ("eagle_data.job.phases", 7),
+    ("eagle_data.job.phases.run", 8), ("eagle_data.job.phases", 7), ("eagle_data.stream", 8),
     ("eagle_data.job", 6),  # the other stages and what phases and stages share
     ("eagle_data.__main__", 9), ("ray_jobs", 9),
 ]

@@ -43,6 +43,24 @@ def check_states(hidden, token_ids, input_ids: list[int], layer_ids: list[int], 
     return ""
 
 
+def row_error(row: dict, layer_ids: list[int], hidden_size: int, dtype: str) -> str:
+    """Why an engine's output row (its error column and hand-over columns, state_files.py)
+    must not be used ("" when it passes every check)."""
+    import torch
+
+    if row[ENGINE_ERROR_COLUMN]:
+        return row[ENGINE_ERROR_COLUMN]
+    shape, data = row["hidden_states_shape"], row["hidden_states"]
+    if data is None or shape is None:
+        return "the engine handed over no hidden states for this row"
+    itemsize = DTYPES[dtype][1]
+    if len(data) != itemsize * int(torch.tensor(shape).prod()):
+        return f"check: {len(data)} bytes of hidden states for shape {shape} in {dtype}"
+    hidden = torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)).view(*shape) if data else \
+        torch.empty(shape, dtype=getattr(torch, dtype))
+    return check_states(hidden, torch.tensor(row["hidden_token_ids"]), row["input_ids"], layer_ids, hidden_size)
+
+
 class HiddenStatesPacker(Stage):
     """One batch in, one shard (of the rows that pass) in OUT/.staging/, one small row per
     input row out: `shard` is the staging path ("" for a failed row), `error` why not."""
@@ -55,24 +73,9 @@ class HiddenStatesPacker(Stage):
         self.out, self.run_id, self.layer_ids, self.provenance = out, run_id, layer_ids, provenance
         self.hidden_size, self.dtype = hidden_size, dtype
 
-    def _check(self, row: dict) -> str:
-        """Why this row's features must not be published ("" when they pass)."""
-        import torch
-
-        shape, data = row["hidden_states_shape"], row["hidden_states"]
-        if data is None or shape is None:
-            return "the engine handed over no hidden states for this row"
-        itemsize = DTYPES[self.dtype][1]
-        if len(data) != itemsize * int(torch.tensor(shape).prod()):
-            return f"check: {len(data)} bytes of hidden states for shape {shape} in {self.dtype}"
-        hidden = torch.frombuffer(bytearray(data), dtype=getattr(torch, self.dtype)).view(*shape) if data else \
-            torch.empty(shape, dtype=getattr(torch, self.dtype))
-        return check_states(hidden, torch.tensor(row["hidden_token_ids"]), row["input_ids"], self.layer_ids,
-                            self.hidden_size)
-
     def apply(self, batch: pa.Table) -> pa.Table:
         rows = batch.select([*IDS, "input_ids", ENGINE_ERROR_COLUMN, *STATE_COLUMNS]).to_pylist()
-        errors = [row[ENGINE_ERROR_COLUMN] or self._check(row) for row in rows]
+        errors = [row_error(row, self.layer_ids, self.hidden_size, self.dtype) for row in rows]
         packed = [row for row, error in zip(rows, errors) if not error]
         fs, root = filesystem(self.out)
         shard = f"{root}/{STAGING}/hidden-{uuid.uuid4().hex}.safetensors" if packed else ""

@@ -1,0 +1,205 @@
+"""The feature stream: EAGLE-3 training samples computed by the engine replicas and handed
+to a trainer as a Ray Dataset, with no file written (docs/streaming.md).
+
+    data/ rows (the reader's filters; each epoch in the reader's (seed, epoch) order, padded
+    or cut to a multiple of world_size as the reader does; every epoch in one execution)
+      -> requests -> the hidden-states engine (the phase's own stage: vLLM or transformers,
+         the same layer ids, dtype and norm convention; vLLM's file for a row is written on
+         the engine's node under hidden_states.scratch_dir, read back and removed there)
+      -> the phase's per-row checks: a row that fails one never reaches the trainer; the
+         stream's report counts it with its reason
+      -> rows: sample_id, epoch, input_ids, loss_mask, hidden_states (bytes, [S, layers, H] in
+         the dtype), hidden_states_shape
+
+Give it to Ray Train: `TorchTrainer(loop, datasets={"train": features(out, cfg, epochs=E,
+world_size=W)}, scaling_config=ScalingConfig(num_workers=W))`. Ray Train splits it with
+`streaming_split(W, equal=True)`; each worker iterates its shard ONCE, for all E epochs
+(every row has its `epoch`), and `collate` makes padded torch tensors of a batch, as the
+reader's `collate` does. All epochs run in one Ray Data execution so the engine replicas
+load the model once: iterating a shard again would start them again.
+
+What each worker gets: every selected sample once per epoch across the workers (plus the
+padding, repeats of the epoch's first samples, as the reader pads), and the same number of
+rows as every other worker over the whole stream, so a DDP loop with a collective per step
+never hangs. Which worker gets a row is decided as rows come (Ray's split hands each block
+to the worker with the fewest rows), so a worker's share of one epoch, and the exact order
+rows arrive in, vary from run to run; the order the rows are ASKED in is a function of
+(seed, epoch). A batch may hold the end of one epoch and the start of the next. A row that
+fails a check makes its epoch one row short; Ray's equal split then drops up to W - 1 rows
+at the very end of the stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import Counter
+
+import numpy as np
+import pyarrow as pa
+import ray
+
+from eagle_data.config import Config
+from eagle_data.errors import MissingInput
+from eagle_data.job.phases.hidden_states import layer_ids, target_shape
+from eagle_data.job.stages.engines import apply_hidden_states_engine
+from eagle_data.job.stages.engines.state_files import STATE_COLUMNS
+from eagle_data.job.stages.pack_hidden_states import row_error
+from eagle_data.reader.samples import Samples, rank_slice
+from eagle_data.storage.manifest import new_run_id
+
+log = logging.getLogger("eagle_data")
+
+MAX_BLOCKS = 1000  # of chunk numbers: the first blocks of a long stream hold a few each
+SAMPLE_COLUMNS = ("sample_id", "epoch", "input_ids", "loss_mask", "hidden_states", "hidden_states_shape")
+
+
+def features(out: str, cfg: Config, *, epochs: int = 1, world_size: int = 1, seed: int = 0,
+             shuffle: bool = True, drop_last: bool = False, max_len: int | None = None, window: int = 4,
+             report: str | None = None) -> ray.data.Dataset:
+    """The training samples of OUT's data/ rows selected by `cfg.hidden_states`'s
+    finish_reason and source (and at most `max_len` tokens), with the target's states at
+    the EAGLE-3 layers computed by `cfg.engine`'s replicas, for `epochs` epochs (module
+    docstring). `report` names the actor that counts each epoch's rows (default
+    `eagle-data-stream-<id>`, logged); `stream_report(name)` reads it."""
+    if epochs < 1 or world_size < 1:
+        raise ValueError(f"epochs and world_size must be at least 1, got {epochs} and {world_size}")
+    samples = Samples(out, finish_reason=cfg.hidden_states.finish_reason, source=cfg.hidden_states.source,
+                      max_len=max_len, shuffle=shuffle, seed=seed, window=window, columns=("sample_id",))
+    if not samples.row.size:
+        raise MissingInput(f"{out}: no data/ row is selected (hidden_states.finish_reason "
+                           f"{cfg.hidden_states.finish_reason}, source {cfg.hidden_states.source}, max_len {max_len})")
+    per_epoch = rank_slice(np.arange(samples.row.size), 0, world_size, drop_last).size * world_size
+    num_layers, hidden_size = target_shape(cfg)
+    ids, dtype = layer_ids(cfg, num_layers), cfg.hidden_states.dtype
+    name = report or f"eagle-data-stream-{uuid.uuid4().hex[:8]}"
+    reporter = StreamReport.options(name=name).remote(name, per_epoch, epochs, cfg.output.log_every_s)
+    chunk = cfg.engine.batch_size
+    chunks = -(-per_epoch // chunk)
+    log.info("stream %s: %d samples an epoch (%d selected), %d epochs, layer ids %s of %d, H %d, %s",
+             name, per_epoch, samples.row.size, epochs, ids, num_layers, hidden_size, dtype)
+    scratch = f"{cfg.hidden_states.scratch_dir.rstrip('/')}/eagle-data-stream-{uuid.uuid4().hex}/{new_run_id()}"
+    # Chunk numbers as blocks in the object store (no read task: one would take a whole CPU,
+    # which the engines and training workers hold); each read_chunk call reads one chunk.
+    ds = ray.data.from_items([{"id": k} for k in range(epochs * chunks)],
+                             override_num_blocks=min(epochs * chunks, MAX_BLOCKS))
+    ds = ds.map_batches(read_chunk, batch_size=1, batch_format="pyarrow", num_cpus=0.25, fn_kwargs=dict(
+        samples=ray.put(samples), world_size=world_size, drop_last=drop_last, chunk=chunk, chunks=chunks,
+        scratch=scratch))
+    ds = apply_hidden_states_engine(ds, cfg, ids, dtype, scratch)
+    return ds.map_batches(checked, batch_format="pyarrow", num_cpus=0.25, fn_kwargs=dict(
+        reporter=reporter, layer_ids=ids, hidden_size=hidden_size, dtype=dtype))
+
+
+def read_chunk(batch: pa.Table, samples: ray.ObjectRef, world_size: int, drop_last: bool, chunk: int,
+               chunks: int, scratch: str) -> pa.Table:
+    """Chunk numbers k (rows of `ray.data.range`) -> the data/ rows at positions
+    [j x chunk, (j + 1) x chunk) of epoch k // chunks's order, j = k % chunks, each with its
+    request's file path (unique per request: padding may ask a sample twice in an epoch)."""
+    rows = []
+    for k in batch.column("id").to_pylist():
+        epoch, part = divmod(k, chunks)
+        order, reader = epoch_order(samples, world_size, drop_last, epoch)
+        for pos in order[part * chunk:(part + 1) * chunk]:
+            item = reader.sample(int(pos))
+            rows.append({"sample_id": item["sample_id"], "epoch": epoch, "input_ids": item["input_ids"].tolist(),
+                         "loss_mask": item["loss_mask"].tolist(),
+                         "hidden_states_path": f"{scratch}/{uuid.uuid4().hex}.safetensors"})
+    return pa.Table.from_pylist(rows, schema=READ_SCHEMA)
+
+
+READ_SCHEMA = pa.schema([("sample_id", pa.string()), ("epoch", pa.int64()), ("input_ids", pa.list_(pa.int64())),
+                         ("loss_mask", pa.list_(pa.int64())), ("hidden_states_path", pa.string())])
+_ORDERS: dict = {}  # per worker process: the latest epoch's order, (samples ref, epoch) -> (order, Samples)
+
+
+def epoch_order(samples: ray.ObjectRef, world_size: int, drop_last: bool, epoch: int) -> tuple[np.ndarray, Samples]:
+    """The epoch's order as the reader's ranks 0..W-1 would read it, one after the other."""
+    key = (samples.hex(), epoch)
+    if key not in _ORDERS:
+        reader = ray.get(samples)
+        order = reader.epoch_order(epoch)
+        _ORDERS.clear()
+        _ORDERS[key] = (np.concatenate([rank_slice(order, r, world_size, drop_last) for r in range(world_size)]),
+                        reader)
+    return _ORDERS[key]
+
+
+def checked(batch: pa.Table, reporter, layer_ids: list[int], hidden_size: int, dtype: str) -> pa.Table:
+    """The engine's rows -> the samples that pass the hidden-states phase's checks; the
+    others are counted, with their reasons, in the stream's report."""
+    rows = batch.to_pylist()
+    errors = [row_error(row, layer_ids, hidden_size, dtype) for row in rows]
+    ok = [row for row, error in zip(rows, errors) if not error]
+    reporter.add.remote(Counter(row["epoch"] for row in ok),
+                        [(row["epoch"], row["sample_id"], e) for row, e in zip(rows, errors) if e])
+    types = {**{f.name: f.type for f in READ_SCHEMA}, **STATE_COLUMNS}
+    return pa.table({name: pa.array([row[name] for row in ok], types[name]) for name in SAMPLE_COLUMNS})
+
+
+def collate(batch: dict, pad_id: int, dtype: str, pad_to_multiple_of: int | None = None) -> dict:
+    """A batch of stream rows (numpy, as Ray Train's `iter_batches` gives it) -> the
+    reader's padded torch batch: input_ids, loss_mask, attention_mask [B, T] and
+    hidden_states [B, T, layers, H] in `dtype` (the config's hidden_states.dtype), with
+    sample_id and epoch as lists."""
+    import torch
+
+    from eagle_data.reader.torch_datasets import collate as pad
+
+    items = []
+    for i in range(len(batch["sample_id"])):
+        shape = [int(n) for n in batch["hidden_states_shape"][i]]
+        data = batch["hidden_states"][i]
+        states = (torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)).view(*shape) if len(data)
+                  else torch.empty(shape, dtype=getattr(torch, dtype)))
+        input_ids = torch.as_tensor(np.asarray(batch["input_ids"][i], dtype=np.int64))
+        items.append({"input_ids": input_ids, "loss_mask": torch.as_tensor(np.asarray(batch["loss_mask"][i],
+                                                                                      dtype=np.int64)),
+                      "attention_mask": torch.ones_like(input_ids), "hidden_states": states,
+                      "sample_id": str(batch["sample_id"][i]), "epoch": int(batch["epoch"][i])})
+    return pad(items, pad_id, pad_to_multiple_of)
+
+
+@ray.remote(num_cpus=0)
+class StreamReport:
+    """Counts each epoch's rows that passed the checks and those that did not, with their
+    reasons; logs a progress line every `every_s` while rows come and one line per finished
+    epoch (when its rows are all counted)."""
+
+    def __init__(self, name: str, per_epoch: int, epochs: int, every_s: float):
+        self.name, self.per_epoch, self.epochs, self.every_s = name, per_epoch, epochs, every_s
+        self.ok: Counter = Counter()
+        self.failed: dict[int, Counter] = {e: Counter() for e in range(epochs)}
+        self.failures: list[tuple[int, str, str]] = []
+        self.started = self.last = time.monotonic()
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    def add(self, ok: Counter, failed: list[tuple[int, str, str]]) -> None:
+        self.ok.update(ok)
+        for epoch, sample_id, error in failed:
+            self.failed[epoch][error] += 1
+            self.failures.append((epoch, sample_id, error))
+        for epoch in {*ok, *(e for e, _, _ in failed)}:
+            if self.ok[epoch] + sum(self.failed[epoch].values()) == self.per_epoch:
+                log.info("stream %s: epoch %d done: %d samples passed, %d failed%s", self.name, epoch,
+                         self.ok[epoch], sum(self.failed[epoch].values()), reasons(self.failed[epoch]))
+        if time.monotonic() - self.last >= self.every_s:
+            self.last = time.monotonic()
+            log.info("stream %s: %d/%d samples passed, %d failed, %.0f s", self.name, sum(self.ok.values()),
+                     self.per_epoch * self.epochs, len(self.failures), self.last - self.started)
+
+    def summary(self) -> dict:
+        """{"per_epoch": N, "epochs": {e: {"ok": n, "failed": {reason: n}}}, "failures": [(epoch,
+        sample_id, reason)]}"""
+        return {"per_epoch": self.per_epoch, "failures": list(self.failures),
+                "epochs": {e: {"ok": self.ok[e], "failed": dict(self.failed[e])} for e in range(self.epochs)}}
+
+
+def reasons(failed: Counter) -> str:
+    return "" if not failed else " (" + "; ".join(f"{n} x {why}" for why, n in failed.most_common()) + ")"
+
+
+def stream_report(name: str) -> dict:
+    """What the stream's report actor counted so far (`StreamReport.summary`)."""
+    return ray.get(ray.get_actor(name).summary.remote())
