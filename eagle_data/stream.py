@@ -57,12 +57,14 @@ SAMPLE_COLUMNS = ("sample_id", "epoch", "input_ids", "loss_mask", "hidden_states
 
 def features(out: str, cfg: Config, *, epochs: int = 1, world_size: int = 1, seed: int = 0,
              shuffle: bool = True, drop_last: bool = False, max_len: int | None = None, window: int = 4,
-             report: str | None = None) -> ray.data.Dataset:
+             report: str | None = None, engine=None) -> ray.data.Dataset:
     """The training samples of OUT's data/ rows selected by `cfg.hidden_states`'s
     finish_reason and source (and at most `max_len` tokens), with the target's states at
     the EAGLE-3 layers computed by `cfg.engine`'s replicas, for `epochs` epochs (module
     docstring). `report` names the actor that counts each epoch's rows (default
-    `eagle-data-stream-<id>`, logged); `stream_report(name)` reads it."""
+    `eagle-data-stream-<id>`, logged); `stream_report(name)` reads it. `engine(ds, cfg,
+    layer_ids, dtype, scratch_dir) -> ds` replaces the configured engine stage, as in the
+    hidden-states phase (benchmarks put a timed one there)."""
     if epochs < 1 or world_size < 1:
         raise ValueError(f"epochs and world_size must be at least 1, got {epochs} and {world_size}")
     samples = Samples(out, finish_reason=cfg.hidden_states.finish_reason, source=cfg.hidden_states.source,
@@ -87,7 +89,7 @@ def features(out: str, cfg: Config, *, epochs: int = 1, world_size: int = 1, see
     ds = ds.map_batches(read_chunk, batch_size=1, batch_format="pyarrow", num_cpus=0.25, fn_kwargs=dict(
         samples=ray.put(samples), world_size=world_size, drop_last=drop_last, chunk=chunk, chunks=chunks,
         scratch=scratch))
-    ds = apply_hidden_states_engine(ds, cfg, ids, dtype, scratch)
+    ds = (engine or apply_hidden_states_engine)(ds, cfg, ids, dtype, scratch)
     return ds.map_batches(checked, batch_format="pyarrow", num_cpus=0.25, fn_kwargs=dict(
         reporter=reporter, layer_ids=ids, hidden_size=hidden_size, dtype=dtype))
 
@@ -200,6 +202,7 @@ def reasons(failed: Counter) -> str:
     return "" if not failed else " (" + "; ".join(f"{n} x {why}" for why, n in failed.most_common()) + ")"
 
 
-def stream_report(name: str) -> dict:
-    """What the stream's report actor counted so far (`StreamReport.summary`)."""
-    return ray.get(ray.get_actor(name).summary.remote())
+def stream_report(name: str, namespace: str | None = None) -> dict:
+    """What the stream's report actor counted so far (`StreamReport.summary`); `namespace`:
+    the Ray namespace of the driver that started the stream, from another driver."""
+    return ray.get(ray.get_actor(name, namespace=namespace).summary.remote())

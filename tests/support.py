@@ -8,6 +8,7 @@ import importlib.resources
 import json
 import os
 import shutil
+import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -348,20 +349,48 @@ def stream_train_loop(config: dict) -> None:
 # The training workers reserve no CPU (a bundle needs some resource: one byte of memory): the
 # engine replica and Ray's vLLM stage's pre-processing tasks take the session's 2 CPUs.
 NO_CPU = {"memory": 1}
+STREAM_NAMESPACE = "eagle-data-tests"  # the stream's report actor: ray.get_actor(name, namespace=...)
 
 
-def stream_into_trainer(ds, tmp_path: Path, pad_id: int, dtype: str, workers: int = 2) -> list[list[dict]]:
-    """Run `stream_train_loop` in a TorchTrainer of `workers` CPU workers on the stream `ds`;
-    what each worker got, by rank."""
-    import ray.cloudpickle
+def stream_into_trainer(ray_local, out: Path, cfg, save: Path, report: str, workers: int = 2,
+                        **stream_args) -> tuple[list[list[dict]], dict]:
+    """As a user's training job: a driver process of its own, attached to the session's Ray
+    (its actors, Ray Train's included, end with it), runs `eagle_data.stream.features(out,
+    cfg, report=report, **stream_args)` into a TorchTrainer of `workers` workers running
+    `stream_train_loop`. What each worker got, by rank, and the stream's report."""
     import torch
+
+    job = {"out": str(out), "config": cfg.model_dump(mode="json"), "save": str(save), "report": report,
+           "workers": workers, "stream": stream_args}
+    done = subprocess.run([sys.executable, __file__, json.dumps(job)], cwd=REPO, capture_output=True, text=True,
+                          env={**attached(ray_local), "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    ranks = [torch.load(save / f"rank{r}.pt") for r in range(workers)]
+    return ranks, json.loads((save / "report.json").read_text(), object_hook=_int_epochs)
+
+
+def _int_epochs(d: dict) -> dict:
+    return {int(k) if k.isdigit() else k: v for k, v in d.items()}
+
+
+def _stream_job(job: dict) -> None:
+    import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import tests/
-    config = {"pad_id": pad_id, "dtype": dtype, "save": str(tmp_path)}
-    trainer = TorchTrainer(stream_train_loop, train_loop_config=config, datasets={"train": ds},
-                           scaling_config=ScalingConfig(num_workers=workers, resources_per_worker=NO_CPU),
-                           run_config=RunConfig(storage_path=str(tmp_path / "ray-train"), name="stream"))
-    trainer.fit()
-    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(workers)]
+    from eagle_data.config import Config
+    from eagle_data.reader import OutReader
+    from eagle_data.stream import features, stream_report
+
+    ray.init(namespace=STREAM_NAMESPACE, log_to_driver=False)
+    cfg = Config.model_validate(job["config"])
+    ds = features(job["out"], cfg, report=job["report"], **job["stream"])
+    config = {"pad_id": OutReader(job["out"]).pad_id, "dtype": cfg.hidden_states.dtype, "save": job["save"]}
+    TorchTrainer(stream_train_loop, train_loop_config=config, datasets={"train": ds},
+                 scaling_config=ScalingConfig(num_workers=job["workers"], resources_per_worker=NO_CPU),
+                 run_config=RunConfig(storage_path=str(Path(job["save"]) / "ray-train"), name="stream")).fit()
+    Path(job["save"], "report.json").write_text(json.dumps(stream_report(job["report"])))
+
+
+if __name__ == "__main__":  # stream_into_trainer's job
+    _stream_job(json.loads(sys.argv[1]))

@@ -252,39 +252,70 @@ README_SUBMIT_HERE = ["engine.backend=transformers", "engine.device=cpu", "engin
 
 
 @pytest.mark.cluster
-def test_the_readme_submit_line_runs_on_a_ray_head(head, tiny_qwen3, tmp_path):
+def test_the_readme_submit_line_runs_on_a_ray_head_and_after_ray_job_stop_the_same_line_resumes(head, tiny_qwen3,
+                                                                                                 tmp_path):
     """README's `ray job submit` line as written, from the checkout, with the `ray` CLI of an
     environment that does not hold the project (test_upload.py checks that): Ray uploads
-    the working dir with the README's runtime_env, and the job runs that copy."""
-    model = tiny_qwen3
+    the working dir with the README's runtime_env, and the job runs that copy. Stopped with
+    `ray job stop` once shards land, then the same line submitted again (the README's way
+    to resume) finishes what is left."""
     out = Path(head.root) / "out-readme"
     argv = readme.submit_line()
     env_json = argv.index("--runtime-env-json") + 1
     runtime_env = json.loads(argv[env_json])
     runtime_env["env_vars"]["HF_HOME"] = str(tmp_path / "hf")
     argv[env_json] = json.dumps(runtime_env)
-    argv += [f"--set={s}" for s in [f"source.dataset={SAMPLE}", f"model.path={model}", f"output.path={out}",
-                                    *README_SUBMIT_HERE]]
-    submitted = head.cli(*argv[1:], timeout=120)
-    assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
-    [job] = re.findall(r"Job '(\S+)' submitted successfully", submitted.stdout + submitted.stderr)
+    # One row per engine batch and per shard: shards land while the job runs.
+    slower = ["source.sample=12", "sampling.max_tokens=32", "engine.batch_size=1", "output.rows_per_shard=1",
+              "output.flush_seconds=1"]
+    here = [s for s in README_SUBMIT_HERE if s.split("=")[0] not in {k.split("=")[0] for k in slower}]
+    argv += [f"--set={s}" for s in [f"source.dataset={SAMPLE}", f"model.path={tiny_qwen3}", f"output.path={out}",
+                                    *here, *slower]]
     client = head.client()
-    info = finished(client, job)
-    logs = client.get_job_logs(job)
+
+    def submit() -> str:
+        submitted = head.cli(*argv[1:], timeout=120)
+        assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
+        [job] = re.findall(r"Job '(\S+)' submitted successfully", submitted.stdout + submitted.stderr)
+        return job
+
+    first = submit()
+    wait_for("2 data shards", lambda: len(list((out / "data").glob("*.parquet"))) >= 2
+             or client.get_job_status(first).is_terminal(), JOB_TIMEOUT_S)
+    stopped = head.cli("job", "stop", first)
+    assert stopped.returncode == 0, stopped.stderr[-2000:]
+    assert finished(client, first, 60).status == "STOPPED", "the job ended before it could be stopped"
+    lock_left = (out / ".lock").exists()
+    # Our SIGTERM handler, not Ray's (which aborted the driver with a C++ stack): one line,
+    # printed before Ray's SIGKILL; the cluster is only disconnected from (the resubmit runs on it).
+    stop_log = client.get_job_logs(first)
+    assert_ran_the_uploaded_copy(stop_log, head)
+    assert "error: stopped by SIGTERM; what was published is kept" in stop_log, stop_log[-3000:]
+    assert "Traceback" not in stop_log and "SIGTERM received" not in stop_log, stop_log[-3000:]
+
+    second = submit()
+    info = finished(client, second)
+    logs = client.get_job_logs(second)
     assert info.status == "SUCCEEDED", logs[-4000:]
     assert_ran_the_uploaded_copy(logs, head)
     assert "engine: transformers generate in a Ray actor pool" in logs
     assert "Traceback" not in logs, logs[-6000:]
     assert logs.rstrip().splitlines()[-1].startswith("  manifest: "), logs[-2000:]
-    status = re.sub(r"\x1b\[[0-9;]*m", "", head.cli("job", "status", job).stdout)  # the CLI's colours
-    assert f"Job '{job}' succeeded" in status, status
-    counts = assert_verified(out)
-    assert counts["ok"] + counts["failed_final"] == counts["prompts"] > 0
-    # One replica, on the only node: in the job log and in the run's record.
-    [run] = generate_runs(out)
-    [node] = run["replica_nodes"]
-    assert head.node_names()[node][0] == "head"
-    assert f"engine replicas ran on 1 node(s): {node}" in logs
+    status = re.sub(r"\x1b\[[0-9;]*m", "", head.cli("job", "status", second).stdout)  # the CLI's colours
+    assert f"Job '{second}' succeeded" in status, status
+    done_before = int(re.search(r"generate: \d+ turns to answer, (\d+) already done", logs).group(1))
+    assert done_before >= 2
+    # Ray's stop (SIGTERM, then SIGKILL after 3 s) usually lets the driver release the lock;
+    # when it did not, the resubmit takes it over and says so.
+    assert not lock_left or "taking over the lock" in logs
+    assert not (out / ".lock").exists()
+    counts = assert_verified(out)  # each sample in data/ at most once, the counts add up
+    assert counts["ok"] + counts["failed_final"] == counts["prompts"] > done_before
+    assert len(read(out, "data")) == counts["ok"]
+    # One replica, on the only node: in the job log and in the finished run's record.
+    nodes = {node for run in generate_runs(out) for node in run.get("replica_nodes", [])}  # the stopped run: none
+    assert [head.node_names()[node][0] for node in nodes] == ["head"]
+    assert f"engine replicas ran on 1 node(s): {next(iter(nodes))}" in logs
 
 
 @pytest.mark.cluster
@@ -298,42 +329,6 @@ def test_config_error_fails_the_job_with_the_message(head, tiny_qwen3):
     assert_ran_the_uploaded_copy(client.get_job_logs(job), head)
     status = head.cli("job", "status", job)
     assert f"job '{job}' failed".lower() in status.stdout.lower()
-
-
-@pytest.mark.cluster
-def test_ray_job_stop_then_the_same_submit_resumes(head, tiny_qwen3):
-    out = Path(head.root) / "out-stop"
-    # One row per engine batch and per shard: shards land while the job runs.
-    command = entrypoint(out, tiny_qwen3, "source.sample=12", "sampling.max_tokens=32", "engine.batch_size=1",
-                         "output.rows_per_shard=1", "output.flush_seconds=1")
-    client = head.client()
-    first = client.submit_job(entrypoint=command, runtime_env=RUNTIME_ENV)
-    wait_for("2 data shards", lambda: len(list((out / "data").glob("*.parquet"))) >= 2
-             or client.get_job_status(first).is_terminal(), JOB_TIMEOUT_S)
-    stopped = head.cli("job", "stop", first)
-    assert stopped.returncode == 0, stopped.stderr[-2000:]
-    assert finished(client, first, 60).status == "STOPPED", "the job ended before it could be stopped"
-    lock_left = (out / ".lock").exists()
-    # Our SIGTERM handler, not Ray's (which aborted the driver with a C++ stack): one line,
-    # printed before Ray's SIGKILL; the cluster is only disconnected from (the resubmit runs on it).
-    stop_log = client.get_job_logs(first)
-    assert "error: stopped by SIGTERM; what was published is kept" in stop_log, stop_log[-3000:]
-    assert "Traceback" not in stop_log and "SIGTERM received" not in stop_log, stop_log[-3000:]
-
-    second = client.submit_job(entrypoint=command, runtime_env=RUNTIME_ENV)
-    info = finished(client, second)
-    logs = client.get_job_logs(second)
-    assert info.status == "SUCCEEDED", logs[-3000:]
-    assert_ran_the_uploaded_copy(logs, head)
-    done_before = int(re.search(r"generate: \d+ turns to answer, (\d+) already done", logs).group(1))
-    assert done_before >= 2
-    # Ray's stop (SIGTERM, then SIGKILL after 3 s) usually lets the driver release the lock;
-    # when it did not, the resubmit takes it over and says so.
-    assert not lock_left or "taking over the lock" in logs
-    assert not (out / ".lock").exists()
-    counts = assert_verified(out)  # each sample in data/ at most once, the counts add up
-    assert counts["ok"] + counts["failed_final"] == counts["prompts"] > done_before
-    assert len(read(out, "data")) == counts["ok"]
 
 
 @pytest.mark.cluster

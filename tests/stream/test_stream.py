@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from support import hidden_features, job_config, ray_processes, stream_into_trainer
+from support import STREAM_NAMESPACE, hidden_features, job_config, ray_processes, stream_into_trainer
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,7 @@ def kill_the_engine_mid_stream(report: str, total: int, killed: list) -> None:
     while time.monotonic() < deadline and not killed:
         pids = ray_processes("TransformersHiddenStates")
         try:
-            ok = sum(e["ok"] for e in stream_report(report)["epochs"].values())
+            ok = sum(e["ok"] for e in stream_report(report, STREAM_NAMESPACE)["epochs"].values())
         except ValueError:  # the report actor is not up yet
             ok = 0
         if pids and 4 <= ok < total:
@@ -40,16 +40,15 @@ def kill_the_engine_mid_stream(report: str, total: int, killed: list) -> None:
 def test_epochs_into_a_torch_trainer_every_sample_once_per_epoch_equal_to_the_offline_phase_across_a_replica_kill(
         ray_local, hidden_out, deep_qwen3, tmp_path):
     from eagle_data.reader import OutReader
-    from eagle_data.stream import features, stream_report
 
     epochs = 4
     cfg = job_config(hidden_out, deep_qwen3, engine__batch_size=1, hidden_states__dtype="float32")
     offline = hidden_features(hidden_out)
-    ds = features(str(hidden_out), cfg, epochs=epochs, world_size=2, seed=7, report="stream-test")
     killed = []
     killer = threading.Thread(target=kill_the_engine_mid_stream, args=("stream-test", epochs * len(offline), killed))
     killer.start()
-    ranks = stream_into_trainer(ds, tmp_path, OutReader(str(hidden_out)).pad_id, "float32")
+    ranks, report = stream_into_trainer(ray_local, hidden_out, cfg, tmp_path, "stream-test", epochs=epochs,
+                                        world_size=2, seed=7)
     killer.join()
 
     assert killed, "the engine replica was never killed mid-stream"
@@ -66,5 +65,4 @@ def test_epochs_into_a_torch_trainer_every_sample_once_per_epoch_equal_to_the_of
         assert item["loss_mask"].tolist() == rows[sid]["loss_mask"]
         assert torch.equal(item["hidden_states"], offline[sid]), sid  # bit-equal: same engine, same dtype
         assert item["padding_is_zero"]
-    report = stream_report("stream-test")
     assert report["epochs"] == {e: {"ok": len(offline), "failed": {}} for e in range(epochs)}

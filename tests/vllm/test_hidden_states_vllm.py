@@ -99,23 +99,21 @@ def test_vllm_phase_at_tensor_parallel_2_equals_the_transformers_phase(shared_pr
     assert max_rel <= rel_tol and min_cos >= cos_tol, (max_rel, min_cos)
 
 
-def test_the_feature_stream_on_vllm_into_a_torch_trainer_equals_the_transformers_phase(shared_prefix_out, deep_2heads,
-                                                                                       tmp_path):
+def test_the_feature_stream_on_vllm_into_a_torch_trainer_equals_the_transformers_phase(ray_local, shared_prefix_out,
+                                                                                       deep_2heads, tmp_path):
     """eagle_data.stream on vLLM (tensor parallel 1, prefix caching on: the shared system
-    prompt hits the cache) into 2 Ray Train workers: every sample once, each within the
-    vLLM phase's tolerances of the transformers phase's stored states."""
-    from eagle_data.reader import OutReader
-    from eagle_data.stream import features, stream_report
-
+    prompt hits the cache; whole prompts per step) into 2 Ray Train workers: every sample
+    once, each within the vLLM phase's tolerances of the transformers phase's stored states."""
     reference_out, dataset = shared_prefix_out
-    cfg = settings(reference_out, deep_2heads, dataset, **VLLM, hidden_states__scratch_dir=str(tmp_path / "scratch"))
-    ds = features(str(reference_out), cfg, world_size=2, report="stream-vllm")
-    ranks = stream_into_trainer(ds, tmp_path, OutReader(str(reference_out)).pad_id, "float32")
+    whole_prompts = {**VLLM, "engine__engine_kwargs": {**VLLM["engine__engine_kwargs"], "max_num_batched_tokens": 1024}}
+    cfg = settings(reference_out, deep_2heads, dataset, **whole_prompts,
+                   hidden_states__scratch_dir=str(tmp_path / "scratch"))
+    ranks, report = stream_into_trainer(ray_local, reference_out, cfg, tmp_path, "stream-vllm", world_size=2)
 
     reference = hidden_features(reference_out)
     got = {item["sample_id"]: item["hidden_states"] for rank in ranks for item in rank}
     assert [len(r) for r in ranks] == [len(reference) // 2] * 2 and got.keys() == reference.keys()
     worst_relative, worst_cosine = states_gap(got, reference)
     assert worst_relative <= STATES_TOLERANCE["float32"][0] and worst_cosine >= STATES_TOLERANCE["float32"][1]
-    assert stream_report("stream-vllm")["epochs"] == {0: {"ok": len(reference), "failed": {}}}
+    assert report["epochs"] == {0: {"ok": len(reference), "failed": {}}}
     assert [p for p in (tmp_path / "scratch").rglob("*") if p.is_file()] == []  # each row's file taken, removed

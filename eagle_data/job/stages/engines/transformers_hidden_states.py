@@ -54,8 +54,10 @@ class TransformersHiddenStates(Stage):
         """[len(input_ids), len(layer_ids), H] on CPU, in the model's dtype."""
         torch = self.torch
         with torch.no_grad():
+            # logits_to_keep=1: the output layer on the last position only (its logits are unused;
+            # over every position it cost more than the decoder layers of a small model).
             out = self.model(input_ids=torch.tensor([input_ids], device=self.device), output_hidden_states=True,
-                             use_cache=False)
+                             use_cache=False, logits_to_keep=1)
         picked = [self._final[0] if k == self.num_layers else out.hidden_states[k][0] for k in self.layer_ids]
         return torch.stack(picked, dim=1).cpu()
 
