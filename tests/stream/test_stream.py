@@ -41,8 +41,8 @@ def test_epochs_into_a_torch_trainer_every_sample_once_per_epoch_equal_to_the_of
         ray_local, hidden_out, deep_qwen3, tmp_path):
     from eagle_data.reader import OutReader
 
-    epochs = 4
-    cfg = job_config(hidden_out, deep_qwen3, engine__batch_size=1, hidden_states__dtype="float32")
+    epochs = 3
+    cfg = job_config(hidden_out, deep_qwen3, engine__batch_size=2, hidden_states__dtype="float32")
     offline = hidden_features(hidden_out)
     killed = []
     killer = threading.Thread(target=kill_the_engine_mid_stream, args=("stream-test", epochs * len(offline), killed))
@@ -53,7 +53,7 @@ def test_epochs_into_a_torch_trainer_every_sample_once_per_epoch_equal_to_the_of
 
     assert killed, "the engine replica was never killed mid-stream"
     print(f"killed the replica after {killed[0]} rows")
-    assert [len(r) for r in ranks] == [epochs * len(offline) // 2] * 2  # 10 samples x 4 epochs, split equally
+    assert [len(r) for r in ranks] == [epochs * len(offline) // 2] * 2  # 10 samples x 3 epochs, split equally
     for epoch in range(epochs):
         seen = Counter(item["sample_id"] for rank in ranks for item in rank if item["epoch"] == epoch)
         assert seen == Counter(dict.fromkeys(offline, 1))

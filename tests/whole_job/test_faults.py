@@ -64,7 +64,7 @@ def test_driver_sigkill_at_several_points_then_resume(ray_local, tmp_path, tiny_
     config = tmp_path / "job.yaml"
     # One row per engine batch and shard, so that kills land between shards.
     settings = job_settings(tmp_path / "out", tiny_qwen3, preset=FAULTS, engine__batch_size=1,
-                            sampling__max_tokens=32, source__sample=16, **VARIANTS)
+                            sampling__max_tokens=32, source__sample=12, **VARIANTS)
     config.write_text(yaml.safe_dump(settings))
     cfg = as_config(settings)
     out = tmp_path / "out"
