@@ -44,9 +44,9 @@ from eagle_data.config import Config
 from eagle_data.errors import MissingInput
 from eagle_data.job.phases.hidden_states import layer_ids, target_shape
 from eagle_data.job.stages.engines import apply_hidden_states_engine
-from eagle_data.job.stages.engines.state_files import STATE_COLUMNS
+from eagle_data.job.stages.engines.state_files import STATE_COLUMNS, as_tensor
 from eagle_data.job.stages.pack_hidden_states import row_error
-from eagle_data.reader.samples import Samples, rank_slice
+from eagle_data.reader.samples import Samples, padded_order
 from eagle_data.storage.manifest import new_run_id
 
 log = logging.getLogger("eagle_data")
@@ -72,7 +72,7 @@ def features(out: str, cfg: Config, *, epochs: int = 1, world_size: int = 1, see
     if not samples.row.size:
         raise MissingInput(f"{out}: no data/ row is selected (hidden_states.finish_reason "
                            f"{cfg.hidden_states.finish_reason}, source {cfg.hidden_states.source}, max_len {max_len})")
-    per_epoch = rank_slice(np.arange(samples.row.size), 0, world_size, drop_last).size * world_size
+    per_epoch = padded_order(np.arange(samples.row.size), world_size, drop_last).size
     num_layers, hidden_size = target_shape(cfg)
     ids, dtype = layer_ids(cfg, num_layers), cfg.hidden_states.dtype
     name = report or f"eagle-data-stream-{uuid.uuid4().hex[:8]}"
@@ -96,7 +96,7 @@ def features(out: str, cfg: Config, *, epochs: int = 1, world_size: int = 1, see
 
 def read_chunk(batch: pa.Table, samples: ray.ObjectRef, world_size: int, drop_last: bool, chunk: int,
                chunks: int, scratch: str) -> pa.Table:
-    """Chunk numbers k (rows of `ray.data.range`) -> the data/ rows at positions
+    """Chunk numbers k (the `id` of each row) -> the data/ rows at positions
     [j x chunk, (j + 1) x chunk) of epoch k // chunks's order, j = k % chunks, each with its
     request's file path (unique per request: padding may ask a sample twice in an epoch)."""
     rows = []
@@ -121,10 +121,8 @@ def epoch_order(samples: ray.ObjectRef, world_size: int, drop_last: bool, epoch:
     key = (samples.hex(), epoch)
     if key not in _ORDERS:
         reader = ray.get(samples)
-        order = reader.epoch_order(epoch)
         _ORDERS.clear()
-        _ORDERS[key] = (np.concatenate([rank_slice(order, r, world_size, drop_last) for r in range(world_size)]),
-                        reader)
+        _ORDERS[key] = (padded_order(reader.epoch_order(epoch), world_size, drop_last), reader)
     return _ORDERS[key]
 
 
@@ -151,14 +149,11 @@ def collate(batch: dict, pad_id: int, dtype: str, pad_to_multiple_of: int | None
 
     items = []
     for i in range(len(batch["sample_id"])):
-        shape = [int(n) for n in batch["hidden_states_shape"][i]]
-        data = batch["hidden_states"][i]
-        states = (torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)).view(*shape) if len(data)
-                  else torch.empty(shape, dtype=getattr(torch, dtype)))
         input_ids = torch.as_tensor(np.asarray(batch["input_ids"][i], dtype=np.int64))
-        items.append({"input_ids": input_ids, "loss_mask": torch.as_tensor(np.asarray(batch["loss_mask"][i],
-                                                                                      dtype=np.int64)),
-                      "attention_mask": torch.ones_like(input_ids), "hidden_states": states,
+        shape = [int(n) for n in batch["hidden_states_shape"][i]]
+        items.append({"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
+                      "loss_mask": torch.as_tensor(np.asarray(batch["loss_mask"][i], dtype=np.int64)),
+                      "hidden_states": as_tensor(batch["hidden_states"][i], shape, dtype),
                       "sample_id": str(batch["sample_id"][i]), "epoch": int(batch["epoch"][i])})
     return pad(items, pad_id, pad_to_multiple_of)
 

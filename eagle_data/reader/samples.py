@@ -369,9 +369,17 @@ class Samples:
 
 
 def rank_slice(order: np.ndarray, rank: int, world_size: int, drop_last: bool) -> np.ndarray:
-    """Rank `rank`'s contiguous slice of an epoch order, the same size on every rank: the
-    order padded by repeating it from its start to ceil(N / world) per rank, or under
-    drop_last cut to floor(N / world) per rank (module docstring)."""
+    """Rank `rank`'s contiguous slice of an epoch order, the same size on every rank
+    (`padded_order`'s r-th of world_size equal parts)."""
+    whole = padded_order(order, world_size, drop_last)
+    per = whole.size // world_size
+    return whole[rank * per:(rank + 1) * per]
+
+
+def padded_order(order: np.ndarray, world_size: int, drop_last: bool) -> np.ndarray:
+    """An epoch order made a multiple of world_size long: padded by repeating it from its
+    start to ceil(N / world) per rank, or under drop_last cut to floor(N / world) per rank
+    (module docstring)."""
     n = order.size
     per = n // world_size if drop_last else -(-n // world_size)
     if drop_last and n < world_size:
@@ -379,7 +387,7 @@ def rank_slice(order: np.ndarray, rank: int, world_size: int, drop_last: bool) -
                           "ranks gives every rank none: use drop_last=False (pads by repeating samples), "
                           "fewer ranks, or filters that keep more samples")
     # np.resize repeats the order from its start (as many times as world > N needs).
-    return np.resize(order, per * world_size)[rank * per:(rank + 1) * per]
+    return np.resize(order, per * world_size)
 
 
 def _list_arrays(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:

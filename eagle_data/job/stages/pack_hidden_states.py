@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from eagle_data.job.stages.columns import Stage, columns
 from eagle_data.job.stages.engines.outputs import ENGINE_ERROR_COLUMN
-from eagle_data.job.stages.engines.state_files import STATE_COLUMNS
+from eagle_data.job.stages.engines.state_files import STATE_COLUMNS, as_tensor
 from eagle_data.storage.contract import IDS, STAGING
 from eagle_data.storage.files import filesystem
 from eagle_data.storage.hidden_states import DTYPES, tokens_crc32, write_shard
@@ -56,9 +56,7 @@ def row_error(row: dict, layer_ids: list[int], hidden_size: int, dtype: str) -> 
     itemsize = DTYPES[dtype][1]
     if len(data) != itemsize * int(torch.tensor(shape).prod()):
         return f"check: {len(data)} bytes of hidden states for shape {shape} in {dtype}"
-    hidden = torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)).view(*shape) if data else \
-        torch.empty(shape, dtype=getattr(torch, dtype))
-    return check_states(hidden, torch.tensor(row["hidden_token_ids"]), row["input_ids"], layer_ids, hidden_size)
+    return check_states(as_tensor(data, shape, dtype), torch.tensor(row["hidden_token_ids"]), row["input_ids"], layer_ids, hidden_size)
 
 
 class HiddenStatesPacker(Stage):
