@@ -345,6 +345,37 @@ class HiddenStatesConfig(_Section):
         return self
 
 
+class TrainConfig(_Section):
+    """The EAGLE-3 draft trainer fed by the feature stream (ray_jobs/train_draft.py): Ray Train
+    workers training speculators' draft model (the optional `draft` extra)."""
+
+    workers: Int = Field(
+        json_schema_extra=RUN_ONLY, default=1, ge=1,
+        description="Ray Train workers (DDP ranks); each gets the same number of stream rows")
+    device: Literal["gpu", "cpu"] = Field(
+        json_schema_extra=RUN_ONLY, default="gpu",
+        description="one GPU per worker (NCCL), or CPU workers (gloo): tests, laptops")
+    cpus_per_worker: Finite = Field(
+        json_schema_extra=RUN_ONLY, default=1, ge=0,
+        description="CPUs each worker reserves; 0 = none, where the engine replicas hold every CPU of a "
+                    "small machine (the workers then share them)")
+    batch_size: Int = Field(
+        json_schema_extra=RUN_ONLY, default=8, ge=1,
+        description="stream rows per optimizer step on each worker, packed into one sequence of their "
+                    "tokens (speculators' packed batch); equal on every worker, so DDP's steps line up")
+    checkpoint_every: Int | None = Field(
+        json_schema_extra=RUN_ONLY, default=None, ge=1,
+        description="also save the draft every this many steps, as `step-<N>/` beside `final/`; null = at the "
+                    "end only")
+    speculators: dict[str, Any] = Field(
+        json_schema_extra=RUN_ONLY, default_factory=dict,
+        description="speculators 0.9.0's own training config (`speculators.train` TrainConfig, nested as in "
+                    "its YAML): draft shape (`draft.*`), loss, optimizer, `trainer.epochs`, "
+                    "`trainer.max_steps`, `data.hidden_states_dtype`, `data.total_seq_len` (longer rows are "
+                    "not streamed), `seed`; `trainer.save_path`, an absolute folder that does not exist yet "
+                    "or is empty, is required. Validated by speculators when the trainer starts")
+
+
 class Config(_Section):
     source: SourceConfig = Field(
         default_factory=SourceConfig, description="the chat dataset and the seeded sample taken from it")
@@ -359,6 +390,9 @@ class Config(_Section):
     hidden_states: HiddenStatesConfig = Field(
         default_factory=HiddenStatesConfig,
         description="the hidden-states phase: the target's features at the EAGLE-3 layers, for offline training")
+    train: TrainConfig = Field(
+        default_factory=TrainConfig,
+        description="the draft trainer fed by the feature stream (ray_jobs/train_draft.py); not used by the job")
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "Config":

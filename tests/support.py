@@ -392,5 +392,31 @@ def _stream_job(job: dict) -> None:
     Path(job["save"], "report.json").write_text(json.dumps(stream_report(job["report"])))
 
 
-if __name__ == "__main__":  # stream_into_trainer's job
-    _stream_job(json.loads(sys.argv[1]))
+def speculative_generate(target: Path, draft: Path, prompt_ids: list[int], max_tokens: int) -> dict:
+    """vLLM (CPU) with `draft` as its EAGLE-3 `speculative_config.model`, greedy, in a
+    process of its own: the generated ids and vLLM's spec-decode counters."""
+    job = {"target": str(target), "draft": str(draft), "prompt_ids": prompt_ids, "max_tokens": max_tokens}
+    done = subprocess.run([sys.executable, __file__, json.dumps(job)], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    [result] = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    return json.loads(result.removeprefix("RESULT "))
+
+
+def _speculative_job(job: dict) -> None:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=job["target"], speculative_config={"model": job["draft"], "method": "eagle3",
+                                                       "num_speculative_tokens": 3},
+              max_model_len=512, enforce_eager=True, dtype="float32", gpu_memory_utilization=0.05,
+              disable_log_stats=False)
+    out = llm.generate([{"prompt_token_ids": job["prompt_ids"]}],
+                       SamplingParams(max_tokens=job["max_tokens"], temperature=0))
+    counters = {m.name: m.value for m in llm.get_metrics()
+                if m.name.startswith("vllm:spec_decode") and hasattr(m, "value")}
+    print("RESULT " + json.dumps({"ids": list(out[0].outputs[0].token_ids), "counters": counters}), flush=True)
+
+
+if __name__ == "__main__":  # stream_into_trainer's and speculative_generate's jobs
+    JOB = json.loads(sys.argv[1])
+    _speculative_job(JOB) if "draft" in JOB else _stream_job(JOB)

@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 import readme
-from support import REPO, SAMPLE, read
+from support import REPO, SAMPLE, job_config, read, speculative_generate
 from eagle_data.tools.verify import verify
 
 RAY = str(Path(sys.executable).parent / "ray")
@@ -329,6 +329,67 @@ def test_config_error_fails_the_job_with_the_message(head, tiny_qwen3):
     assert_ran_the_uploaded_copy(client.get_job_logs(job), head)
     status = head.cli("job", "status", job)
     assert f"job '{job}' failed".lower() in status.stdout.lower()
+
+
+@pytest.mark.cluster
+@pytest.mark.vllm
+def test_the_draft_trainer_submitted_trains_speculators_draft_from_the_stream_and_vllm_drafts_with_it(
+        head, hidden_out, deep_qwen3, tmp_path):
+    """`ray job submit ... -- python -m ray_jobs.train_draft`: the feature stream of
+    hidden_out's data/ (transformers engine, float32 states) for 3 epochs into 2 CPU Ray
+    Train workers training speculators' EAGLE-3 draft with its eager loss. The loss goes
+    down, the draft's vocabulary is the one `vocab --format speculators` writes for that OUT,
+    and vLLM takes the saved draft as its EAGLE-3 speculator: it proposes tokens, some are
+    accepted, and the answer is the target's own greedy answer."""
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from eagle_data.__main__ import main
+
+    save = tmp_path / "draft"
+    cfg = job_config(hidden_out, deep_qwen3, engine__batch_size=2, hidden_states__dtype="float32")
+    cfg = cfg.model_dump(mode="json")
+    cfg["train"] = {"workers": 2, "device": "cpu", "cpus_per_worker": 0, "batch_size": 2, "speculators": {
+        "trainer": {"epochs": 3, "save_path": str(save)}, "loss": {"loss_implementation": "eager"},
+        "draft": {"draft_vocab_size": 256, "draft_attn_impl": "eager"}, "data": {"hidden_states_dtype": "float32"},
+        "optimizer": {"lr": 0.01}}}
+    config = tmp_path / "train.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    client = head.client()
+    job = client.submit_job(entrypoint=f"python -m ray_jobs.train_draft --config {config}", runtime_env=RUNTIME_ENV)
+    info, logs = finished(client, job), client.get_job_logs(job)
+    assert info.status == "SUCCEEDED", logs[-5000:]
+    assert_ran_the_uploaded_copy(logs, head)
+    assert "10 samples an epoch, 0 failed checks" in logs, logs[-3000:]
+
+    steps = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    assert sum(s["rows"] for s in steps) == 3 * 10 // 2  # rank 0's equal share: 15 rows in steps of 2
+    assert sorted({e for s in steps for e in s["epochs"]}) == [0, 1, 2]
+    first, last = np.mean([s["loss"] for s in steps[:3]]), np.mean([s["loss"] for s in steps[-3:]])
+    print(f"loss {first:.4f} -> {last:.4f} over {len(steps)} steps")
+    assert last < first / 2
+
+    final = save / "final"
+    config_json = json.loads((final / "config.json").read_text())
+    assert config_json["speculators_model_type"] == "eagle3"
+    assert config_json["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # hidden_out's layer ids, less the final
+    weights = load_file(final / "model.safetensors")
+    assert main(["vocab", str(hidden_out), "--draft-vocab-size", "256", "--format", "speculators",
+                  "--dest", str(tmp_path / "vocab")]) == 0
+    assert torch.equal(weights["d2t"], torch.from_numpy(np.load(tmp_path / "vocab" / "d2t-256.npy")))
+    assert torch.equal(weights["t2d"], torch.from_numpy(np.load(tmp_path / "vocab" / "t2d-256.npy")))
+
+    prompt = read(hidden_out, "data")[0]["input_ids"][:24]
+    drafted = speculative_generate(deep_qwen3, final, prompt, max_tokens=16)
+    target = AutoModelForCausalLM.from_pretrained(deep_qwen3, dtype=torch.float32)
+    greedy = target.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, min_new_tokens=16)
+    print("vLLM spec-decode counters:", drafted["counters"])
+    assert drafted["counters"]["vllm:spec_decode_num_draft_tokens"] > 0
+    # This tiny target repeats itself, which the trained draft learnt: vLLM accepts its tokens.
+    assert drafted["counters"]["vllm:spec_decode_num_accepted_tokens"] > 0
+    assert drafted["ids"] == greedy[0, len(prompt):].tolist()
 
 
 @pytest.mark.cluster
