@@ -57,14 +57,20 @@ SAMPLE_COLUMNS = ("sample_id", "epoch", "input_ids", "loss_mask", "hidden_states
 
 def features(out: str, cfg: Config, *, epochs: int = 1, world_size: int = 1, seed: int = 0,
              shuffle: bool = True, drop_last: bool = False, max_len: int | None = None, window: int = 4,
-             report: str | None = None, engine=None) -> ray.data.Dataset:
+             report: str | None = None, object_store_bytes: int | None = None, engine=None) -> ray.data.Dataset:
     """The training samples of OUT's data/ rows selected by `cfg.hidden_states`'s
     finish_reason and source (and at most `max_len` tokens), with the target's states at
     the EAGLE-3 layers computed by `cfg.engine`'s replicas, for `epochs` epochs (module
     docstring). `report` names the actor that counts each epoch's rows (default
     `eagle-data-stream-<id>`, logged); `stream_report(name)` reads it. `engine(ds, cfg,
     layer_ids, dtype, scratch_dir) -> ds` replaces the configured engine stage, as in the
-    hidden-states phase (benchmarks put a timed one there)."""
+    hidden-states phase (benchmarks put a timed one there).
+
+    `object_store_bytes` bounds the object-store memory the stream's execution holds (the
+    engine then waits for a slow trainer instead of running ahead): it is set on this
+    driver's DataContext, which is where Ray Train's default DataConfig takes a dataset's
+    execution limits from (it replaces the dataset's own); a TorchTrainer given a
+    `dataset_config` of its own sets them there instead."""
     if epochs < 1 or world_size < 1:
         raise ValueError(f"epochs and world_size must be at least 1, got {epochs} and {world_size}")
     samples = Samples(out, finish_reason=cfg.hidden_states.finish_reason, source=cfg.hidden_states.source,
@@ -75,6 +81,9 @@ def features(out: str, cfg: Config, *, epochs: int = 1, world_size: int = 1, see
     per_epoch = padded_order(np.arange(samples.row.size), world_size, drop_last).size
     num_layers, hidden_size = target_shape(cfg)
     ids, dtype = layer_ids(cfg, num_layers), cfg.hidden_states.dtype
+    if object_store_bytes is not None:
+        options = ray.data.DataContext.get_current().execution_options
+        options.resource_limits = options.resource_limits.copy(object_store_memory=object_store_bytes)
     name = report or f"eagle-data-stream-{uuid.uuid4().hex[:8]}"
     reporter = StreamReport.options(name=name).remote(name, per_epoch, epochs, cfg.output.log_every_s)
     chunk = cfg.engine.batch_size
@@ -103,16 +112,19 @@ def read_chunk(batch: pa.Table, samples: ray.ObjectRef, world_size: int, drop_la
     for k in batch.column("id").to_pylist():
         epoch, part = divmod(k, chunks)
         order, reader = epoch_order(samples, world_size, drop_last, epoch)
-        for pos in order[part * chunk:(part + 1) * chunk]:
-            item = reader.sample(int(pos))
-            rows.append({"sample_id": item["sample_id"], "epoch": epoch, "input_ids": item["input_ids"].tolist(),
-                         "loss_mask": item["loss_mask"].tolist(),
+        for position in range(part * chunk, min((part + 1) * chunk, order.size)):
+            item = reader.sample(int(order[position]))
+            rows.append({"sample_id": item["sample_id"], "epoch": epoch, "position": position,
+                         "input_ids": item["input_ids"].tolist(), "loss_mask": item["loss_mask"].tolist(),
                          "hidden_states_path": f"{scratch}/{uuid.uuid4().hex}.safetensors"})
     return pa.Table.from_pylist(rows, schema=READ_SCHEMA)
 
 
-READ_SCHEMA = pa.schema([("sample_id", pa.string()), ("epoch", pa.int64()), ("input_ids", pa.list_(pa.int64())),
-                         ("loss_mask", pa.list_(pa.int64())), ("hidden_states_path", pa.string())])
+# `position`: the row's place in its epoch's order, what the report counts (once, whichever
+# execution computed it: after Ray Train restarts its workers the stream runs again).
+READ_SCHEMA = pa.schema([("sample_id", pa.string()), ("epoch", pa.int64()), ("position", pa.int64()),
+                         ("input_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int64())),
+                         ("hidden_states_path", pa.string())])
 _ORDERS: dict = {}  # per worker process: the latest epoch's order, (samples ref, epoch) -> (order, Samples)
 
 
@@ -132,8 +144,8 @@ def checked(batch: pa.Table, reporter, layer_ids: list[int], hidden_size: int, d
     rows = batch.to_pylist()
     errors = [row_error(row, layer_ids, hidden_size, dtype) for row in rows]
     ok = [row for row, error in zip(rows, errors) if not error]
-    reporter.add.remote(Counter(row["epoch"] for row in ok),
-                        [(row["epoch"], row["sample_id"], e) for row, e in zip(rows, errors) if e])
+    reporter.add.remote([(row["epoch"], row["position"]) for row in ok],
+                        [(row["epoch"], row["position"], row["sample_id"], e) for row, e in zip(rows, errors) if e])
     types = {**{f.name: f.type for f in READ_SCHEMA}, **STATE_COLUMNS}
     return pa.table({name: pa.array([row[name] for row in ok], types[name]) for name in SAMPLE_COLUMNS})
 
@@ -161,36 +173,46 @@ def collate(batch: dict, pad_id: int, dtype: str, pad_to_multiple_of: int | None
 @ray.remote(num_cpus=0)
 class StreamReport:
     """Counts each epoch's rows that passed the checks and those that did not, with their
-    reasons; logs a progress line every `every_s` while rows come and one line per finished
-    epoch (when its rows are all counted)."""
+    reasons, once per place in the epoch's order (a bit per place: after Ray Train restarts
+    its workers, the stream runs again from epoch 0, and a place computed twice counts once);
+    logs a progress line every `every_s` while rows come and one line per finished epoch."""
 
     def __init__(self, name: str, per_epoch: int, epochs: int, every_s: float):
         self.name, self.per_epoch, self.epochs, self.every_s = name, per_epoch, epochs, every_s
-        self.ok: Counter = Counter()
-        self.failed: dict[int, Counter] = {e: Counter() for e in range(epochs)}
-        self.failures: list[tuple[int, str, str]] = []
+        self.passed = np.zeros((epochs, per_epoch), bool)
+        self.failed: dict[tuple[int, int], tuple[str, str]] = {}  # (epoch, position) -> (sample_id, reason)
+        self.logged: set[int] = set()
         self.started = self.last = time.monotonic()
         logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-    def add(self, ok: Counter, failed: list[tuple[int, str, str]]) -> None:
-        self.ok.update(ok)
-        for epoch, sample_id, error in failed:
-            self.failed[epoch][error] += 1
-            self.failures.append((epoch, sample_id, error))
-        for epoch in {*ok, *(e for e, _, _ in failed)}:
-            if self.ok[epoch] + sum(self.failed[epoch].values()) == self.per_epoch:
+    def add(self, ok: list[tuple[int, int]], failed: list[tuple[int, int, str, str]]) -> None:
+        for epoch, position in ok:
+            self.passed[epoch, position] = True
+            self.failed.pop((epoch, position), None)  # computed again, and passed this time
+        for epoch, position, sample_id, error in failed:
+            if not self.passed[epoch, position]:
+                self.failed[epoch, position] = (sample_id, error)
+        for epoch in {e for e, _ in ok} | {e for e, *_ in failed}:
+            counts = self.epoch_counts(epoch)
+            if epoch not in self.logged and counts["ok"] + sum(counts["failed"].values()) == self.per_epoch:
+                self.logged.add(epoch)
                 log.info("stream %s: epoch %d done: %d samples passed, %d failed%s", self.name, epoch,
-                         self.ok[epoch], sum(self.failed[epoch].values()), reasons(self.failed[epoch]))
+                         counts["ok"], sum(counts["failed"].values()), reasons(Counter(counts["failed"])))
         if time.monotonic() - self.last >= self.every_s:
             self.last = time.monotonic()
-            log.info("stream %s: %d/%d samples passed, %d failed, %.0f s", self.name, sum(self.ok.values()),
-                     self.per_epoch * self.epochs, len(self.failures), self.last - self.started)
+            log.info("stream %s: %d/%d samples passed, %d failed, %.0f s", self.name, int(self.passed.sum()),
+                     self.per_epoch * self.epochs, len(self.failed), self.last - self.started)
+
+    def epoch_counts(self, epoch: int) -> dict:
+        why = Counter(reason for (e, _), (_, reason) in self.failed.items() if e == epoch)
+        return {"ok": int(self.passed[epoch].sum()), "failed": dict(why)}
 
     def summary(self) -> dict:
         """{"per_epoch": N, "epochs": {e: {"ok": n, "failed": {reason: n}}}, "failures": [(epoch,
         sample_id, reason)]}"""
-        return {"per_epoch": self.per_epoch, "failures": list(self.failures),
-                "epochs": {e: {"ok": self.ok[e], "failed": dict(self.failed[e])} for e in range(self.epochs)}}
+        return {"per_epoch": self.per_epoch,
+                "failures": [(e, sid, why) for (e, _), (sid, why) in sorted(self.failed.items())],
+                "epochs": {e: self.epoch_counts(e) for e in range(self.epochs)}}
 
 
 def reasons(failed: Counter) -> str:

@@ -353,15 +353,16 @@ STREAM_NAMESPACE = "eagle-data-tests"  # the stream's report actor: ray.get_acto
 
 
 def stream_into_trainer(ray_local, out: Path, cfg, save: Path, report: str, workers: int = 2,
-                        **stream_args) -> tuple[list[list[dict]], dict]:
+                        max_failures: int = 0, **stream_args) -> tuple[list[list[dict]], dict]:
     """As a user's training job: a driver process of its own, attached to the session's Ray
     (its actors, Ray Train's included, end with it), runs `eagle_data.stream.features(out,
     cfg, report=report, **stream_args)` into a TorchTrainer of `workers` workers running
-    `stream_train_loop`. What each worker got, by rank, and the stream's report."""
+    `stream_train_loop` (Ray Train restarting them up to `max_failures` times). What each
+    worker of the last attempt got, by rank, and the stream's report."""
     import torch
 
     job = {"out": str(out), "config": cfg.model_dump(mode="json"), "save": str(save), "report": report,
-           "workers": workers, "stream": stream_args}
+           "workers": workers, "max_failures": max_failures, "stream": stream_args}
     done = subprocess.run([sys.executable, __file__, json.dumps(job)], cwd=REPO, capture_output=True, text=True,
                           env={**attached(ray_local), "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
@@ -375,7 +376,7 @@ def _int_epochs(d: dict) -> dict:
 
 def _stream_job(job: dict) -> None:
     import ray
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from eagle_data.config import Config
@@ -388,7 +389,8 @@ def _stream_job(job: dict) -> None:
     config = {"pad_id": OutReader(job["out"]).pad_id, "dtype": cfg.hidden_states.dtype, "save": job["save"]}
     TorchTrainer(stream_train_loop, train_loop_config=config, datasets={"train": ds},
                  scaling_config=ScalingConfig(num_workers=job["workers"], resources_per_worker=NO_CPU),
-                 run_config=RunConfig(storage_path=str(Path(job["save"]) / "ray-train"), name="stream")).fit()
+                 run_config=RunConfig(storage_path=str(Path(job["save"]) / "ray-train"), name="stream",
+                                      failure_config=FailureConfig(max_failures=job["max_failures"]))).fit()
     Path(job["save"], "report.json").write_text(json.dumps(stream_report(job["report"])))
 
 

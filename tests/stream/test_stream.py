@@ -20,39 +20,58 @@ from support import STREAM_NAMESPACE, hidden_features, job_config, ray_processes
 pytestmark = pytest.mark.slow
 
 
-def kill_the_engine_mid_stream(report: str, total: int, killed: list) -> None:
-    """SIGKILL the engine replica's process once some rows, not all, have passed the checks."""
+def passed(report: str) -> int:
     from eagle_data.stream import stream_report
 
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and not killed:
-        pids = ray_processes("TransformersHiddenStates")
-        try:
-            ok = sum(e["ok"] for e in stream_report(report, STREAM_NAMESPACE)["epochs"].values())
-        except ValueError:  # the report actor is not up yet
-            ok = 0
-        if pids and 4 <= ok < total:
-            os.kill(pids[0], signal.SIGKILL)
-            killed.append(ok)
+    try:
+        return sum(e["ok"] for e in stream_report(report, STREAM_NAMESPACE)["epochs"].values())
+    except ValueError:  # the report actor is not up yet
+        return 0
+
+
+def kill_a_worker_then_the_engine(report: str, total: int, killed: dict) -> None:
+    """SIGKILL a training worker once some rows, not all, have passed the checks; once Ray
+    Train's new workers have taken the stream 4 rows past where the first attempt was, the
+    engine replica's process."""
+    deadline = time.monotonic() + 400
+    while time.monotonic() < deadline and "engine" not in killed:
+        ok = passed(report)
+        if "worker" not in killed:
+            workers = ray_processes("RayTrainWorker")
+            if len(workers) == 2 and 4 <= ok < total:
+                os.kill(workers[0], signal.SIGKILL)
+                killed.update(worker=ok, replicas=set(ray_processes("TransformersHiddenStates")))
+        else:
+            replicas = [p for p in ray_processes("TransformersHiddenStates") if p not in killed["replicas"]]
+            if replicas and killed["worker"] + 4 <= ok < total:
+                os.kill(replicas[0], signal.SIGKILL)
+                killed["engine"] = ok
         time.sleep(0.02)
 
 
-def test_epochs_into_a_torch_trainer_every_sample_once_per_epoch_equal_to_the_offline_phase_across_a_replica_kill(
+def test_epochs_into_a_torch_trainer_every_sample_once_per_epoch_equal_to_the_offline_phase_across_faults(
         ray_local, hidden_out, deep_qwen3, tmp_path):
+    """A training worker SIGKILLed mid-stream: Ray Train (FailureConfig(max_failures=1))
+    starts a new worker group, whose shards run the stream again from epoch 0 (a new
+    execution, a new engine replica). Then that replica SIGKILLed mid-stream: Ray Data
+    restarts it. The new group's workers still get every sample once per epoch."""
     from eagle_data.reader import OutReader
 
     epochs = 3
     cfg = job_config(hidden_out, deep_qwen3, engine__batch_size=2, hidden_states__dtype="float32")
     offline = hidden_features(hidden_out)
-    killed = []
-    killer = threading.Thread(target=kill_the_engine_mid_stream, args=("stream-test", epochs * len(offline), killed))
+    killed = {}
+    killer = threading.Thread(target=kill_a_worker_then_the_engine,
+                              args=("stream-test", epochs * len(offline), killed))
     killer.start()
-    ranks, report = stream_into_trainer(ray_local, hidden_out, cfg, tmp_path, "stream-test", epochs=epochs,
-                                        world_size=2, seed=7)
+    ranks, report = stream_into_trainer(ray_local, hidden_out, cfg, tmp_path, "stream-test", max_failures=1,
+                                        epochs=epochs, world_size=2, seed=7)
     killer.join()
 
-    assert killed, "the engine replica was never killed mid-stream"
-    print(f"killed the replica after {killed[0]} rows")
+    assert "worker" in killed, "no training worker was killed mid-stream"
+    assert "engine" in killed, "the restarted stream's engine replica was never killed mid-stream"
+    print(f"killed a training worker after {killed['worker']} rows, then the new engine replica after "
+          f"{killed['engine']}")
     assert [len(r) for r in ranks] == [epochs * len(offline) // 2] * 2  # 10 samples x 3 epochs, split equally
     for epoch in range(epochs):
         seen = Counter(item["sample_id"] for rank in ranks for item in rank if item["epoch"] == epoch)
@@ -65,4 +84,5 @@ def test_epochs_into_a_torch_trainer_every_sample_once_per_epoch_equal_to_the_of
         assert item["loss_mask"].tolist() == rows[sid]["loss_mask"]
         assert torch.equal(item["hidden_states"], offline[sid]), sid  # bit-equal: same engine, same dtype
         assert item["padding_is_zero"]
+    # Each place of each epoch's order counted once, though the first attempt computed some twice.
     assert report["epochs"] == {e: {"ok": len(offline), "failed": {}} for e in range(epochs)}
