@@ -4,7 +4,7 @@ engine; and the peak memory of the driver, the stream's coordinator, each traini
 and the object store at two sizes 10x apart.
 
     .venv/bin/python benchmarks/stream_balance.py [--rows 50 500] [--tokens 256] [--hidden 256]
-        [--steps 0.5 2] [--workers 2] [--smoke]
+        [--steps 0.5 2] [--workers 2] [--object-store-mib 0] [--prefetch 4] [--smoke]
 
 The workload: synthetic data/ rows (benchmarks/reader_memory.py's writer: random token ids,
 --tokens a row on average), a random-weight 8-layer Qwen3 of hidden size --hidden built from
@@ -13,18 +13,23 @@ layer ids), one epoch, `eagle_data.stream.features` into a TorchTrainer of --wor
 workers that reserve no CPU (the machine's cores are the engine's; a training step is a
 sleep of the step's cost per row, as a GPU step costs the host next to nothing).
 
-1. Calibration: the stream iterated by the driver at no cost: the engine's seconds per row,
-   e (the median batch's, from the replica's own start and end time of every batch).
-2. For each --steps factor k: a trainer step of k x e per row (each worker sleeps k x e x
+1. Calibration: the stream of --rows[1] rows iterated by the driver at no cost: the engine's
+   seconds per row, e (the median batch's, from the replica's own start and end time of
+   every batch).
+2. For each --steps factor k, at --rows[1] rows: a trainer step of k x e per row (each worker sleeps k x e x
    workers per row it gets, so the workers together take k x e a row). k < 1, the trainer is faster:
    the engine's idle share of its window (first batch start to last batch end; target
    <= 10%). k > 1, the engine is faster: the trainer's wait share (time blocked on the next
    batch over its time from the first batch on; the first batch waits for the model load;
    target <= 5%).
-3. Memory: the largest k's run at --rows[0] and --rows[1]: peak RSS of the driver, of the
+3. Memory: the largest k's run at --rows[1] and the same at --rows[0]: peak RSS of the driver, of the
    stream's split coordinator (the actor that runs the Ray Data execution), of each training
    worker, and the object store's peak use (Ray's memory summary, every 0.5 s). Bounded means
    flat: the 10x run's peaks near the small run's.
+
+With --object-store-mib, every run sets Ray Data's resource_limits.object_store_memory
+(default: none, Ray Data's own budget, a share of the object store). The workers fetch
+--prefetch batches ahead (iter_batches' prefetch_batches; Ray's default is 1).
 """
 
 from __future__ import annotations
@@ -89,13 +94,18 @@ def engine_figures(spans: Path) -> dict:
 
 
 def train_loop(config: dict) -> None:
-    """A worker: a step of `step_s` per row (a sleep); what it waited for and its peak RSS."""
-    import psutil
+    """A worker: a step of `step_s` per row (a sleep); what it waited for and its peak RSS,
+    whole and split into its own memory (RssAnon) and the shared pages it maps (RssShmem:
+    the object store's, while it reads its blocks)."""
     import ray.train
 
+    def rss() -> dict:
+        status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+        return {k: int(status[k].split()[0]) << 10 for k in ("VmRSS", "RssAnon", "RssShmem")}
+
     shard = ray.train.get_dataset_shard("train")
-    rows, waited, first, peak = 0, 0.0, None, 0
-    it = iter(shard.iter_batches(batch_size=4, batch_format="numpy"))
+    rows, waited, first, peak = 0, 0.0, None, {"VmRSS": 0, "RssAnon": 0, "RssShmem": 0}
+    it = iter(shard.iter_batches(batch_size=4, batch_format="numpy", prefetch_batches=config["prefetch"]))
     while True:
         asked = time.monotonic()
         try:
@@ -110,11 +120,12 @@ def train_loop(config: dict) -> None:
         n = len(batch["sample_id"])
         rows += n
         time.sleep(config["step_s"] * n)
-        peak = max(peak, psutil.Process().memory_info().rss)
+        peak = {k: max(v, peak[k]) for k, v in rss().items()}
     done = time.monotonic()
     rank = ray.train.get_context().get_world_rank()
     Path(config["save"], f"worker-{rank}.json").write_text(json.dumps(
-        {"rows": rows, "waited_s": waited, "from_first_s": done - (first or done), "rss": peak}))
+        {"rows": rows, "waited_s": waited, "from_first_s": done - (first or done), "rss": peak["VmRSS"],
+         "anon": peak["RssAnon"], "shmem": peak["RssShmem"]}))
 
 
 class Peaks:
@@ -151,7 +162,8 @@ class Peaks:
         self._thread.join()
 
 
-def run_stream(out: Path, cfg, work: Path, workers: int, step_s: float | None) -> dict:
+def run_stream(out: Path, cfg, work: Path, workers: int, step_s: float | None, store_bytes: int | None,
+               prefetch: int = 1) -> dict:
     """One epoch of the stream: into a TorchTrainer (step_s per row), or, with step_s None,
     iterated by the driver at no cost."""
     import ray.cloudpickle
@@ -161,6 +173,9 @@ def run_stream(out: Path, cfg, work: Path, workers: int, step_s: float | None) -
     from eagle_data.stream import features
 
     spans = Path(tempfile.mkdtemp(dir=work))
+    if store_bytes:  # Ray Train's default DataConfig takes the execution limits from this driver's context
+        options = ray.data.DataContext.get_current().execution_options
+        options.resource_limits = options.resource_limits.copy(object_store_memory=store_bytes)
     ds = features(str(out), cfg, world_size=workers if step_s is not None else 1, shuffle=False,
                   engine=timed_engine(spans))
     started = time.monotonic()
@@ -170,7 +185,7 @@ def run_stream(out: Path, cfg, work: Path, workers: int, step_s: float | None) -
             trainers = [{"rows": rows, "waited_s": 0.0, "from_first_s": 0.0, "rss": 0}]
         else:
             ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-            TorchTrainer(train_loop, train_loop_config={"step_s": step_s, "save": str(spans)}, datasets={"train": ds},
+            TorchTrainer(train_loop, train_loop_config={"step_s": step_s, "save": str(spans), "prefetch": prefetch}, datasets={"train": ds},
                          scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"memory": 1}),
                          run_config=RunConfig(storage_path=str(work / "ray-train"), name=spans.name)).fit()
             trainers = [json.loads((spans / f"worker-{r}.json").read_text()) for r in range(workers)]
@@ -189,10 +204,16 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--steps", type=float, nargs="+", default=[0.5, 2.0])
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--smoke", action="store_true", help="12 and 120 rows of 32 tokens, hidden 64")
+    parser.add_argument("--object-store-mib", type=int, default=0,
+                        help="Ray Data's resource_limits.object_store_memory for the stream; 0 = Ray Data's default "
+                             "budget. At 64 it bounded neither the store's peak nor kept the engine busy "
+                             "(docs/performance.md, section 13)")
+    parser.add_argument("--prefetch", type=int, default=4,
+                        help="the workers' iter_batches(prefetch_batches=): batches fetched ahead of the step")
+    parser.add_argument("--smoke", action="store_true", help="8 and 40 rows of 32 tokens, hidden 64")
     args = parser.parse_args()
     if args.smoke:
-        args.rows, args.tokens, args.hidden = [12, 120], 32, 64
+        args.rows, args.tokens, args.hidden = [8, 40], 32, 64
 
     from support import as_config
 
@@ -208,35 +229,46 @@ def main() -> None:
                      "sampling": {"max_tokens": 16},
                      "hidden_states": {"dtype": "float32"}})
     print(f"Ray: {where}; {args.rows} rows of ~{args.tokens} tokens, 8 layers, H {args.hidden}, "
-          f"{args.workers} training workers")
+          f"{args.workers} training workers fetching {args.prefetch} batches ahead, Ray Data's object-store "
+          f"limit {f'{args.object_store_mib} MiB' if args.object_store_mib else 'its default'}")
 
     small, large = args.rows
-    calibration = run_stream(outs[small], cfg, work, args.workers, None)
+    store = args.object_store_mib << 20 or None
+    # At the larger size: on the first run after Ray's start, a few dozen batches' median
+    # was up to twice the engine's settled time (workers still starting beside it).
+    calibration = run_stream(outs[large], cfg, work, args.workers, None, store)
     e = calibration["engine"]["median_s_per_row"]  # the median batch's: the first one also warms the model up
-    print(f"\ncalibration ({small} rows, no trainer): engine busy {e * 1000:.1f} ms a row, "
+    print(f"\ncalibration ({large} rows, no trainer): engine busy {e * 1000:.1f} ms a row, "
           f"idle {calibration['engine']['idle_share']:.1%} of its {calibration['engine']['window_s']:.1f} s window")
     # A worker's step per row: k x e x workers, so the workers together take k x e a row.
-    runs = {k: run_stream(outs[small], cfg, work, args.workers, k * e * args.workers) for k in args.steps}
-    runs_large = run_stream(outs[large], cfg, work, args.workers, max(args.steps) * e * args.workers)
+    # The balance at the larger size, where the engine's window is long beside the training
+    # workers' start (their imports share the cores with the engine's first batches).
+    runs = {k: run_stream(outs[large], cfg, work, args.workers, k * e * args.workers, store, args.prefetch)
+            for k in args.steps}
+    runs_small = run_stream(outs[small], cfg, work, args.workers, max(args.steps) * e * args.workers, store,
+                            args.prefetch)
 
-    print("\n| trainer step (x engine) | rows | wall s | trainer waits (share of its time) | engine idles "
-          "(share of its window) | target |")
-    print("|---|---|---|---|---|---|")
+    print("\n| trainer step (x engine) | rows | wall s | engine ms a row (median batch) | trainer waits (share of "
+          "its time) | engine idles (share of its window) | target |")
+    print("|---|---|---|---|---|---|---|")
     for k, r in runs.items():
         wait = max(t["waited_s"] / max(t["from_first_s"], 1e-9) for t in r["trainers"])
         target = "trainer waits <= 5%" if k > 1 else "engine idles <= 10%" if k < 1 else "-"
         print(f"| {k:g} ({'slower' if k > 1 else 'faster' if k < 1 else 'equal'}) | "
-              f"{sum(t['rows'] for t in r['trainers'])} | {r['wall_s']:.1f} | {wait:.1%} | "
+              f"{sum(t['rows'] for t in r['trainers'])} | {r['wall_s']:.1f} | "
+              f"{r['engine']['median_s_per_row'] * 1000:.1f} | {wait:.1%} | "
               f"{r['engine']['idle_share']:.1%} | {target} |")
 
     print("\n| rows | driver peak RSS | split coordinator peak RSS | training worker peak RSS (max) | "
-          "object store peak |")
-    print("|---|---|---|---|---|")
-    for n, r in ((small, runs[max(args.steps)]), (large, runs_large)):
+          "worker's own (RssAnon) | worker's shared (RssShmem) | object store peak |")
+    print("|---|---|---|---|---|---|---|")
+    for n, r in ((small, runs_small), (large, runs[max(args.steps)])):
         print(f"| {n} | {mib(r['driver_rss'])} | {mib(r['coordinator_rss'])} | "
-              f"{mib(max(t['rss'] for t in r['trainers']))} | {mib(r['store'])} |")
-    print(f"\n{large} vs {small} rows: driver x{runs_large['driver_rss'] / runs[max(args.steps)]['driver_rss']:.2f}, "
-          f"worker x{max(t['rss'] for t in runs_large['trainers']) / max(t['rss'] for t in runs[max(args.steps)]['trainers']):.2f}")
+              f"{mib(max(t['rss'] for t in r['trainers']))} | {mib(max(t['anon'] for t in r['trainers']))} | "
+              f"{mib(max(t['shmem'] for t in r['trainers']))} | {mib(r['store'])} |")
+    runs_large = runs[max(args.steps)]
+    print(f"\n{large} vs {small} rows: driver x{runs_large['driver_rss'] / runs_small['driver_rss']:.2f}, "
+          f"worker x{max(t['rss'] for t in runs_large['trainers']) / max(t['rss'] for t in runs_small['trainers']):.2f}")
 
 
 if __name__ == "__main__":

@@ -57,20 +57,14 @@ SAMPLE_COLUMNS = ("sample_id", "epoch", "input_ids", "loss_mask", "hidden_states
 
 def features(out: str, cfg: Config, *, epochs: int = 1, world_size: int = 1, seed: int = 0,
              shuffle: bool = True, drop_last: bool = False, max_len: int | None = None, window: int = 4,
-             report: str | None = None, object_store_bytes: int | None = None, engine=None) -> ray.data.Dataset:
+             report: str | None = None, engine=None) -> ray.data.Dataset:
     """The training samples of OUT's data/ rows selected by `cfg.hidden_states`'s
     finish_reason and source (and at most `max_len` tokens), with the target's states at
     the EAGLE-3 layers computed by `cfg.engine`'s replicas, for `epochs` epochs (module
     docstring). `report` names the actor that counts each epoch's rows (default
     `eagle-data-stream-<id>`, logged); `stream_report(name)` reads it. `engine(ds, cfg,
     layer_ids, dtype, scratch_dir) -> ds` replaces the configured engine stage, as in the
-    hidden-states phase (benchmarks put a timed one there).
-
-    `object_store_bytes` bounds the object-store memory the stream's execution holds (the
-    engine then waits for a slow trainer instead of running ahead): it is set on this
-    driver's DataContext, which is where Ray Train's default DataConfig takes a dataset's
-    execution limits from (it replaces the dataset's own); a TorchTrainer given a
-    `dataset_config` of its own sets them there instead."""
+    hidden-states phase (benchmarks put a timed one there)."""
     if epochs < 1 or world_size < 1:
         raise ValueError(f"epochs and world_size must be at least 1, got {epochs} and {world_size}")
     samples = Samples(out, finish_reason=cfg.hidden_states.finish_reason, source=cfg.hidden_states.source,
@@ -81,9 +75,6 @@ def features(out: str, cfg: Config, *, epochs: int = 1, world_size: int = 1, see
     per_epoch = padded_order(np.arange(samples.row.size), world_size, drop_last).size
     num_layers, hidden_size = target_shape(cfg)
     ids, dtype = layer_ids(cfg, num_layers), cfg.hidden_states.dtype
-    if object_store_bytes is not None:
-        options = ray.data.DataContext.get_current().execution_options
-        options.resource_limits = options.resource_limits.copy(object_store_memory=object_store_bytes)
     name = report or f"eagle-data-stream-{uuid.uuid4().hex[:8]}"
     reporter = StreamReport.options(name=name).remote(name, per_epoch, epochs, cfg.output.log_every_s)
     chunk = cfg.engine.batch_size
@@ -99,8 +90,14 @@ def features(out: str, cfg: Config, *, epochs: int = 1, world_size: int = 1, see
         samples=ray.put(samples), world_size=world_size, drop_last=drop_last, chunk=chunk, chunks=chunks,
         scratch=scratch))
     ds = (engine or apply_hidden_states_engine)(ds, cfg, ids, dtype, scratch)
-    return ds.map_batches(checked, batch_format="pyarrow", num_cpus=0.25, fn_kwargs=dict(
-        reporter=reporter, layer_ids=ids, hidden_size=hidden_size, dtype=dtype))
+    # The checks in actors of their own, not tasks: when Ray Train restarts its workers, Ray
+    # Data cancels the old execution's tasks, and a task cancelled while importing torch left
+    # it half-imported in a worker that the next execution's check then ran in ("duplicate
+    # registrations for aten.linspace"). An actor's process ends with its execution.
+    return ds.map_batches(Checks, batch_format="pyarrow", num_cpus=0,
+                          compute=ray.data.ActorPoolStrategy(size=cfg.engine.replicas),
+                          fn_constructor_kwargs=dict(reporter=reporter, layer_ids=ids, hidden_size=hidden_size,
+                                                     dtype=dtype))
 
 
 def read_chunk(batch: pa.Table, samples: ray.ObjectRef, world_size: int, drop_last: bool, chunk: int,
@@ -138,16 +135,24 @@ def epoch_order(samples: ray.ObjectRef, world_size: int, drop_last: bool, epoch:
     return _ORDERS[key]
 
 
-def checked(batch: pa.Table, reporter, layer_ids: list[int], hidden_size: int, dtype: str) -> pa.Table:
+class Checks:
     """The engine's rows -> the samples that pass the hidden-states phase's checks; the
     others are counted, with their reasons, in the stream's report."""
-    rows = batch.to_pylist()
-    errors = [row_error(row, layer_ids, hidden_size, dtype) for row in rows]
-    ok = [row for row, error in zip(rows, errors) if not error]
-    reporter.add.remote([(row["epoch"], row["position"]) for row in ok],
-                        [(row["epoch"], row["position"], row["sample_id"], e) for row, e in zip(rows, errors) if e])
-    types = {**{f.name: f.type for f in READ_SCHEMA}, **STATE_COLUMNS}
-    return pa.table({name: pa.array([row[name] for row in ok], types[name]) for name in SAMPLE_COLUMNS})
+
+    def __init__(self, reporter, layer_ids: list[int], hidden_size: int, dtype: str):
+        import torch  # noqa: F401  (the checks' own import, once, before any batch)
+
+        self.reporter, self.layer_ids, self.hidden_size, self.dtype = reporter, layer_ids, hidden_size, dtype
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = batch.to_pylist()
+        errors = [row_error(row, self.layer_ids, self.hidden_size, self.dtype) for row in rows]
+        ok = [row for row, error in zip(rows, errors) if not error]
+        self.reporter.add.remote([(row["epoch"], row["position"]) for row in ok],
+                                 [(row["epoch"], row["position"], row["sample_id"], e)
+                                  for row, e in zip(rows, errors) if e])
+        types = {**{f.name: f.type for f in READ_SCHEMA}, **STATE_COLUMNS}
+        return pa.table({name: pa.array([row[name] for row in ok], types[name]) for name in SAMPLE_COLUMNS})
 
 
 def collate(batch: dict, pad_id: int, dtype: str, pad_to_multiple_of: int | None = None) -> dict:
@@ -182,10 +187,12 @@ class StreamReport:
         self.passed = np.zeros((epochs, per_epoch), bool)
         self.failed: dict[tuple[int, int], tuple[str, str]] = {}  # (epoch, position) -> (sample_id, reason)
         self.logged: set[int] = set()
+        self.checked = 0  # rows checked, places computed again included
         self.started = self.last = time.monotonic()
         logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     def add(self, ok: list[tuple[int, int]], failed: list[tuple[int, int, str, str]]) -> None:
+        self.checked += len(ok) + len(failed)
         for epoch, position in ok:
             self.passed[epoch, position] = True
             self.failed.pop((epoch, position), None)  # computed again, and passed this time
@@ -209,8 +216,8 @@ class StreamReport:
 
     def summary(self) -> dict:
         """{"per_epoch": N, "epochs": {e: {"ok": n, "failed": {reason: n}}}, "failures": [(epoch,
-        sample_id, reason)]}"""
-        return {"per_epoch": self.per_epoch,
+        sample_id, reason)], "checked": rows checked, places computed again included}"""
+        return {"per_epoch": self.per_epoch, "checked": self.checked,
                 "failures": [(e, sid, why) for (e, _), (sid, why) in sorted(self.failed.items())],
                 "epochs": {e: self.epoch_counts(e) for e in range(self.epochs)}}
 

@@ -206,7 +206,8 @@ def train_loop(config: dict) -> None:
     save_path, every, step = config["save_path"], config["checkpoint_every"], 0
     metrics_file = open(os.path.join(save_path, "metrics.jsonl"), "a") if rank == 0 else None
     shard = ray.train.get_dataset_shard("train")
-    for batch in shard.iter_batches(batch_size=config["batch_size"], batch_format="numpy"):
+    # Two batches fetched ahead of the step (Ray's default is one): benchmarks/stream_balance.py.
+    for batch in shard.iter_batches(batch_size=config["batch_size"], batch_format="numpy", prefetch_batches=2):
         packed = pack(batch, config["hidden_size"], config["stream_dtype"], dtype)
         packed = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in packed.items()}
         autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()

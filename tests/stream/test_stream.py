@@ -20,32 +20,32 @@ from support import STREAM_NAMESPACE, hidden_features, job_config, ray_processes
 pytestmark = pytest.mark.slow
 
 
-def passed(report: str) -> int:
+def checked(report: str) -> int:
+    """Rows the stream's checks have seen, repeats included (0 before the report is up)."""
     from eagle_data.stream import stream_report
 
     try:
-        return sum(e["ok"] for e in stream_report(report, STREAM_NAMESPACE)["epochs"].values())
+        return stream_report(report, STREAM_NAMESPACE)["checked"]
     except ValueError:  # the report actor is not up yet
         return 0
 
 
-def kill_a_worker_then_the_engine(report: str, total: int, killed: dict) -> None:
-    """SIGKILL a training worker once some rows, not all, have passed the checks; once Ray
-    Train's new workers have taken the stream 4 rows past where the first attempt was, the
-    engine replica's process."""
-    deadline = time.monotonic() + 400
-    while time.monotonic() < deadline and "engine" not in killed:
-        ok = passed(report)
+def kill_a_worker_then_the_engine(report: str, total: int, killed: dict, done: threading.Event) -> None:
+    """SIGKILL a training worker once some rows, not all, have been checked; then, once the
+    restarted stream's new engine replica has answered 4 rows, that replica's process."""
+    while not done.is_set() and "engine" not in killed:
+        rows = checked(report)
+        replicas = set(ray_processes("TransformersHiddenStates"))
         if "worker" not in killed:
             workers = ray_processes("RayTrainWorker")
-            if len(workers) == 2 and 4 <= ok < total:
+            if len(workers) == 2 and 4 <= rows < total:
                 os.kill(workers[0], signal.SIGKILL)
-                killed.update(worker=ok, replicas=set(ray_processes("TransformersHiddenStates")))
-        else:
-            replicas = [p for p in ray_processes("TransformersHiddenStates") if p not in killed["replicas"]]
-            if replicas and killed["worker"] + 4 <= ok < total:
-                os.kill(replicas[0], signal.SIGKILL)
-                killed["engine"] = ok
+                killed.update(worker=rows, replicas=replicas)
+        elif replicas - killed["replicas"]:
+            killed.setdefault("new_replica_at", rows)  # rows checked when the new replica was first seen
+            if killed["new_replica_at"] + 4 <= rows < killed["new_replica_at"] + total - 4:
+                os.kill(min(replicas - killed["replicas"]), signal.SIGKILL)
+                killed["engine"] = rows - killed["new_replica_at"]
         time.sleep(0.02)
 
 
@@ -60,18 +60,21 @@ def test_epochs_into_a_torch_trainer_every_sample_once_per_epoch_equal_to_the_of
     epochs = 3
     cfg = job_config(hidden_out, deep_qwen3, engine__batch_size=2, hidden_states__dtype="float32")
     offline = hidden_features(hidden_out)
-    killed = {}
+    killed, done = {}, threading.Event()
     killer = threading.Thread(target=kill_a_worker_then_the_engine,
-                              args=("stream-test", epochs * len(offline), killed))
+                              args=("stream-test", epochs * len(offline), killed, done))
     killer.start()
-    ranks, report = stream_into_trainer(ray_local, hidden_out, cfg, tmp_path, "stream-test", max_failures=1,
-                                        epochs=epochs, world_size=2, seed=7)
-    killer.join()
+    try:
+        ranks, report = stream_into_trainer(ray_local, hidden_out, cfg, tmp_path, "stream-test", max_failures=1,
+                                            epochs=epochs, world_size=2, seed=7)
+    finally:
+        done.set()
+        killer.join()
 
     assert "worker" in killed, "no training worker was killed mid-stream"
     assert "engine" in killed, "the restarted stream's engine replica was never killed mid-stream"
-    print(f"killed a training worker after {killed['worker']} rows, then the new engine replica after "
-          f"{killed['engine']}")
+    print(f"killed a training worker after {killed['worker']} rows checked, then the restarted stream's engine "
+          f"replica after it had answered {killed['engine']}")
     assert [len(r) for r in ranks] == [epochs * len(offline) // 2] * 2  # 10 samples x 3 epochs, split equally
     for epoch in range(epochs):
         seen = Counter(item["sample_id"] for rank in ranks for item in rank if item["epoch"] == epoch)
@@ -84,5 +87,6 @@ def test_epochs_into_a_torch_trainer_every_sample_once_per_epoch_equal_to_the_of
         assert item["loss_mask"].tolist() == rows[sid]["loss_mask"]
         assert torch.equal(item["hidden_states"], offline[sid]), sid  # bit-equal: same engine, same dtype
         assert item["padding_is_zero"]
-    # Each place of each epoch's order counted once, though the first attempt computed some twice.
+    # Each place of each epoch's order counted once, though both attempts computed some.
     assert report["epochs"] == {e: {"ok": len(offline), "failed": {}} for e in range(epochs)}
+    assert report["checked"] > epochs * len(offline), report["checked"]
