@@ -122,6 +122,7 @@ def read_chunk(batch: pa.Table, samples: ray.ObjectRef, world_size: int, drop_la
 READ_SCHEMA = pa.schema([("sample_id", pa.string()), ("epoch", pa.int64()), ("position", pa.int64()),
                          ("input_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int64())),
                          ("hidden_states_path", pa.string())])
+SAMPLE_TYPES = {**{f.name: f.type for f in READ_SCHEMA}, **STATE_COLUMNS}
 _ORDERS: dict = {}  # per worker process: the latest epoch's order, (samples ref, epoch) -> (order, Samples)
 
 
@@ -151,8 +152,7 @@ class Checks:
         self.reporter.add.remote([(row["epoch"], row["position"]) for row in ok],
                                  [(row["epoch"], row["position"], row["sample_id"], e)
                                   for row, e in zip(rows, errors) if e])
-        types = {**{f.name: f.type for f in READ_SCHEMA}, **STATE_COLUMNS}
-        return pa.table({name: pa.array([row[name] for row in ok], types[name]) for name in SAMPLE_COLUMNS})
+        return pa.table({name: pa.array([row[name] for row in ok], SAMPLE_TYPES[name]) for name in SAMPLE_COLUMNS})
 
 
 def collate(batch: dict, pad_id: int, dtype: str, pad_to_multiple_of: int | None = None) -> dict:
@@ -166,13 +166,22 @@ def collate(batch: dict, pad_id: int, dtype: str, pad_to_multiple_of: int | None
 
     items = []
     for i in range(len(batch["sample_id"])):
-        input_ids = torch.as_tensor(np.asarray(batch["input_ids"][i], dtype=np.int64))
-        shape = [int(n) for n in batch["hidden_states_shape"][i]]
-        items.append({"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
-                      "loss_mask": torch.as_tensor(np.asarray(batch["loss_mask"][i], dtype=np.int64)),
-                      "hidden_states": as_tensor(batch["hidden_states"][i], shape, dtype),
-                      "sample_id": str(batch["sample_id"][i]), "epoch": int(batch["epoch"][i])})
+        input_ids, loss_mask, states = row_tensors(batch, i, dtype)
+        items.append({"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "loss_mask": loss_mask,
+                      "hidden_states": states, "sample_id": str(batch["sample_id"][i]),
+                      "epoch": int(batch["epoch"][i])})
     return pad(items, pad_id, pad_to_multiple_of)
+
+
+def row_tensors(batch: dict, i: int, dtype: str) -> tuple:
+    """Row i of a numpy batch of stream rows as torch tensors: input_ids and loss_mask (int64
+    [T], copies: Ray's arrays are read-only) and hidden_states ([T, layers, H] in `dtype`)."""
+    import torch
+
+    shape = [int(n) for n in batch["hidden_states_shape"][i]]
+    return (torch.tensor(np.asarray(batch["input_ids"][i], dtype=np.int64)),
+            torch.tensor(np.asarray(batch["loss_mask"][i], dtype=np.int64)),
+            as_tensor(batch["hidden_states"][i], shape, dtype))
 
 
 @ray.remote(num_cpus=0)
@@ -199,9 +208,9 @@ class StreamReport:
         for epoch, position, sample_id, error in failed:
             if not self.passed[epoch, position]:
                 self.failed[epoch, position] = (sample_id, error)
-        for epoch in {e for e, _ in ok} | {e for e, *_ in failed}:
+        for epoch in ({e for e, _ in ok} | {e for e, *_ in failed}) - self.logged:
             counts = self.epoch_counts(epoch)
-            if epoch not in self.logged and counts["ok"] + sum(counts["failed"].values()) == self.per_epoch:
+            if counts["ok"] + sum(counts["failed"].values()) == self.per_epoch:
                 self.logged.add(epoch)
                 log.info("stream %s: epoch %d done: %d samples passed, %d failed%s", self.name, epoch,
                          counts["ok"], sum(counts["failed"].values()), reasons(Counter(counts["failed"])))

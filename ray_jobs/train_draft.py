@@ -156,13 +156,12 @@ def train(cfg: Config, spec) -> str:
     gpu = cfg.train.device == "gpu"
     # Ray refuses a worker bundle of 0 CPUs; one byte of memory is a bundle that reserves nothing.
     resources = {"CPU": cfg.train.cpus_per_worker} if cfg.train.cpus_per_worker else {"memory": 1}
+    resources.update({"GPU": 1} if gpu else {})
     loop_config = {"args": dict(spec.flatten()), "d2t": d2t, "t2d": t2d, "batch_size": cfg.train.batch_size,
                    "hidden_size": target_shape(cfg)[1], "stream_dtype": cfg.hidden_states.dtype,
                    "save_path": save_path, "checkpoint_every": cfg.train.checkpoint_every}
     log.info("train: %d workers (%s), draft vocab %d of %d, %d epochs, %d rows a step, checkpoints in %s",
              workers, cfg.train.device, draft_vocab, vocab_size, spec.trainer.epochs, cfg.train.batch_size, save_path)
-    if gpu:
-        resources["GPU"] = 1
     result = TorchTrainer(train_loop, train_loop_config=loop_config, datasets={"train": ds},
                           scaling_config=ScalingConfig(num_workers=workers, use_gpu=gpu,
                                                        resources_per_worker=resources),
@@ -240,24 +239,21 @@ def pack(batch: dict, hidden_size: int, stream_dtype: str, dtype) -> dict:
     """Stream rows -> speculators' packed batch ([1, total tokens, ...], document_ids), each
     row made the sample speculators' dataset makes from its hidden-states file and shifted
     by its shift_batch; no row cut, no padding."""
-    import numpy as np
     import torch
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import CollateFn
 
-    from eagle_data.job.stages.engines.state_files import as_tensor
+    from eagle_data.stream import row_tensors
 
     items = []
     for i in range(len(batch["sample_id"])):
-        shape = [int(n) for n in batch["hidden_states_shape"][i]]
-        states = as_tensor(batch["hidden_states"][i], shape, stream_dtype)  # [T, layers, H]
-        n = shape[0]
+        input_ids, loss_mask, states = row_tensors(batch, i, stream_dtype)  # states [T, layers, H]
+        n = len(input_ids)
         items.append({"hidden_states": states[:, :-1].flatten(1), "verifier_last_hidden_states": states[:, -1],
-                      "input_ids": torch.tensor(np.asarray(batch["input_ids"][i], dtype=np.int64)),
-                      "loss_mask": torch.tensor(np.asarray(batch["loss_mask"][i], dtype=np.int64)),
-                      "lengths": torch.tensor([n]), "position_ids": torch.arange(n)})
-    total = sum(int(item["lengths"][0]) - 1 for item in items)
-    packed = CollateFn(max_len=total, hidden_size=hidden_size, num_target_layers=shape[1] - 1, dtype=dtype,
+                      "input_ids": input_ids, "loss_mask": loss_mask, "lengths": torch.tensor([n]),
+                      "position_ids": torch.arange(n)})
+    total = sum(len(item["input_ids"]) - 1 for item in items)  # shift_batch drops one token a row
+    packed = CollateFn(max_len=total, hidden_size=hidden_size, num_target_layers=states.shape[1] - 1, dtype=dtype,
                        preprocess=shift_batch)(items)
     packed.pop("error_records")
     return packed

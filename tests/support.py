@@ -361,11 +361,9 @@ def stream_into_trainer(ray_local, out: Path, cfg, save: Path, report: str, work
     worker of the last attempt got, by rank, and the stream's report."""
     import torch
 
-    job = {"out": str(out), "config": cfg.model_dump(mode="json"), "save": str(save), "report": report,
-           "workers": workers, "max_failures": max_failures, "stream": stream_args}
-    done = subprocess.run([sys.executable, __file__, json.dumps(job)], cwd=REPO, capture_output=True, text=True,
-                          env={**attached(ray_local), "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    run_job("stream", {"out": str(out), "config": cfg.model_dump(mode="json"), "save": str(save), "report": report,
+                       "workers": workers, "max_failures": max_failures, "stream": stream_args},
+            env={**attached(ray_local), "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}, timeout=900)
     ranks = [torch.load(save / f"rank{r}.pt") for r in range(workers)]
     return ranks, json.loads((save / "report.json").read_text(), object_hook=_int_epochs)
 
@@ -397,10 +395,8 @@ def _stream_job(job: dict) -> None:
 def speculative_generate(target: Path, draft: Path, prompt_ids: list[int], max_tokens: int) -> dict:
     """vLLM (CPU) with `draft` as its EAGLE-3 `speculative_config.model`, greedy, in a
     process of its own: the generated ids and vLLM's spec-decode counters."""
-    job = {"target": str(target), "draft": str(draft), "prompt_ids": prompt_ids, "max_tokens": max_tokens}
-    done = subprocess.run([sys.executable, __file__, json.dumps(job)], cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    done = run_job("speculative", {"target": str(target), "draft": str(draft), "prompt_ids": prompt_ids,
+                                   "max_tokens": max_tokens}, env=None, timeout=600)
     [result] = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     return json.loads(result.removeprefix("RESULT "))
 
@@ -419,6 +415,15 @@ def _speculative_job(job: dict) -> None:
     print("RESULT " + json.dumps({"ids": list(out[0].outputs[0].token_ids), "counters": counters}), flush=True)
 
 
-if __name__ == "__main__":  # stream_into_trainer's and speculative_generate's jobs
-    JOB = json.loads(sys.argv[1])
-    _speculative_job(JOB) if "draft" in JOB else _stream_job(JOB)
+def run_job(kind: str, job: dict, env: dict | None, timeout: float) -> subprocess.CompletedProcess:
+    """This file run as a process of its own: JOBS[kind](job); its output, once it exited 0."""
+    done = subprocess.run([sys.executable, __file__, kind, json.dumps(job)], cwd=REPO, capture_output=True,
+                          text=True, env=env, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return done
+
+
+JOBS = {"stream": _stream_job, "speculative": _speculative_job}
+
+if __name__ == "__main__":  # run_job's process
+    JOBS[sys.argv[1]](json.loads(sys.argv[2]))
