@@ -12,10 +12,11 @@ from pathlib import Path
 
 import psutil
 
+ENGINE_KINDS = ("engine model worker (VLLM::Worker)", "engine core (VLLM::EngineCore)")
 FRONT = "engine front (replica actor / LLM process / API server)"
 DRIVER = "driver (the job's; the server's client)"  # this process
 # Process kinds, in the breakdown's order: (kind, strings one of which its command line contains).
-KINDS = [("engine model worker (VLLM::Worker)", ("VLLM::Worker",)), ("engine core (VLLM::EngineCore)", ("EngineCore",)),
+KINDS = [(ENGINE_KINDS[0], ("VLLM::Worker",)), (ENGINE_KINDS[1], ("EngineCore",)),
          (FRONT, ("VLLMEngine", "InstantStates", "openai.api_server")), (DRIVER, ()),
          ("Ray's actors and agents", ("_StatsActor", "Coordinator", "ActorLocationTracker", "Agent")),
          ("Ray Data task workers (reads, requests, postprocess)", ("ray::",)), ("raylet", ("raylet/raylet",)),
@@ -26,6 +27,10 @@ class CpuSampler:
     """CPU seconds and niceness of this process and its descendants, sampled every `every_s`
     on the monotonic clock vLLM's engine core stamps its metrics with. A worker's command
     line is its current Ray task, so a sample's CPU goes to the kind the process had then."""
+
+    # --engine-cores (server_vs_job.py): vLLM's engine processes on these cores, every other
+    # process of the tree on the rest, each thread, re-applied at each sample
+    engine_cores: set[int] | None = None
 
     def __init__(self, front: str | None = None, every_s: float = 0.5):
         self.front, self.every_s = front, every_s  # front: the kind of this process itself
@@ -50,10 +55,20 @@ class CpuSampler:
                 with proc.oneshot():
                     cpu = proc.cpu_times()
                     snap[proc.pid] = (self.kind(proc), cpu.user + cpu.system, proc.nice())
+                if self.engine_cores:
+                    self.pin(proc.pid, snap[proc.pid][0] in ENGINE_KINDS)
             except psutil.Error:  # exited meanwhile
                 pass
         snap.update(self.own_threads(me))
         self.samples.append((time.monotonic(), snap, time.thread_time()))
+
+    def pin(self, pid: int, engine: bool) -> None:
+        cores = self.engine_cores if engine else set(range(os.cpu_count())) - self.engine_cores
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                os.sched_setaffinity(int(tid), cores)
+            except OSError:  # ended meanwhile
+                pass
 
     def own_threads(self, me: psutil.Process) -> dict:
         """This process's threads as (-thread id: ("thread: NAME", cpu s, nice)), NAME the

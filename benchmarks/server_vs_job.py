@@ -5,7 +5,8 @@ an asyncio OpenAI client at concurrency C). vLLM's CPU build, one engine.
 
     .venv/bin/python benchmarks/server_vs_job.py [--rows 128] [--max-tokens 256] [--mean 48]
         [--slots 64] [--settings default naive] [--concurrency 4 16 64] [--timeouts tight raised]
-        [--timeout-s S] [--repeats 3] [--skip bare|job|server ...] [--worker-niceness N] [--smoke]
+        [--timeout-s S] [--repeats 3] [--skip bare|job|server ...] [--worker-niceness N]
+        [--engine-cores C ...] [--smoke]
 
 Workload: a "babbling" Qwen3 (head_dim 64, real Qwen3 tokenizer) whose next-token
 distribution is fixed, p(eos) = 1/--mean: geometric, long-tailed lengths capped at
@@ -66,6 +67,18 @@ Where the time goes, a second table, per path (median over repeats, range):
   it ran at the sample, and a process that ends inside the window counts up to its last
   sample.
 
+Niceness. The job's driver steps down to Ray's workers' niceness when it starts
+(eagle_data/job/driver_priority.py); this process is the job's driver, so after each run()
+it goes back to the niceness it started with (root can; otherwise the later paths run at
+the job's, every process of a path alike).
+
+`--engine-cores 0` (with --skip bare) puts vLLM's two engine processes (model worker, engine
+core) on core 0 and every other process of the tree (the job's driver, Ray, its workers and
+the replica actor; the server's API process and its client) on the other cores, each thread,
+re-applied at every sample from the start of a path's sampling (the job: its run(); the
+server: its sweep): the engine on cores of its own, as on a GPU node whose spare cores hold
+everything else.
+
 With RAY_ADDRESS set the job runs on that Ray instance, whose workers are not this process's
 descendants: the job's CPU breakdown then misses them. `--skip` leaves paths out (the test
 suite's smoke run keeps all three, at a tiny size, in one repeat).
@@ -102,6 +115,7 @@ KV_CACHE_BYTES = 2**29  # = engine.cpu_kv_cache_gib 0.5, the job's setting
 MAX_MODEL_LEN = 1024
 SEED_BUDGET_IN_MEANS = 600 * 1500 / 200 / 1300  # the seed's per-request token budget, in mean completions
 BARE = "bare vLLM (LLM.generate)"
+NICENESS = os.getpriority(os.PRIO_PROCESS, 0)  # this process's at its start
 
 def engine_kwargs(slots: int) -> dict:
     """The pass-through every engine gets (the job's max_model_len is its typed key)."""
@@ -218,6 +232,7 @@ def run_job(tmp: Path, base: list[str], setting: str, repeat: int, slots: int) -
     started = time.time()
     with CpuSampler() as cpu:
         counts = run(cfg, phase="generate", engine=timed_engine(str(events)))["generate"]
+    restore_niceness()
     calls = [json.loads(line) for line in events.read_text().splitlines()]
     engine = occupancy([tuple(s) for c_ in calls for s in c_["spans"]], slots)
     ids = job_ids(out)
@@ -226,6 +241,19 @@ def run_job(tmp: Path, base: list[str], setting: str, repeat: int, slots: int) -
     return {"feeding": f"{b}x{c}", "ids": ids, "seconds": engine["window_s"],
             "load_s": min(c_["arrival"] for c_ in calls) - started, "engine": engine,
             "cpu": cpu.window(engine["start"], engine["end"])}
+
+
+def restore_niceness() -> None:
+    """Each run() of the job lowers its driver's priority to Ray's workers'
+    (eagle_data/job/driver_priority.py), and this process is the job's driver: back to the
+    niceness it started with, so that every path starts its processes there. Raising a
+    priority needs a privilege (root here); without it the paths after the first run()
+    run at the job's niceness, every process of a path alike."""
+    for tid in map(int, os.listdir("/proc/self/task")):
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, NICENESS)
+        except (PermissionError, ProcessLookupError):
+            pass
 
 
 def free_port() -> int:
@@ -434,6 +462,10 @@ def main() -> None:
                         help="paths to leave out (without bare, the job is the reference)")
     parser.add_argument("--worker-niceness", type=int, help="Ray's worker_niceness for this run's local Ray "
                         "(Ray's default: 15); the cluster-wide setting `RAY_worker_niceness` of `ray start`")
+    parser.add_argument("--engine-cores", type=int, nargs="+", help="vLLM's engine processes (model worker, engine "
+                        "core) on these cores and every other process on the rest, from each path's start (the "
+                        "server: its sweep) to its end: the machinery of a path, as on a GPU node's spare cores, "
+                        "no longer shares a core with the engine")
     parser.add_argument("--smoke", action="store_true", help="6 rows, 16 tokens, every path, C = 2, tight timeout, "
                                                              "one repeat")
     parser.add_argument("--bare", nargs=2, help=argparse.SUPPRESS)
@@ -443,6 +475,10 @@ def main() -> None:
     if args.smoke:
         args.rows, args.max_tokens, args.mean, args.slots, args.concurrency, args.timeouts, args.repeats = \
             6, 16, 8, 4, [2], ["tight"], 1
+    if args.engine_cores and "bare" not in args.skip:
+        raise SystemExit("--engine-cores: add --skip bare (bare's engine runs in a child process the sampler "
+                         "does not pin)")
+    CpuSampler.engine_cores = set(args.engine_cores or ()) or None
     if "bare" in args.skip and "job" in args.skip:
         raise SystemExit("--skip: keep bare or the job, the reference the others are compared with")
 
@@ -475,6 +511,7 @@ def main() -> None:
         logging.getLogger("ray").setLevel(logging.WARNING)
         base_cfg = load_config(None, base + [f"output.path={tmp / 'base'}"])
         run(base_cfg, phase="prompts")
+        restore_niceness()
         tokenizer = load_tokenizer(str(model))
         stop_ids = list(target_tokens(base_cfg, tokenizer).eos_ids)  # what the job asks for
         prompts = read_prompts(tmp / "base")

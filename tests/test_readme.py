@@ -25,8 +25,9 @@ TOOLS = {"verify", "report", "inspect", "export", "vocab"}
 
 
 def user_env() -> dict:
-    """A user's shell in the checkout: no PYTHONPATH, no cluster address."""
-    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS")}
+    """A user's shell in the checkout: no PYTHONPATH, no cluster address, Ray's own worker
+    niceness (conftest.py sets the tests' to 0)."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS", "RAY_worker_niceness")}
 
 
 def run_as_written(argv: list[str], timeout: float = 600, ray_address: str | None = None) -> subprocess.CompletedProcess:
@@ -135,6 +136,9 @@ def test_the_job_commands_run_as_written_and_read_clean(ray_local, tmp_path, qwe
         summary = max(i for i, line in enumerate(lines) if line.startswith("OUT = "))
         assert all(line.startswith("  ") for line in lines[summary + 1:]), lines[summary:]
         assert lines[-1].startswith("  manifest: "), log[-2000:]
+        if i == 0:  # its own Ray, whose workers are at Ray's niceness, 15: the driver steps down to it
+            own = os.getpriority(os.PRIO_PROCESS, 0)
+            assert (f"driver: niceness {own} -> 15" in log) == (own < 15), log[-3000:]
         if "hidden_states" in argv:  # on the OUT the command before it made
             assert "hidden_states/ 6 of 6 selected samples; 0 failed attempts" in log, log[-3000:]
         if "--phase" not in argv:

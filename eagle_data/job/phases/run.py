@@ -18,6 +18,7 @@ from eagle_data.config import Config
 from eagle_data.errors import (ConfigError, EmptyResult, MissingInput, NotWritable, OutputMismatch, ignore_stop_signals,
                                stop_on_signals)
 from eagle_data.job.stages.engines import ENGINE_CLASSES, check_engine_kwargs
+from eagle_data.job.driver_priority import step_below_engine
 from eagle_data.job.phases import PHASE_BY_NAME, PHASES
 from eagle_data.job.ray_internals import ray_data_progress, wait_for_actors_to_exit
 from eagle_data.job.stages.engines.exit_noise import quiet_worker_logs
@@ -98,6 +99,10 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow
         if not ray.is_initialized():
             ray.init()  # joins the cluster when there is one, else starts a local instance
             stop_on_signals()  # instead of the SIGTERM handlers ray.init installed (errors.stop_on_signals)
+        before, after = step_below_engine()  # the driver never preempts the engine (driver_priority.py)
+        if after != before:
+            log.info("driver: niceness %d -> %d, Ray's workers' (the engine's), so that it never preempts the engine",
+                     before, after)
         quiet_worker_logs()
         ray_data_progress(cfg.output.ray_data_progress)
         result = {"seconds": {"ray start": time.monotonic() - started}}

@@ -1,0 +1,61 @@
+"""The driver steps down to Ray's workers' niceness, every thread of it, and never up
+(eagle_data/job/driver_priority.py). The whole job's use of it, with Ray's default worker
+niceness, is checked on the README's first job command (tests/test_readme.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from support import REPO
+
+THREADS = """
+import json, os, sys, threading
+from eagle_data.job.driver_priority import lower_to
+
+stop = threading.Event()
+threads = [threading.Thread(target=stop.wait) for _ in range(3)]
+for t in threads:
+    t.start()
+os.setpriority(os.PRIO_PROCESS, threads[0].native_id, 18)  # a thread already below the target
+before, after = lower_to(int(sys.argv[1]))
+late = []
+later = threading.Thread(target=lambda: late.append(os.getpriority(os.PRIO_PROCESS, 0)))
+later.start()
+later.join()
+print(json.dumps({"before": before, "after": after, "late": late[0], "lowered": threads[0].native_id,
+                  "threads": {t: os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")}}))
+stop.set()
+"""
+
+
+def lowered(target: int, start: int) -> dict:
+    proc = subprocess.run(["nice", "-n", str(start), sys.executable, "-c", THREADS, str(target)], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def test_every_thread_steps_down_to_the_workers_niceness_and_threads_started_later_inherit_it():
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    assert own < 15, f"this test needs a niceness below 15 to step down from; it runs at {own}"
+    got = lowered(15, 0)
+    assert got["before"] == own and got["after"] == 15 and got["late"] == 15, got
+    assert len(got["threads"]) >= 4  # the main thread and the three waiting (and any an import started)
+    assert {int(t): n for t, n in got["threads"].items()} == {
+        int(t): (18 if int(t) == got["lowered"] else 15) for t in got["threads"]}, got
+
+
+def test_a_driver_already_below_the_workers_stays_where_it_is():
+    got = lowered(3, 5)
+    assert got["before"] == got["after"] == got["late"] == max(5, os.getpriority(os.PRIO_PROCESS, 0)), got
+    assert set(got["threads"].values()) == {got["before"], 18}, got
+
+
+def test_the_workers_niceness_is_read_from_a_worker(ray_local):
+    from eagle_data.job.driver_priority import workers_niceness
+
+    # conftest.py starts the session's Ray workers at 0 (RAY_worker_niceness): Ray's default is 15.
+    assert workers_niceness() == int(os.environ["RAY_worker_niceness"]) == 0
