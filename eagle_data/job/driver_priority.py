@@ -22,9 +22,15 @@ def _niceness() -> int:
     return os.getpriority(os.PRIO_PROCESS, 0)
 
 
-def workers_niceness() -> int:
-    """The niceness of a Ray worker of this cluster (a task's process; no CPU reserved)."""
-    return ray.get(ray.remote(num_cpus=0)(_niceness).remote())
+def workers_niceness(timeout_s: float = 60) -> int | None:
+    """The niceness of a Ray worker of this cluster (a task's process; no CPU reserved), or
+    None when no worker answered within `timeout_s` (the job's own tasks then say why)."""
+    ref = ray.remote(num_cpus=0)(_niceness).remote()
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.RayError:  # GetTimeoutError, a worker that could not start
+        ray.cancel(ref, force=True)
+        return None
 
 
 def lower_to(niceness: int) -> tuple[int, int]:
@@ -42,5 +48,7 @@ def lower_to(niceness: int) -> tuple[int, int]:
 
 
 def step_below_engine() -> tuple[int, int]:
-    """The driver (this process) to Ray's workers' niceness, where it is below it."""
-    return lower_to(workers_niceness())
+    """The driver (this process) to Ray's workers' niceness, where it is below it; as it
+    was when no worker answered."""
+    niceness = workers_niceness()
+    return lower_to(niceness) if niceness is not None else (_niceness(), _niceness())
