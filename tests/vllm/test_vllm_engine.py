@@ -114,16 +114,50 @@ REFERENCE = textwrap.dedent("""
 """)
 
 
-def vllm_reference(tmp_path, model, rows: list[dict]) -> list[dict]:
-    spec = tmp_path / "reference-in.json"
-    spec.write_text(json.dumps({"model": str(model), "engine_kwargs": ENGINE_KWARGS, "rows": rows}))
-    result = tmp_path / "reference-out.json"
-    script = tmp_path / "reference.py"  # a file: vLLM's spawned workers re-import __main__
-    script.write_text(REFERENCE)
-    proc = subprocess.run([sys.executable, str(script), str(spec), str(result)], cwd=tmp_path,
-                          env=job_env(), capture_output=True, text=True, timeout=2400)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-12000:]
-    return json.loads(result.read_text())
+class Reference:
+    """vllm.LLM.generate on `rows` in a subprocess started at once, beside what runs meanwhile:
+    a fixture starts it as soon as its requests are known (from the prompts phase), so that
+    its model load overlaps the job's, and a test takes its result."""
+
+    def __init__(self, tmp_path, model, rows: list[dict]):
+        self.rows = rows
+        spec = tmp_path / "reference-in.json"
+        spec.write_text(json.dumps({"model": str(model), "engine_kwargs": ENGINE_KWARGS, "rows": rows}))
+        self.result = tmp_path / "reference-out.json"
+        script = tmp_path / "reference.py"  # a file: vLLM's spawned workers re-import __main__
+        script.write_text(REFERENCE)
+        self.log = open(tmp_path / "reference.log", "w+")
+        self.proc = subprocess.Popen([sys.executable, str(script), str(spec), str(self.result)], cwd=tmp_path,
+                                     env=job_env(), stdout=self.log, stderr=subprocess.STDOUT, text=True)
+
+    def answers(self) -> list[dict]:
+        returncode = self.proc.wait(timeout=2400)
+        self.log.seek(0)
+        assert returncode == 0, self.log.read()[-12000:]
+        return json.loads(self.result.read_text())
+
+
+def stop_ids_asked(settings: dict, model) -> list[int]:
+    """The stop ids the job asks the engine for (the manifest records the same)."""
+    from eagle_data.job.phases.generate import target_tokens
+    from eagle_data.model_files import load_tokenizer
+
+    return list(target_tokens(as_config(settings), load_tokenizer(str(model))).eos_ids)
+
+
+def requests_of(settings: dict, model, prompts: list[dict]) -> list[dict]:
+    """The engine requests the job makes for `prompts` (each with its variant's sampling and
+    its own seed), as vllm.LLM.generate takes them; the tests check them against the ones
+    each data/ row records."""
+    from eagle_data.job.stages.requests import engine_sampling, row_seed
+
+    cfg = as_config(settings)
+    sampling, stop_ids = engine_sampling(cfg), stop_ids_asked(settings, model)
+    return [{"prompt": list(p["tokenized_prompt"]),
+             "params": {**{k: v for k, v in sampling[p["variant"]].items() if v is not None},
+                        "seed": row_seed(cfg.sampling.seed, p["sample_id"]), "stop_token_ids": stop_ids,
+                        "detokenize": False}}
+            for p in sorted(prompts, key=lambda p: p["sample_id"])]
 
 
 def expected_split(prompt: list[int], gen: list[int], start_id: int, end_id: int) -> int:
@@ -284,6 +318,9 @@ def faulted_run(ray_local, tmp_path_factory, babble_qwen3) -> dict:
         engine__engine_kwargs={**VLLM["engine__engine_kwargs"], "max_num_seqs": 1}))
     run(as_config(settings), phase="prompts")
     bad = _plant_too_long_prompt(out, 1024)
+    # Every prompt but the one vLLM rejects gets an ok row: their reference starts now.
+    reference = Reference(tmp, babble_qwen3, requests_of(settings, babble_qwen3,
+                                                          [p for p in read(out, "prompts") if p["sample_id"] != bad]))
 
     # 1. Once answered rows reach data/, the driver is SIGKILLed.
     with open(tmp / "killed-run.log", "w") as job_log:
@@ -304,7 +341,7 @@ def faulted_run(ray_local, tmp_path_factory, babble_qwen3) -> dict:
                                       "engine_kwargs": VLLM["engine__engine_kwargs"]}}
     rerun = subprocess.run(job_command(batched, tmp), cwd=REPO, env=job_env(attached(ray_local)),
                            capture_output=True, text=True, timeout=2400)
-    return {"out": out, "bad": bad, "finished_early": finished_early, "killed_log": (tmp / "killed-run.log").read_text(),
+    return {"out": out, "bad": bad, "reference": reference, "finished_early": finished_early, "killed_log": (tmp / "killed-run.log").read_text(),
             "after_kill": after_kill, "rerun": rerun}
 
 
@@ -327,7 +364,7 @@ def test_faults_on_vllm(faulted_run):
     print(f"\nvLLM faults: driver killed at {len(run['after_kill'])} of {len(prompts)} rows")
 
 
-def test_data_rows_are_exactly_what_vllm_generates(faulted_run, babble_qwen3, tmp_path):
+def test_data_rows_are_exactly_what_vllm_generates(faulted_run, babble_qwen3):
     """Every data/ row of the faulted run (answered one at a time until a driver kill, then
     in batches by the rerun) against vllm.LLM.generate on all the
     same requests at once: the tokens, and the top-5 log-probabilities of every generated
@@ -351,7 +388,11 @@ def test_data_rows_are_exactly_what_vllm_generates(faulted_run, babble_qwen3, tm
     requests = [{"prompt": list(prompts[r["sample_id"]]["tokenized_prompt"]),
                  "params": {"max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "seed": row_seed(3, r["sample_id"]),
                             "stop_token_ids": stop_ids, "detokenize": False, "logprobs": LOGPROBS}} for r in rows]
-    reference = vllm_reference(tmp_path, babble_qwen3, requests)
+    # The reference was asked, from the prompts, the requests these rows were answered with.
+    asked = faulted_run["reference"].rows
+    assert [a["prompt"] for a in asked] == [r["prompt"] for r in requests]
+    assert all({k: a["params"].get(k) for k in r["params"]} == r["params"] for a, r in zip(asked, requests))
+    reference = faulted_run["reference"].answers()
     for row, req, ref in zip(rows, requests, reference):
         assert list(row["input_ids"]) == req["prompt"] + ref["token_ids"], row["sample_id"]
         assert row["finish_reason"] == ref["finish_reason"], row["sample_id"]
@@ -513,26 +554,30 @@ def tp2_run(ray_local, tmp_path_factory, qwen3_tokenizer_dir):
     tmp = tmp_path_factory.mktemp("tp2")
     model = build_tiny_model(qwen3_tokenizer_dir, tmp / "tiny-2heads", head_dim=64, heads=2)
     out = tmp / "out"
+    settings = job_settings(out, model, preset={
+        **VLLM, **TP2_SETTINGS, "engine__tensor_parallel_size": 2, "engine__batch_size": 2,
+        "engine__max_concurrent_batches": 2, "output__log_every_s": 0.5})
+    run(as_config(settings), phase="prompts")
+    # vllm.LLM.generate at tensor parallel 1 on the same requests, beside the job.
+    reference = Reference(tmp, model, requests_of(settings, model, read(out, "prompts")))
     logger, logged = logging.getLogger("eagle_data"), Lines()
     level, killer = logger.level, RankKiller(logged)
     logger.setLevel(logging.INFO)
     logger.addHandler(logged)
     killer.start()
     try:
-        run(as_config(job_settings(out, model, preset={
-            **VLLM, **TP2_SETTINGS, "engine__tensor_parallel_size": 2, "engine__batch_size": 2,
-            "engine__max_concurrent_batches": 2, "output__log_every_s": 0.5})))
+        run(as_config(settings))
     finally:
         killer.done.set()
         killer.join()
         logger.removeHandler(logged)
         logger.setLevel(level)
-    return {"out": out, "model": model, "killer": killer, "log": "\n".join(logged.lines)}
+    return {"out": out, "model": model, "killer": killer, "log": "\n".join(logged.lines), "reference": reference}
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_tensor_parallel_2_rows_are_what_vllm_generates_at_tensor_parallel_1(tp2_run, tmp_path):
+def test_tensor_parallel_2_rows_are_what_vllm_generates_at_tensor_parallel_1(tp2_run):
     """The TP-2 run lost rank 1 with rows in its engine: the replica was restarted, every row
     is in data/ once, verify passes, and every row equals vllm.LLM.generate's at tensor
     parallel 1 on the same requests."""
@@ -550,7 +595,10 @@ def test_tensor_parallel_2_rows_are_what_vllm_generates_at_tensor_parallel_1(tp2
     requests = [{"prompt": list(prompts[r["sample_id"]]["tokenized_prompt"]),
                  "params": {**{k: v for k, v in r["sampling"].items() if v is not None},
                             "stop_token_ids": stop_ids, "detokenize": False}} for r in rows]
-    reference = vllm_reference(tmp_path, tp2_run["model"], requests)
+    asked = tp2_run["reference"].rows  # from the prompts, before the job ran: the rows' own requests
+    assert [a["prompt"] for a in asked] == [r["prompt"] for r in requests]
+    assert all({k: a["params"].get(k) for k in r["params"]} == r["params"] for a, r in zip(asked, requests))
+    reference = tp2_run["reference"].answers()
     for row, req, ref in zip(rows, requests, reference):
         assert list(row["input_ids"]) == req["prompt"] + ref["token_ids"], (row["sample_id"], row["variant"])
         assert row["finish_reason"] == ref["finish_reason"], row["sample_id"]
