@@ -49,3 +49,20 @@ def test_vllms_shutdown_time_engine_dead_block_is_dropped_and_other_engine_error
     assert drop_harmless_exit_noise(kept[:1] + ENGINE_SHUTDOWN + kept[1:]) == kept
     other = ENGINE_SHUTDOWN[:-1] + ["ERROR 12-01 11:45:35 [async_llm.py:819] RuntimeError: CUDA error"]
     assert drop_harmless_exit_noise(other) == other
+
+
+def test_a_tracker_traceback_split_across_batches_is_dropped_and_a_real_one_kept_whole():
+    """Ray hands the driver a worker's output in batches; the 4 lines of a tracker traceback
+    once came in two (a full-suite run printed them). The printer holds back the lines that
+    may begin one until the next batch of that process and stream tells."""
+    from eagle_data.job.stages.engines.exit_noise import QuietPrinter
+
+    printed = []
+    quiet = QuietPrinter(lambda data: printed.append((data["pid"], data["lines"])))
+    one = TRACKER_NOISE[2:6]
+    real = ["Traceback (most recent call last):", '  File "/app/x.py", line 3, in f', "ValueError: boom"]
+    quiet({"pid": 1, "is_err": True, "lines": ["Shutting down vLLM engine", *one[:2]]})
+    quiet({"pid": 2, "is_err": True, "lines": real[:1]})  # another process: its own hold-back
+    quiet({"pid": 1, "is_err": True, "lines": [*one[2:], "done"]})
+    quiet({"pid": 2, "is_err": True, "lines": real[1:]})
+    assert printed == [(1, ["Shutting down vLLM engine"]), (1, ["done"]), (2, real)]

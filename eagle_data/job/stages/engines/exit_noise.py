@@ -49,6 +49,40 @@ def drop_harmless_exit_noise(lines: list[str]) -> list[str]:
     return kept
 
 
+def cut_short(lines: list[str]) -> int:
+    """Where a resource-tracker traceback that `lines` ends before its last line starts
+    (len(lines) when they end on none): Ray hands the driver a worker's output in batches,
+    and a batch boundary can fall inside the 4 lines."""
+    for start in range(max(len(lines) - 3, 0), len(lines)):
+        if lines[start].strip() == "Traceback (most recent call last):" and all(
+                TRACKER_TRACEBACK.search(line.strip()) for line in lines[start + 1:]):
+            return start
+    return len(lines)
+
+
+class QuietPrinter:
+    """Ray's printer of the workers' output, less their harmless exit noise. A batch that
+    ends inside what may be a tracker traceback keeps those lines back, per process and
+    stream, until the next batch tells (at most 3 lines: the rest of a real traceback
+    follows them)."""
+
+    eagle_quiet = True
+
+    def __init__(self, printer):
+        self.printer = printer
+        self.held: dict[tuple, list[str]] = {}
+
+    def __call__(self, data: dict) -> None:
+        key = (data.get("pid"), data.get("is_err"))
+        lines = self.held.pop(key, []) + list(data.get("lines", []))
+        cut = cut_short(lines)
+        if cut < len(lines):
+            self.held[key] = lines[cut:]
+        lines = drop_harmless_exit_noise(lines[:cut])
+        if lines:
+            self.printer({**data, "lines": lines})
+
+
 def quiet_worker_logs() -> None:
     """Print the workers' output in the driver (the job log) without their harmless exit
     noise: a handler swapped in Ray's internal stdstream dispatcher (`ray._private`)."""
@@ -57,12 +91,5 @@ def quiet_worker_logs() -> None:
     printer = next((h for name, h in dispatcher.handlers if name == "ray_print_logs"), None)
     if printer is None or getattr(printer, "eagle_quiet", False):
         return
-
-    def print_quietly(data):
-        lines = drop_harmless_exit_noise(data.get("lines", []))
-        if lines:
-            printer({**data, "lines": lines})
-
-    print_quietly.eagle_quiet = True
     dispatcher.remove_handler("ray_print_logs")
-    dispatcher.add_handler("ray_print_logs", print_quietly)
+    dispatcher.add_handler("ray_print_logs", QuietPrinter(printer))
