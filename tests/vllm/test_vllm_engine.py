@@ -137,22 +137,16 @@ class Reference:
         return json.loads(self.result.read_text())
 
 
-def stop_ids_asked(settings: dict, model) -> list[int]:
-    """The stop ids the job asks the engine for (the manifest records the same)."""
+def requests_of(settings: dict, model, prompts: list[dict]) -> list[dict]:
+    """The engine requests the job makes for `prompts` (each with its variant's sampling, its
+    own seed and the stop ids the job asks for), as vllm.LLM.generate takes them; the tests
+    check them against the ones each data/ row records."""
     from eagle_data.job.phases.generate import target_tokens
+    from eagle_data.job.stages.requests import engine_sampling, row_seed
     from eagle_data.model_files import load_tokenizer
 
-    return list(target_tokens(as_config(settings), load_tokenizer(str(model))).eos_ids)
-
-
-def requests_of(settings: dict, model, prompts: list[dict]) -> list[dict]:
-    """The engine requests the job makes for `prompts` (each with its variant's sampling and
-    its own seed), as vllm.LLM.generate takes them; the tests check them against the ones
-    each data/ row records."""
-    from eagle_data.job.stages.requests import engine_sampling, row_seed
-
     cfg = as_config(settings)
-    sampling, stop_ids = engine_sampling(cfg), stop_ids_asked(settings, model)
+    sampling, stop_ids = engine_sampling(cfg), list(target_tokens(cfg, load_tokenizer(str(model))).eos_ids)
     return [{"prompt": list(p["tokenized_prompt"]),
              "params": {**{k: v for k, v in sampling[p["variant"]].items() if v is not None},
                         "seed": row_seed(cfg.sampling.seed, p["sample_id"]), "stop_token_ids": stop_ids,
