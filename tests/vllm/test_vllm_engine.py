@@ -20,6 +20,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -481,39 +482,72 @@ def test_multi_turn_on_deepseek_r1_template(ray_local, tmp_path, babble_r1, capf
 
 # --- tensor parallel 2: production's layout (one replica, several ranks) ----------------
 
-UP = re.compile(r"([1-9]\d*) replica\(s\) up")
 IN_ENGINE = re.compile(r"([1-9]\d*) replica\(s\) up, ([1-9]\d*) rows in the engine")
+ENGINE_UP = "init engine (profile, create kv cache, warmup model)"  # vLLM's engine core, near its start's end
+ACTOR_NAME = ":actor_name:"  # Ray writes it to an actor's log as its constructor starts, and once it has returned
+
+
+def constructed(log: Path) -> bool:
+    """Whether the replica's actor that writes `log` has returned from its constructor: Ray's
+    actor-name line after vLLM's engine said it was up."""
+    text = log.read_text(errors="replace")
+    return ENGINE_UP in text and ACTOR_NAME in text[text.index(ENGINE_UP):]
+
+
+def actor_log(pid: int) -> Path | None:
+    """The log file of the Ray actor whose process is `pid` or an ancestor of it (vLLM's
+    engine core and ranks write to the actor's stdout), in this session's Ray logs."""
+    import psutil
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path())
+    try:
+        proc = psutil.Process(pid)
+        while proc is not None and not proc.cmdline()[0].startswith("ray::"):
+            proc = proc.parent()
+    except (psutil.Error, IndexError):
+        return None
+    found = list(logs.glob(f"worker-*-{proc.pid}.out")) if proc is not None else []
+    return found[0] if found else None
 
 
 class RankKiller(threading.Thread):
-    """Once the replica's engine is up (the job's latest progress line), stop tensor-parallel
-    rank 1: the engine stalls at its next step, and the rows the job sends stay in it. Once
-    the job's progress line counts rows in the engine, kill the rank: vLLM's executor sees
-    it die and fails the engine, Ray's stage exits the replica's actor, and Ray restarts it
-    and retries its batches. Stopping the rank first holds the rows in the engine until the
-    kill: the engine answers this run's rows in a few seconds, and under a loaded machine
-    the kill once missed that window. Records every rank-1 process it saw, so a restart shows
-    as a second one."""
+    """Stop tensor-parallel rank 1 as soon as the replica's actor is constructed (`constructed`:
+    the replica takes rows only after it, and its engine needs rank 1 until then).
+    The engine stalls at its next step, and the rows the job sends stay in it. Once the job's
+    progress line counts rows in the engine, kill the rank: vLLM's executor sees it die and
+    fails the engine, Ray's stage exits the replica's actor, and Ray restarts it and retries
+    its batches. The stop comes from the actor's log, not from the progress line: the engine
+    answers this run's rows in a few seconds, and loaded machines answered them all before a
+    progress line said the replica was up. If no row reaches the stopped engine in `patience`
+    seconds, the rank is let go on and the test fails. Records every rank-1 process it saw,
+    so a restart shows as a second one."""
 
-    def __init__(self, progress: "Lines"):
+    def __init__(self, progress: "Lines", patience: float = 300.0):
         super().__init__(daemon=True)
-        self.progress = progress
+        self.progress, self.patience = progress, patience
         self.ranks_seen: set[int] = set()
         self.stopped: int | None = None
         self.killed: int | None = None
+        self.gave_up = False
         self.done = threading.Event()
 
     def run(self) -> None:
-        while not self.done.is_set() and self.killed is None:
+        while not self.done.is_set() and self.stopped is None:
             ranks = ray_processes("VLLM::Worker_TP1")
             self.ranks_seen |= set(ranks)
-            lines = [line for line in self.progress.lines[-20:] if line.startswith("progress:")]
-            if self.stopped is None and ranks and lines and UP.search(lines[-1]):
+            log = actor_log(ranks[0]) if ranks else None
+            if log is not None and constructed(log):
                 _signal(ranks[:1], signal.SIGSTOP)
-                self.stopped = ranks[0]
-            elif self.stopped is not None and lines and IN_ENGINE.search(lines[-1]):
+                self.stopped, seen, since = ranks[0], len(self.progress.lines), time.monotonic()
+            time.sleep(0.05)
+        while not self.done.is_set() and self.killed is None and not self.gave_up:
+            if any(IN_ENGINE.search(line) for line in self.progress.lines[seen:] if line.startswith("progress:")):
                 _signal([self.stopped], signal.SIGKILL)
                 self.killed = self.stopped
+            elif time.monotonic() - since > self.patience:
+                _signal([self.stopped], signal.SIGCONT)
+                self.gave_up = True
             time.sleep(0.2)
         while not self.done.is_set():  # the restarted replica's rank 1
             self.ranks_seen |= set(ray_processes("VLLM::Worker_TP1"))
@@ -541,7 +575,7 @@ def tp2_run(ray_local, tmp_path_factory, qwen3_tokenizer_dir):
     """engine.tensor_parallel_size=2 through the job as users run it (Ray's vLLM stage, the
     ranks as vLLM's processes in the replica's actor, each bound to its own core), with a
     greedy and a seeded sampled variant and the top-3 log-probabilities, on a random-weight
-    fp32 model with 2 attention heads, and rank 1's process stopped once the engine is up and
+    fp32 model with 2 attention heads, and rank 1's process stopped once its replica is constructed and
     killed once rows are in it (RankKiller)."""
     from eagle_data.job.phases.run import run
 
@@ -577,7 +611,8 @@ def test_tensor_parallel_2_rows_are_what_vllm_generates_at_tensor_parallel_1(tp2
     parallel 1 on the same requests."""
     out, killer = tp2_run["out"], tp2_run["killer"]
     assert "replica(s) of {'CPU': 1.0}, tensor parallel 2" in tp2_run["log"], tp2_run["log"][-3000:]
-    assert killer.killed is not None, "rank 1 was never killed"
+    assert killer.stopped is not None, "rank 1 was never stopped: its replica's actor never said it was constructed"
+    assert killer.killed is not None, f"rank 1 was stopped, and no row reached its engine in {killer.patience:.0f} s"
     assert len(killer.ranks_seen) >= 2, f"no rank 1 after the kill: the replica was not restarted ({killer.ranks_seen})"
     verify_ok(out)
     rows = sorted(read(out, "data"), key=lambda r: r["sample_id"])

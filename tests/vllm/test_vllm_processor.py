@@ -177,3 +177,60 @@ def test_hidden_states_pass_settings(kimi):
                                                          "__inference_error__", "hidden_states",
                                                          "hidden_states_shape", "hidden_token_ids"]
     assert states_file(rows[0]["sampling_params"]) == "/hs/a.st" and states_file({"max_tokens": 4}) is None
+
+
+class Engine:
+    """An engine's `errored`, which vLLM's AsyncLLM sets a moment after its engine died."""
+
+    def __init__(self, dies_after_s: float | None):
+        import time
+
+        self.dies_at = None if dies_after_s is None else time.monotonic() + dies_after_s
+
+    @property
+    def errored(self) -> bool:
+        import time
+
+        return self.dies_at is not None and time.monotonic() >= self.dies_at
+
+
+def generate_error(cause: Exception):
+    from vllm.v1.engine.exceptions import EngineGenerateError
+
+    try:
+        try:
+            raise cause
+        except Exception as e:
+            raise EngineGenerateError() from e
+    except EngineGenerateError as e:
+        return e
+
+
+@pytest.mark.parametrize("dies_after_s", [0.0, 0.3])
+def test_a_request_failing_as_the_engine_dies_is_the_engines_death(dies_after_s):
+    """vLLM's empty EngineGenerateError, from a rank dying under the engine's first request,
+    becomes EngineDeadError once vLLM marks the engine dead: Ray's stage then restarts the
+    replica and asks the row again (the TP-2 run's rank kill goes this way)."""
+    import asyncio
+
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from eagle_data.job.stages.engines.vllm_udf import engine_failure
+
+    cause = RuntimeError("Call to get_supported_tasks method failed: a worker died")
+    error = asyncio.run(engine_failure(Engine(dies_after_s), generate_error(cause), wait_s=5))
+    assert isinstance(error, EngineDeadError) and "get_supported_tasks method failed" in str(error)
+
+
+def test_a_request_failing_on_a_live_engine_keeps_its_cause_as_the_reason():
+    """On an engine that stays up the error stays a row's failure, and its text (which the
+    row's failed/ record keeps) is the cause's, not vLLM's empty message."""
+    import asyncio
+
+    from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+    from eagle_data.job.stages.engines.vllm_udf import engine_failure
+
+    error = asyncio.run(engine_failure(Engine(None), generate_error(ValueError("bad logits")), wait_s=0.2))
+    assert isinstance(error, EngineGenerateError) and not isinstance(error, EngineDeadError)
+    assert str(error) == "ValueError: bad logits"

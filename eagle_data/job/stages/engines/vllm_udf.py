@@ -22,6 +22,9 @@ def vllm_stage_udf():
       each row (docs/performance.md, section 8). A request that names a hidden-states file
       (the hidden-states pass) gets the file's states as columns, read back here on the
       engine's node and removed (state_files.py).
+    - A request that fails with vLLM's `EngineGenerateError` (an unexpected error, with no
+      message) is raised as what `engine_failure` makes of it: the engine's death, so that
+      Ray restarts the replica and asks the row again, or the cause's text for failed/.
     - At shutdown it cancels the task reading the engine's outputs first (vLLM 0.29 stops
       the engine before it, and the task logs an `EngineDeadError`), and waits for vLLM's
       processes to exit: Ray kills an exiting actor's children, the resource tracker among
@@ -54,6 +57,7 @@ def vllm_stage_udf():
             import asyncio
 
             from ray.llm._internal.batch.stages.vllm_engine_stage import vLLMOutputData
+            from vllm.v1.engine.exceptions import EngineGenerateError
 
             wrapper = self.llm
             k = (row.get("sampling_params") or {}).get("logprobs") or 0
@@ -63,7 +67,10 @@ def vllm_stage_udf():
             request = await wrapper._prepare_llm_request(row)
             started = time.perf_counter()
             async with wrapper.semaphore:
-                output = await wrapper._generate_async(request)
+                try:
+                    output = await wrapper._generate_async(request)
+                except EngineGenerateError as e:
+                    raise await engine_failure(wrapper.engine, e) from e
             took = time.perf_counter() - started
             extra = {}
             if k:
@@ -86,6 +93,29 @@ def vllm_stage_udf():
             self.shut_down()
 
     return VLLMEngine
+
+
+async def engine_failure(engine, error: Exception, wait_s: float = 10.0) -> Exception:
+    """What a request's `EngineGenerateError` is raised as. vLLM raises it, with no message,
+    for any unexpected error in a request, also for one that came from a rank dying under it
+    (the engine's first request asks the ranks for their tasks); vLLM marks the engine dead
+    a moment later. If the engine is dead or dies within `wait_s`: `EngineDeadError`, on which
+    Ray's stage exits the replica's actor and Ray restarts it and retries the batch, so the
+    row is asked again in this run instead of going to failed/. Otherwise the error again,
+    with the cause's type and text, which the row's failed/ record keeps."""
+    import asyncio
+
+    from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+    cause = error.__cause__ or error
+    reason = f"{type(cause).__name__}: {cause}"
+    deadline = time.monotonic() + wait_s
+    while True:
+        if engine.errored:
+            return EngineDeadError(f"a request failed as the engine died ({reason})")
+        if time.monotonic() >= deadline:
+            return EngineGenerateError(reason)
+        await asyncio.sleep(0.1)
 
 
 def states_file(sampling_params: dict | None) -> str | None:
