@@ -244,13 +244,15 @@ class Faults:
     2 CPUs the tiny model answers all 32 rows in seconds, faster than the first answers
     travel through postprocess to a shard; so once the replica has answered a batch it is
     paused (SIGSTOP) until rows reach data/, then the driver is killed, the paused replica
-    with it. A pause that sees no new row in PAUSE_S resumes the replica and pauses it
-    again at its next answer."""
+    with it. The first pause waits for a replica's second answer: the replica logs a batch
+    as answered before it hands the batch on, and a pause right after its first answer held
+    that answer back (PAUSE_S lost in every run). A pause that sees no new row in PAUSE_S
+    resumes the replica and pauses it again at its next answer."""
 
     def __init__(self, out):
         self.out = out
         self.paused: list[int] = []
-        self.answered_before: dict[int, int] = {}  # per replica pid: answers before the current wait
+        self.answered_before: dict[int, int] = {}  # per replica pid: answers before the current wait (1 before the first)
         self.rows_before = 0  # rows in data/ before the pause
         self.paused_at = 0.0
         self.replicas: list[int] = []
@@ -260,7 +262,7 @@ class Faults:
         """One look; True once the driver should be killed."""
         if not self.paused:
             pids = self.live_replicas()
-            if any(answers_logged(pid) > self.answered_before.get(pid, 0) for pid in pids):
+            if any(answers_logged(pid) > self.answered_before.get(pid, 1) for pid in pids):
                 _signal(pids, signal.SIGSTOP)
                 self.paused, self.paused_at = pids, time.monotonic()
                 self.rows_before = self.rows()
