@@ -484,6 +484,7 @@ def test_multi_turn_on_deepseek_r1_template(ray_local, tmp_path, babble_r1, capf
 
 # --- tensor parallel 2: production's layout (one replica, several ranks) ----------------
 
+UP = re.compile(r"([1-9]\d*) replica\(s\) up")
 IN_ENGINE = re.compile(r"([1-9]\d*) replica\(s\) up, ([1-9]\d*) rows in the engine")
 ENGINE_UP = "init engine (profile, create kv cache, warmup model)"  # vLLM's engine core, near its start's end
 ACTOR_NAME = ":actor_name:"  # Ray writes it to an actor's log as its constructor starts, and once it has returned
@@ -519,30 +520,48 @@ class RankKiller(threading.Thread):
     The engine stalls at its next step, and the rows the job sends stay in it. Once the job's
     progress line counts rows in the engine, kill the rank: vLLM's executor sees it die and
     fails the engine, Ray's stage exits the replica's actor, and Ray restarts it and retries
-    its batches. The stop comes from the actor's log, not from the progress line: the engine
-    answers this run's rows in a few seconds, and loaded machines answered them all before a
-    progress line said the replica was up. If no row reaches the stopped engine in `patience`
-    seconds, the rank is let go on and the test fails. Records every rank-1 process it saw,
-    so a restart shows as a second one."""
+    its batches. The stop comes from the actor's log, or from the progress line if that says
+    the replica is up first: the engine answers this run's rows in a few seconds, and loaded
+    machines answered them all before a progress line said so. If no row reaches the stopped
+    engine in `patience` seconds, the rank is let go on and the test fails. Records every
+    rank-1 process it saw with its replica's log file, so a restart shows as a second
+    replica, and what went wrong in it."""
 
     def __init__(self, progress: "Lines", patience: float = 300.0):
         super().__init__(daemon=True)
         self.progress, self.patience = progress, patience
         self.ranks_seen: set[int] = set()
+        self.stale: set[int] = set()
+        self.logs: dict[int, str | None] = {}  # per rank 1 seen: its actor's log file, None where none was found
         self.stopped: int | None = None
+        self.stopped_on = ""  # what said the replica was up: its actor's log, or a progress line
+        self.stopped_at = (0, 0.0)
         self.killed: int | None = None
         self.gave_up = False
+        self.error = ""
         self.done = threading.Event()
 
     def run(self) -> None:
+        try:
+            self.watch()
+        except BaseException as e:  # the test says so, instead of a thread dying unseen
+            self.error = f"{type(e).__name__}: {e}"
+            raise
+
+    def watch(self) -> None:
+        self.stale = set(self.ranks())  # an earlier engine's, still alive: none expected
         while not self.done.is_set() and self.stopped is None:
-            ranks = ray_processes("VLLM::Worker_TP1")
-            self.ranks_seen |= set(ranks)
-            log = actor_log(ranks[0]) if ranks else None
-            if log is not None and constructed(log):
-                _signal(ranks[:1], signal.SIGSTOP)
-                self.stopped, seen, since = ranks[0], len(self.progress.lines), time.monotonic()
+            ranks = self.ranks()
+            self.look(ranks)
+            for rank in ranks:
+                if self.logs[rank] and constructed(Path(self.logs[rank])):
+                    self.stop(rank, "its actor's log")
+                    break
+            lines = [line for line in self.progress.lines[-20:] if line.startswith("progress:")]
+            if self.stopped is None and ranks and lines and UP.search(lines[-1]):
+                self.stop(ranks[0], "a progress line")
             time.sleep(0.05)
+        seen, since = self.stopped_at
         while not self.done.is_set() and self.killed is None and not self.gave_up:
             if any(IN_ENGINE.search(line) for line in self.progress.lines[seen:] if line.startswith("progress:")):
                 _signal([self.stopped], signal.SIGKILL)
@@ -552,8 +571,24 @@ class RankKiller(threading.Thread):
                 self.gave_up = True
             time.sleep(0.2)
         while not self.done.is_set():  # the restarted replica's rank 1
-            self.ranks_seen |= set(ray_processes("VLLM::Worker_TP1"))
+            self.look(self.ranks())
             time.sleep(0.2)
+
+    def ranks(self) -> list[int]:
+        return [rank for rank in ray_processes("VLLM::Worker_TP1") if rank not in self.stale]
+
+    def look(self, ranks: list[int]) -> None:
+        """Record these rank-1 processes and their actors' log files."""
+        self.ranks_seen |= set(ranks)
+        for rank in ranks:
+            if self.logs.get(rank) is None:
+                log = actor_log(rank)
+                self.logs[rank] = str(log) if log else None
+
+    def stop(self, rank: int, on: str) -> None:
+        _signal([rank], signal.SIGSTOP)
+        self.stopped, self.stopped_on = rank, on
+        self.stopped_at = len(self.progress.lines), time.monotonic()  # progress lines before the stop, its time
 
 
 class Lines(logging.Handler):
@@ -613,9 +648,10 @@ def test_tensor_parallel_2_rows_are_what_vllm_generates_at_tensor_parallel_1(tp2
     parallel 1 on the same requests."""
     out, killer = tp2_run["out"], tp2_run["killer"]
     assert "replica(s) of {'CPU': 1.0}, tensor parallel 2" in tp2_run["log"], tp2_run["log"][-3000:]
-    assert killer.stopped is not None, "rank 1 was never stopped: its replica's actor never said it was constructed"
+    assert not killer.error, killer.error
+    assert killer.stopped is not None, f"rank 1 was never stopped; rank-1 processes and their actors' logs: {killer.logs}"
     assert killer.killed is not None, f"rank 1 was stopped, and no row reached its engine in {killer.patience:.0f} s"
-    assert len(killer.ranks_seen) >= 2, f"no rank 1 after the kill: the replica was not restarted ({killer.ranks_seen})"
+    assert len(killer.ranks_seen) >= 2, f"no rank 1 after the kill: the replica was not restarted ({killer.logs})"
     verify_ok(out)
     rows = sorted(read(out, "data"), key=lambda r: r["sample_id"])
     prompts = {p["sample_id"]: p for p in read(out, "prompts")}
@@ -633,7 +669,8 @@ def test_tensor_parallel_2_rows_are_what_vllm_generates_at_tensor_parallel_1(tp2
     for row, req, ref in zip(rows, requests, reference):
         assert list(row["input_ids"]) == req["prompt"] + ref["token_ids"], (row["sample_id"], row["variant"])
         assert row["finish_reason"] == ref["finish_reason"], row["sample_id"]
-    print(f"\ntensor parallel 2: rank 1 killed, the replica restarted; {len(rows)} rows "
+    print(f"\ntensor parallel 2: rank 1 stopped on {killer.stopped_on}, killed, the replica restarted "
+          f"(rank-1 processes of earlier engines alive: {sorted(killer.stale)}); {len(rows)} rows "
           f"({sum(r['variant'] == 'greedy' for r in rows)} greedy) equal vllm.LLM.generate's at tensor parallel 1")
 
 
