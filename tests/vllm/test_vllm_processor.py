@@ -195,15 +195,12 @@ class Engine:
 
 
 def generate_error(cause: Exception):
+    """vLLM's EngineGenerateError as AsyncLLM.generate raises it: no message, `from` the cause."""
     from vllm.v1.engine.exceptions import EngineGenerateError
 
-    try:
-        try:
-            raise cause
-        except Exception as e:
-            raise EngineGenerateError() from e
-    except EngineGenerateError as e:
-        return e
+    error = EngineGenerateError()
+    error.__cause__ = cause
+    return error
 
 
 @pytest.mark.parametrize("dies_after_s", [0.0, 0.3])
