@@ -35,7 +35,14 @@ def start_ray(**local) -> str:
     if address:
         ray.init(address=address, log_to_driver=False)
         return f"attached to the running instance at {address} (RAY_ADDRESS)"
-    ray.init(include_dashboard=False, log_to_driver=False, **local)
+    for attempt in (1, 2):
+        try:
+            ray.init(include_dashboard=False, log_to_driver=False, **local)
+            break
+        except Exception as e:  # Ray waits 30 s for its raylet, which a loaded machine can miss
+            if attempt == 2 or "timed out during startup" not in str(e):
+                raise
+            ray.shutdown()
     return "a local instance of its own"
 
 
