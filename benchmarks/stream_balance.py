@@ -9,7 +9,7 @@ and the object store at two sizes 10x apart.
 The workload: synthetic data/ rows (benchmarks/reader_memory.py's writer: random token ids,
 --tokens a row on average), a random-weight 8-layer Qwen3 of hidden size --hidden built from
 a config, the transformers engine (one replica, batches of 4, float32 states at EAGLE-3's
-layer ids), one epoch, `eagle_data.stream.features` into a TorchTrainer of --workers
+layer ids), one epoch, `eagle_data.training.stream.features` into a TorchTrainer of --workers
 workers that reserve no CPU (the machine's cores are the engine's; a training step is a
 sleep of the step's cost per row, as a GPU step costs the host next to nothing).
 
@@ -170,7 +170,7 @@ def run_stream(out: Path, cfg, work: Path, workers: int, step_s: float | None, s
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from eagle_data.stream import features
+    from eagle_data.training.stream import features
 
     spans = Path(tempfile.mkdtemp(dir=work))
     if store_bytes:  # Ray Train's default DataConfig takes the execution limits from this driver's context

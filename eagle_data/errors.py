@@ -2,8 +2,8 @@
 
 Every error meant for a user is an EagleDataError, defined here: it says what is wrong and
 what to do, and carries the exit code the command returns (`exit_code`). The entry points
-(`ray_jobs.generate`, `python -m eagle_data`) run through `cli`, which prints
-`error: <message>` and returns that code instead of a traceback. A stop signal (SIGTERM,
+(`ray_jobs.generate`, `ray_jobs.train_draft`, `python -m eagle_data`) run through `cli`,
+which prints `error: <message>` and returns that code instead of a traceback. A stop signal (SIGTERM,
 Ctrl-C) is a Stopped, not an error: `cli` prints one line for it too and returns 128 + the
 signal's number. Anything else is a bug and keeps its traceback. Subclasses keep the
 built-in type a caller may already catch.
@@ -33,6 +33,10 @@ class ConfigError(EagleDataError, ValueError):
 
 class MissingInput(EagleDataError, FileNotFoundError):
     """A path the job or a tool needs does not exist or holds nothing usable."""
+
+
+class MissingPackage(EagleDataError, ImportError):
+    """An optional package a command needs is not installed (the extra that brings it named)."""
 
 
 class UnsupportedDataset(MissingInput):

@@ -12,9 +12,10 @@ import os
 
 import eagle_data
 from eagle_data.config import load_config
-from eagle_data.errors import EagleDataError, EmptyResult, cli, exit_with, stop_on_signals
+from eagle_data.errors import EmptyResult, cli, exit_with, stop_on_signals
 from eagle_data.job.phases import PHASES
-from eagle_data.job.phases.run import PHASE_CHOICES, close_ray, leave_ray, run
+from eagle_data.job.phases.run import PHASE_CHOICES, run
+from eagle_data.job.ray_session import ray_job
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,15 +47,11 @@ def main(argv: list[str] | None = None) -> int:
         nonlocal out
         cfg = load_config(args.config, args.overrides)
         out = cfg.output.path
-        try:
+        # After a stop signal (errors.Stopped), Ctrl-C or an error the lock is released by now;
+        # leaving Ray first prints the worker lines it still streams, so the error is the last line.
+        with ray_job():
             result = run(cfg, phase=args.phase, fresh=args.fresh, allow_empty=args.allow_empty,
                          keep_prompts=args.keep_prompts)
-            close_ray()
-        # A stop signal (errors.Stopped), Ctrl-C or a user error: the lock is released by now.
-        # Leaving Ray first prints the worker lines it still streams, so the error is the last line.
-        except (KeyboardInterrupt, EagleDataError):
-            leave_ray()
-            raise
         print(summary(out, result))
         return 0
 

@@ -331,7 +331,7 @@ def stream_train_loop(config: dict) -> None:
     import ray.train
     import torch
 
-    from eagle_data.stream import collate
+    from eagle_data.training.batches import collate
 
     shard = ray.train.get_dataset_shard("train")
     got = []
@@ -355,7 +355,7 @@ STREAM_NAMESPACE = "eagle-data-tests"  # the stream's report actor: ray.get_acto
 def stream_into_trainer(ray_local, out: Path, cfg, save: Path, report: str, workers: int = 2,
                         max_failures: int = 0, **stream_args) -> tuple[list[list[dict]], dict]:
     """As a user's training job: a driver process of its own, attached to the session's Ray
-    (its actors, Ray Train's included, end with it), runs `eagle_data.stream.features(out,
+    (its actors, Ray Train's included, end with it), runs `eagle_data.training.stream.features(out,
     cfg, report=report, **stream_args)` into a TorchTrainer of `workers` workers running
     `stream_train_loop` (Ray Train restarting them up to `max_failures` times). What each
     worker of the last attempt got, by rank, and the stream's report."""
@@ -379,7 +379,7 @@ def _stream_job(job: dict) -> None:
 
     from eagle_data.config import Config
     from eagle_data.reader import OutReader
-    from eagle_data.stream import features, stream_report
+    from eagle_data.training.stream import features, stream_report
 
     ray.init(namespace=STREAM_NAMESPACE, log_to_driver=False)
     cfg = Config.model_validate(job["config"])

@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 import re
 
+import pytest
+
 from support import REPO
 from eagle_data.storage.contract import SCHEMAS, data_schema
 
@@ -14,10 +16,11 @@ from eagle_data.storage.contract import SCHEMAS, data_schema
 # is in the layer of the first prefix here that it starts with.
 LAYERS = [
     ("eagle_data.errors", 0), ("eagle_data.config", 0), ("eagle_data.config_doc", 0), ("eagle_data.model_files", 0),
-    ("eagle_data.storage", 1), ("eagle_data.reader", 2), ("eagle_data.tools", 3),
+    ("eagle_data.storage", 1), ("eagle_data.reader", 2), ("eagle_data.training.batches", 2), ("eagle_data.tools", 3),
     ("eagle_data.job.ray_internals", 4), ("eagle_data.job.stages.columns", 4),  # what the stages build on
     ("eagle_data.job.stages.engines", 5),  # the engine stage: its backends and what they share
-    ("eagle_data.job.phases.run", 8), ("eagle_data.job.phases", 7), ("eagle_data.stream", 8),
+    ("eagle_data.job.phases.run", 8), ("eagle_data.job.phases", 7),
+    ("eagle_data.training", 8),  # the stream and the draft trainer: they run the phase's engine stage
     ("eagle_data.job", 6),  # the other stages and what phases and stages share
     ("eagle_data.__main__", 9), ("ray_jobs", 9),
 ]
@@ -138,12 +141,14 @@ def test_storage_knows_no_config():
         assert banned == set(), path
 
 
-def test_the_reader_imports_no_config_pydantic_yaml_or_ray():
-    """What a training script loads with `import eagle_data.reader`: the OUT contract and pyarrow."""
+@pytest.mark.parametrize("module", ["eagle_data.reader", "eagle_data.training.batches"])
+def test_what_a_training_script_imports_loads_no_config_pydantic_yaml_or_ray(module):
+    """What a training script loads with `import eagle_data.reader` (or the stream's batches,
+    `eagle_data.training.batches`): the OUT contract and pyarrow."""
     import subprocess
     import sys
 
-    code = ("import sys, eagle_data.reader; "
+    code = (f"import sys, {module}; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pydantic', 'yaml', 'ray') "
             "or m.startswith(('eagle_data.config', 'eagle_data.job', 'eagle_data.tools'))))")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)

@@ -178,12 +178,19 @@ def read_bytes(fs: pafs.FileSystem, entry: Entry) -> bytes:
 def read_sample(fs: pafs.FileSystem, entry: Entry, dtype: str):
     """One sample's hidden states as a torch tensor [tokens, layers, hidden_size]; a
     ValueError if its bytes do not match their crc32."""
-    import torch
-
-    data = bytearray(read_bytes(fs, entry))  # writable: torch.frombuffer warns on read-only memory
+    data = read_bytes(fs, entry)
     if damaged(entry, data):
         raise ValueError(f"{entry.shard}: {damaged(entry, data)}")
-    return torch.frombuffer(data, dtype=getattr(torch, dtype)).reshape(entry.shape)
+    return as_tensor(data, list(entry.shape), dtype)
+
+
+def as_tensor(data: bytes, shape: list[int], dtype: str):
+    """States' bytes (C order) as a CPU tensor of `shape` in `dtype`; a copy, writable
+    (torch.frombuffer warns on read-only memory, as Ray's and pyarrow's buffers are)."""
+    import torch
+
+    kind = getattr(torch, dtype)
+    return torch.frombuffer(bytearray(data), dtype=kind).view(*shape) if len(data) else torch.empty(shape, dtype=kind)
 
 
 def shard_paths(fs: pafs.FileSystem, folder: str) -> list[str]:

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 def checked(report: str) -> int:
     """Rows the stream's checks have seen, repeats included (0 before the report is up)."""
-    from eagle_data.stream import stream_report
+    from eagle_data.training.stream import stream_report
 
     try:
         return stream_report(report, STREAM_NAMESPACE)["checked"]

@@ -1,6 +1,6 @@
-"""ray_jobs/train_draft.py's settings: `train.speculators` is speculators' own TrainConfig,
-which ignores unknown keys; the job refuses what would train with a silent default, in the
-wrong place, or on other features than the stream's."""
+"""The draft trainer's settings (eagle_data/training/draft_config.py): `train.speculators` is
+speculators' own TrainConfig, which ignores unknown keys; the job refuses what would train
+with a silent default, in the wrong place, or on other features than the stream's."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from support import job_config
 from eagle_data.errors import ConfigError
-from ray_jobs.train_draft import speculators_config
+from eagle_data.training.draft_config import speculators_config
 
 
 def config(out, model, **speculators):

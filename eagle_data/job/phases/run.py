@@ -12,16 +12,12 @@ import time
 
 import pyarrow as pa
 import pyarrow.fs as pafs
-import ray
 
 from eagle_data.config import Config
-from eagle_data.errors import (ConfigError, EmptyResult, MissingInput, NotWritable, OutputMismatch, ignore_stop_signals,
-                               stop_on_signals)
-from eagle_data.job.stages.engines import ENGINE_CLASSES, check_engine_kwargs
-from eagle_data.job.driver_priority import step_below_engine
+from eagle_data.errors import ConfigError, EmptyResult, MissingInput, NotWritable, OutputMismatch
 from eagle_data.job.phases import PHASE_BY_NAME, PHASES
-from eagle_data.job.ray_internals import ray_data_progress, wait_for_actors_to_exit
-from eagle_data.job.stages.engines.exit_noise import quiet_worker_logs
+from eagle_data.job.ray_session import start_ray
+from eagle_data.job.stages.engines import check_engine_kwargs
 from eagle_data.job.stages.source import content_stamp, locate, stamp_changes
 from eagle_data.model_files import check_tokenizer_path, hub_reachable, is_hub_id, load_tokenizer, use_hub_cache_only
 from eagle_data.storage.damage import check_prompts_record, quarantine_corrupt
@@ -95,17 +91,7 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow
         out.clear_staging()
         quarantine_corrupt(out)
         check_prompts_record(out)
-        started = time.monotonic()
-        if not ray.is_initialized():
-            ray.init()  # joins the cluster when there is one, else starts a local instance
-            stop_on_signals()  # instead of the SIGTERM handlers ray.init installed (errors.stop_on_signals)
-        before, after = step_below_engine()  # the driver never preempts the engine (driver_priority.py)
-        if after != before:
-            log.info("driver: niceness %d -> %d, Ray's workers' (the engine's), so that it never preempts the engine",
-                     before, after)
-        quiet_worker_logs()
-        ray_data_progress(cfg.output.ray_data_progress)
-        result = {"seconds": {"ray start": time.monotonic() - started}}
+        result = {"seconds": {"ray start": start_ray(cfg.output.ray_data_progress)}}
         for p in chosen:
             # 0 prompts is a wrong result, not a success: refused before a phase would work
             # from it, and after the phase that made it (its report written), unless allowed.
@@ -152,26 +138,6 @@ def refuse_empty(cfg: Config, out: Output, allow_empty: bool, phases) -> None:
         why = phase.empty(cfg, out)
         if why and not allow_empty:
             raise EmptyResult(why)
-
-
-def close_ray() -> None:
-    """Let the engine replicas shut down and their last output reach the log, then leave
-    Ray: what the job prints after this (its summary) is the last thing in its log."""
-    if ray.is_initialized():
-        wait_for_actors_to_exit(ENGINE_CLASSES)
-        ignore_stop_signals()  # the job is done: a Ctrl-C now would only cut the shutdown short
-        ray.shutdown()
-
-
-def leave_ray() -> None:
-    """After a stop signal or an error: leave Ray at once, without waiting for the replicas
-    (`ray job stop` SIGKILLs 3 s after its SIGTERM). ray.shutdown stops every process of the local
-    instance this job started, and only disconnects from a cluster it joined; with further
-    stop signals ignored, a second Ctrl-C cannot cut it short and leave Ray's agents running.
-    Called even when Ray looks shut down: a shutdown cut short has disconnected but may not
-    have stopped the local processes yet, and ray.shutdown stops what is left."""
-    ignore_stop_signals()
-    ray.shutdown()
 
 
 def report(out: Output) -> None:

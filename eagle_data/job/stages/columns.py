@@ -69,6 +69,8 @@ MEANING = {
     "hidden_token_ids": "the tokens the engine computed `hidden_states` on (checked against input_ids)",
     "shard": "the hidden-states shard under OUT/.staging/ that holds this row ('' when it failed)",
     "num_tokens": "len(input_ids)",
+    "epoch": "the feature stream's epoch this row is asked in (eagle_data/training/stream.py)",
+    "position": "the row's place in its epoch's order, what the stream's report counts once",
 }
 
 

@@ -18,10 +18,10 @@ import pyarrow as pa
 
 from eagle_data.job.stages.columns import Stage, columns
 from eagle_data.job.stages.engines.outputs import ENGINE_ERROR_COLUMN
-from eagle_data.job.stages.engines.state_files import STATE_COLUMNS, as_tensor
+from eagle_data.job.stages.engines.state_files import STATE_COLUMNS
 from eagle_data.storage.contract import IDS, STAGING
 from eagle_data.storage.files import filesystem
-from eagle_data.storage.hidden_states import DTYPES, tokens_crc32, write_shard
+from eagle_data.storage.hidden_states import DTYPES, as_tensor, tokens_crc32, write_shard
 
 
 def check_states(hidden, token_ids, input_ids: list[int], layer_ids: list[int], hidden_size: int) -> str:

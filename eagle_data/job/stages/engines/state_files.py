@@ -57,14 +57,6 @@ def as_columns(hidden, token_ids) -> dict:
             "hidden_token_ids": [int(t) for t in token_ids]}
 
 
-def as_tensor(data: bytes, shape: list[int], dtype: str):
-    """The hand-over's `hidden_states` bytes back as a CPU tensor of `shape` in `dtype`."""
-    import torch
-
-    kind = getattr(torch, dtype)
-    return torch.frombuffer(bytearray(data), dtype=kind).view(*shape) if len(data) else torch.empty(shape, dtype=kind)
-
-
 def take(path: str, dtype: str) -> dict:
     """The connector's file for one answered request, as columns; the file is removed.
     Waits for the connector's asynchronous write (it holds `<path>.lock` exclusively until

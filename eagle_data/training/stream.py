@@ -14,9 +14,10 @@ to a trainer as a Ray Dataset, with no file written (docs/streaming.md).
 Give it to Ray Train: `TorchTrainer(loop, datasets={"train": features(out, cfg, epochs=E,
 world_size=W)}, scaling_config=ScalingConfig(num_workers=W))`. Ray Train splits it with
 `streaming_split(W, equal=True)`; each worker iterates its shard ONCE, for all E epochs
-(every row has its `epoch`), and `collate` makes padded torch tensors of a batch, as the
-reader's `collate` does. All epochs run in one Ray Data execution so the engine replicas
-load the model once: iterating a shard again would start them again.
+(every row has its `epoch`), and `eagle_data.training.batches.collate` makes padded
+torch tensors of a batch, as the reader's `collate` does. All epochs run in one Ray Data
+execution so the engine replicas load the model once: iterating a shard again would start
+them again.
 
 What each worker gets: every selected sample once per epoch across the workers (plus the
 padding, repeats of the epoch's first samples, as the reader pads), and the same number of
@@ -31,6 +32,7 @@ at the very end of the stream.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -41,17 +43,26 @@ import pyarrow as pa
 import ray
 
 from eagle_data.config import Config
-from eagle_data.errors import MissingInput
+from eagle_data.errors import ConfigError, MissingInput
 from eagle_data.job.phases.hidden_states import layer_ids, target_shape
+from eagle_data.job.stages.columns import Stage, columns
 from eagle_data.job.stages.engines import apply_hidden_states_engine
-from eagle_data.job.stages.engines.state_files import STATE_COLUMNS, as_tensor
+from eagle_data.job.stages.engines.outputs import ENGINE_ERROR_COLUMN
+from eagle_data.job.stages.engines.state_files import STATE_COLUMNS
 from eagle_data.job.stages.pack_hidden_states import row_error
 from eagle_data.reader.samples import Samples, padded_order
 from eagle_data.storage.manifest import new_run_id
 
 log = logging.getLogger("eagle_data")
 
-MAX_BLOCKS = 1000  # of chunk numbers: the first blocks of a long stream hold a few each
+# The chunk numbers' blocks: one a chunk up to this many (each read_chunk call then reads one
+# chunk, as the engine takes it), fewer and larger beyond, so that a stream of many epochs does
+# not put a block per chunk in the object store and Ray Data's scheduler.
+MAX_BLOCKS = 1000
+# What a chunk's read reserves: it reads a few row groups and holds no core for long. A whole
+# CPU (Ray's default) would wait behind the engine replicas and training workers, which hold
+# every CPU of a small node, and starve the engine.
+READ_CPUS = 0.25
 SAMPLE_COLUMNS = ("sample_id", "epoch", "input_ids", "loss_mask", "hidden_states", "hidden_states_shape")
 
 
@@ -66,7 +77,7 @@ def features(out: str, cfg: Config, *, epochs: int = 1, world_size: int = 1, see
     layer_ids, dtype, scratch_dir) -> ds` replaces the configured engine stage, as in the
     hidden-states phase (benchmarks put a timed one there)."""
     if epochs < 1 or world_size < 1:
-        raise ValueError(f"epochs and world_size must be at least 1, got {epochs} and {world_size}")
+        raise ConfigError(f"the stream's epochs and world_size must be at least 1, got {epochs} and {world_size}")
     samples = Samples(out, finish_reason=cfg.hidden_states.finish_reason, source=cfg.hidden_states.source,
                       max_len=max_len, shuffle=shuffle, seed=seed, window=window, columns=("sample_id",))
     if not samples.row.size:
@@ -86,7 +97,7 @@ def features(out: str, cfg: Config, *, epochs: int = 1, world_size: int = 1, see
     # which the engines and training workers hold); each read_chunk call reads one chunk.
     ds = ray.data.from_items([{"id": k} for k in range(epochs * chunks)],
                              override_num_blocks=min(epochs * chunks, MAX_BLOCKS))
-    ds = ds.map_batches(read_chunk, batch_size=1, batch_format="pyarrow", num_cpus=0.25, fn_kwargs=dict(
+    ds = ds.map_batches(read_chunk, batch_size=1, batch_format="pyarrow", num_cpus=READ_CPUS, fn_kwargs=dict(
         samples=ray.put(samples), world_size=world_size, drop_last=drop_last, chunk=chunk, chunks=chunks,
         scratch=scratch))
     ds = (engine or apply_hidden_states_engine)(ds, cfg, ids, dtype, scratch)
@@ -123,65 +134,35 @@ READ_SCHEMA = pa.schema([("sample_id", pa.string()), ("epoch", pa.int64()), ("po
                          ("input_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int64())),
                          ("hidden_states_path", pa.string())])
 SAMPLE_TYPES = {**{f.name: f.type for f in READ_SCHEMA}, **STATE_COLUMNS}
-_ORDERS: dict = {}  # per worker process: the latest epoch's order, (samples ref, epoch) -> (order, Samples)
 
 
+@functools.lru_cache(maxsize=1)  # per worker process: a chunk's epoch is mostly the one before's
 def epoch_order(samples: ray.ObjectRef, world_size: int, drop_last: bool, epoch: int) -> tuple[np.ndarray, Samples]:
     """The epoch's order as the reader's ranks 0..W-1 would read it, one after the other."""
-    key = (samples.hex(), epoch)
-    if key not in _ORDERS:
-        reader = ray.get(samples)
-        _ORDERS.clear()
-        _ORDERS[key] = (padded_order(reader.epoch_order(epoch), world_size, drop_last), reader)
-    return _ORDERS[key]
+    reader = ray.get(samples)
+    return padded_order(reader.epoch_order(epoch), world_size, drop_last), reader
 
 
-class Checks:
+class Checks(Stage):
     """The engine's rows -> the samples that pass the hidden-states phase's checks; the
     others are counted, with their reasons, in the stream's report."""
+
+    reads = columns("sample_id", "epoch", "position", "input_ids", "loss_mask", ENGINE_ERROR_COLUMN, *STATE_COLUMNS)
+    makes = columns(*SAMPLE_COLUMNS)
 
     def __init__(self, reporter, layer_ids: list[int], hidden_size: int, dtype: str):
         import torch  # noqa: F401  (the checks' own import, once, before any batch)
 
         self.reporter, self.layer_ids, self.hidden_size, self.dtype = reporter, layer_ids, hidden_size, dtype
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        rows = batch.to_pylist()
+    def apply(self, batch: pa.Table) -> pa.Table:
+        rows = batch.select(list(self.reads)).to_pylist()
         errors = [row_error(row, self.layer_ids, self.hidden_size, self.dtype) for row in rows]
         ok = [row for row, error in zip(rows, errors) if not error]
         self.reporter.add.remote([(row["epoch"], row["position"]) for row in ok],
                                  [(row["epoch"], row["position"], row["sample_id"], e)
                                   for row, e in zip(rows, errors) if e])
         return pa.table({name: pa.array([row[name] for row in ok], SAMPLE_TYPES[name]) for name in SAMPLE_COLUMNS})
-
-
-def collate(batch: dict, pad_id: int, dtype: str, pad_to_multiple_of: int | None = None) -> dict:
-    """A batch of stream rows (numpy, as Ray Train's `iter_batches` gives it) -> the
-    reader's padded torch batch: input_ids, loss_mask, attention_mask [B, T] and
-    hidden_states [B, T, layers, H] in `dtype` (the config's hidden_states.dtype), with
-    sample_id and epoch as lists."""
-    import torch
-
-    from eagle_data.reader.torch_datasets import collate as pad
-
-    items = []
-    for i in range(len(batch["sample_id"])):
-        input_ids, loss_mask, states = row_tensors(batch, i, dtype)
-        items.append({"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "loss_mask": loss_mask,
-                      "hidden_states": states, "sample_id": str(batch["sample_id"][i]),
-                      "epoch": int(batch["epoch"][i])})
-    return pad(items, pad_id, pad_to_multiple_of)
-
-
-def row_tensors(batch: dict, i: int, dtype: str) -> tuple:
-    """Row i of a numpy batch of stream rows as torch tensors: input_ids and loss_mask (int64
-    [T], copies: Ray's arrays are read-only) and hidden_states ([T, layers, H] in `dtype`)."""
-    import torch
-
-    shape = [int(n) for n in batch["hidden_states_shape"][i]]
-    return (torch.tensor(np.asarray(batch["input_ids"][i], dtype=np.int64)),
-            torch.tensor(np.asarray(batch["loss_mask"][i], dtype=np.int64)),
-            as_tensor(batch["hidden_states"][i], shape, dtype))
 
 
 @ray.remote(num_cpus=0)

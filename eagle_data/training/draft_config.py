@@ -1,0 +1,69 @@
+"""`train.speculators` -> speculators' own TrainConfig (speculators 0.9.0, the `draft`
+extra), with what the stream decides filled in (the target, its aux layer ids), checked
+before anything starts: speculators' config ignores unknown keys, and a key in the wrong
+place would train with a silent default."""
+
+from __future__ import annotations
+
+import os
+
+from eagle_data.config import Config
+from eagle_data.errors import ConfigError, MissingPackage
+from eagle_data.job.phases.hidden_states import layer_ids, target_shape
+
+
+def speculators_config(cfg: Config):
+    """`train.speculators` as speculators' TrainConfig; refused where it cannot train from the stream."""
+    try:
+        from speculators.train.config.schema import TrainConfig
+    except ImportError as e:
+        raise MissingPackage(f"the draft trainer needs speculators 0.9.0 (the project's `draft` extra; "
+                             f"`make setup` installs it): {e}") from None
+    from pydantic import ValidationError
+
+    given = dict(cfg.train.speculators)
+    unknown_keys(TrainConfig, given, "train.speculators")
+    num_layers, _ = target_shape(cfg)
+    ids = layer_ids(cfg, num_layers)
+    if ids[-1] != num_layers or len(ids) < 2:
+        raise ConfigError(f"hidden_states.layer_ids {ids}: speculators takes the last layer as the final state "
+                          f"(layer id {num_layers}) and at least one aux layer before it")
+    draft = dict(given.get("draft") or {})
+    if draft.get("target_layer_ids") not in (None, ids[:-1]):
+        raise ConfigError(f"train.speculators.draft.target_layer_ids {draft['target_layer_ids']}: the stream "
+                          f"carries aux layers {ids[:-1]} (hidden_states.layer_ids {ids}); leave it unset")
+    verifier = (given.get("verifier") or {}).get("verifier_name_or_path")
+    if verifier not in (None, cfg.model.path):
+        raise ConfigError(f"train.speculators.verifier.verifier_name_or_path {verifier}: the stream's target is "
+                          f"model.path {cfg.model.path}; leave it unset")
+    try:
+        spec = TrainConfig.model_validate({**given, "draft": {**draft, "target_layer_ids": ids[:-1]},
+                                           "verifier": {**(given.get("verifier") or {}),
+                                                        "verifier_name_or_path": cfg.model.path,
+                                                        "trust_remote_code": cfg.model.trust_remote_code}})
+    except ValidationError as e:
+        raise ConfigError("train.speculators: " + "; ".join(
+            f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())) from None
+    if spec.speculator_type != "eagle3":
+        raise ConfigError(f"train.speculators.speculator_type {spec.speculator_type}: the stream carries EAGLE-3 "
+                          "features; only eagle3 trains from it")
+    save_path = (given.get("trainer") or {}).get("save_path")
+    if not save_path or not os.path.isabs(save_path):
+        raise ConfigError(f"train.speculators.trainer.save_path {save_path!r}: give an absolute folder for the "
+                          "draft checkpoints (on storage rank 0's node writes and you read)")
+    if os.path.exists(save_path) and (not os.path.isdir(save_path) or os.listdir(save_path)):
+        raise ConfigError(f"train.speculators.trainer.save_path {save_path} exists and is not an empty folder: "
+                          "choose a new one (nothing in it is replaced)")
+    return spec
+
+
+def unknown_keys(model, given: dict, where: str) -> None:
+    """speculators' config ignores unknown keys; a misspelt one would train with a default."""
+    for key, value in given.items():
+        field = model.model_fields.get(key)
+        if field is None:
+            raise ConfigError(f"{where}.{key}: unknown key (speculators' TrainConfig has "
+                              f"{', '.join(model.model_fields)})")
+        kind = field.annotation
+        if isinstance(value, dict) and isinstance(kind, type) and hasattr(kind, "model_fields"):
+            unknown_keys(kind, value, f"{where}.{key}")
