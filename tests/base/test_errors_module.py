@@ -18,15 +18,18 @@ import pyarrow as pa
 import pytest
 
 import eagle_data
+import ray_jobs
 from support import REPO
 from eagle_data import errors
 from eagle_data.__main__ import TOOLS
 from eagle_data.errors import DiskFull, EagleDataError, EmptyResult, cli
 from eagle_data.job.stages.columns import MissingColumns, require
 
-# The entry points, and the functions in them that make the exit code.
-CLI = {"ray_jobs/generate.py": {"main", "job"}, "eagle_data/__main__.py": {"main"},
-       **{tool.__name__.replace(".", "/") + ".py": {"run_cli"} for tool in TOOLS}}
+# The entry points (every module of ray_jobs/, and the tools' command line), and the
+# functions in them that make the exit code.
+ENTRY_POINTS = {"ray_jobs/generate.py": {"main", "job"}, "ray_jobs/train_draft.py": {"main", "job"},
+                "eagle_data/__main__.py": {"main"}}
+CLI = {**ENTRY_POINTS, **{tool.__name__.replace(".", "/") + ".py": {"run_cli"} for tool in TOOLS}}
 VERIFY_FOUND_PROBLEMS = 1  # a result of `verify`, not an error
 
 
@@ -34,7 +37,8 @@ def user_errors() -> set[type]:
     """Every EagleDataError subclass, once every module of the package is imported."""
     for module in pkgutil.walk_packages(eagle_data.__path__, "eagle_data."):
         importlib.import_module(module.name)
-    importlib.import_module("ray_jobs.generate")
+    for module in pkgutil.walk_packages(ray_jobs.__path__, "ray_jobs."):
+        importlib.import_module(module.name)
     found, todo = set(), [EagleDataError]
     while todo:
         for sub in todo.pop().__subclasses__():
@@ -85,6 +89,23 @@ def test_every_failing_exit_code_comes_from_an_error_type():
     assert readme.startswith("0 done;")
     for code in {c.exit_code for c in user_errors()}:
         assert f"; {code} " in readme.replace("\n", " ")
+
+
+def test_every_entry_point_exits_through_errors_cli():
+    """Each module of ray_jobs/ is an entry point listed above; each entry point's main
+    installs the stop-signal handlers, returns errors.cli(...)'s code, and the module runs
+    `exit_with(main())`."""
+    jobs = {f"ray_jobs/{m.name}.py" for m in pkgutil.iter_modules(ray_jobs.__path__)}
+    assert jobs == {path for path in ENTRY_POINTS if path.startswith("ray_jobs/")}
+    for path in ENTRY_POINTS:
+        tree = ast.parse((REPO / path).read_text())
+        [main] = [fn for fn in tree.body if isinstance(fn, ast.FunctionDef) and fn.name == "main"]
+        calls = {c.func.id for c in ast.walk(main) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
+        assert "stop_on_signals" in calls, path
+        returns = [r.value for r in main.body if isinstance(r, ast.Return)]
+        assert [ast.unparse(r.func) for r in returns if isinstance(r, ast.Call)] == ["cli"], path
+        [guard] = [n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "__name__ == '__main__'"]
+        assert [ast.unparse(n) for n in guard.body] == ["exit_with(main())"], path
 
 
 def test_cli_prints_a_user_error_with_one_prefix_and_returns_its_code(capsys):
