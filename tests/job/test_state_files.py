@@ -7,36 +7,52 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
-import time
 
 import pyarrow as pa
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors import SafetensorError
+from safetensors.torch import save, save_file
 
 from eagle_data.errors import NotWritable
 from eagle_data.job.stages.engines.state_files import (STATE_COLUMNS, clean_earlier_runs, prepare, scratch_folder,
                                                        take, with_state_columns)
 
 
-def test_take_waits_for_the_writers_lock_then_hands_the_bytes_on_and_removes_the_file(tmp_path):
+def test_take_waits_for_the_writers_lock_then_hands_the_bytes_on_and_removes_the_file(tmp_path, monkeypatch):
     path = str(tmp_path / "run" / "s-1.safetensors")
     os.makedirs(os.path.dirname(path))
     hidden = torch.randn(5, 3, 8)
+    whole = save({"hidden_states": hidden, "token_ids": torch.arange(5)})
+    with open(path, "wb") as f:
+        f.write(whole[:len(whole) // 2])  # the connector's write under way: half the file
     lock = os.open(path + ".lock", os.O_CREAT | os.O_WRONLY, 0o644)
     fcntl.flock(lock, fcntl.LOCK_EX)  # as the connector holds it until the file is whole
 
-    def write_late():
-        time.sleep(0.5)
-        save_file({"hidden_states": hidden, "token_ids": torch.arange(5)}, path)
+    # The writer finishes only once take() asks for the lock: take() has met the half file
+    # and must wait, whatever the threads' timing.
+    flock, asked, events = fcntl.flock, threading.Event(), []
+
+    def watched_flock(fd, operation):
+        if fd != lock:
+            asked.set()
+        return flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", watched_flock)
+
+    def write_once_asked():
+        events.append("asked" if asked.wait(30) else "never asked")
+        with open(path, "wb") as f:
+            f.write(whole)
+        events.append("written")
         os.close(lock)
 
-    writer = threading.Thread(target=write_late)
+    writer = threading.Thread(target=write_once_asked)
     writer.start()
-    started = time.monotonic()
     handed = take(path, "float32")
+    events.append("taken")
     writer.join()
-    assert time.monotonic() - started >= 0.4
+    assert events == ["asked", "written", "taken"]
     assert handed["hidden_states"] == hidden.numpy().tobytes()
     assert handed["hidden_states_shape"] == [5, 3, 8] and handed["hidden_token_ids"] == [0, 1, 2, 3, 4]
     assert os.listdir(tmp_path / "run") == []
@@ -49,7 +65,7 @@ def test_take_converts_to_the_phase_dtype_and_removes_a_file_it_cannot_read(tmp_
         torch.uint8).numpy().tobytes()
     with open(path, "wb") as f:
         f.write(b"not safetensors")
-    with pytest.raises(Exception, match="(?i)header"):
+    with pytest.raises(SafetensorError, match="(?i)header"):
         take(path, "float32")
     assert not os.path.exists(path)
 
