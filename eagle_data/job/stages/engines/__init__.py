@@ -109,7 +109,9 @@ def apply_engine(ds: ray.data.Dataset, cfg: Config, pad_id: int) -> ray.data.Dat
 
 def apply_hidden_states_engine(ds: ray.data.Dataset, cfg: Config, layer_ids: list[int], dtype: str,
                                scratch_dir: str) -> ray.data.Dataset:
-    """The hidden-states pass: each row's features written to its `hidden_states_path`."""
+    """The hidden-states pass: each row's features handed on as columns of the row
+    (state_files.py's STATE_COLUMNS; vLLM's file under `scratch_dir` is read back and removed
+    on the engine's node)."""
     if cfg.engine.backend == "vllm":
         from eagle_data.job.stages.engines.vllm_backend import engine_summary, wait_for_replica_resources
         from eagle_data.job.stages.engines.vllm_hidden_states import vllm_hidden_states_stage
