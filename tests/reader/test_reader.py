@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from support import SMALL_OUT_LOGPROBS, data_rows, synthetic_row, write_out
+from support import SMALL_OUT_LOGPROBS, data_rows, read, synthetic_row, write_out
 from eagle_data.errors import MissingInput
 from eagle_data.storage.contract import data_schema
 from eagle_data.reader import OutReader, OutDataset, OutIterableDataset, Samples, collate
@@ -51,16 +51,24 @@ def test_samples_are_the_data_rows_as_long_tensors(out, rows):
     assert set(OutDataset(str(out))[0]) == {"input_ids", "loss_mask", "attention_mask"}
 
 
-def test_shifted_loss_mask_convention_on_a_real_sample(out, rows):
-    """The module docstring's convention: labels = input_ids[1:], mask = loss_mask[1:]."""
-    s = OutDataset(str(out), shuffle=False, columns=["num_prompt_tokens"])[0]
-    input_ids, loss_mask, n = s["input_ids"], s["loss_mask"], s["num_prompt_tokens"]
-    labels, pred_mask = input_ids[1:], loss_mask[1:]
-    p = n - 1  # last prompt position
-    assert loss_mask[:n].sum() == 0 and loss_mask[n] == 1  # first generated token is a target
-    assert pred_mask[p] == 1 and labels[p] == input_ids[n]  # predicts the first generated token
-    assert pred_mask[p - 1] == 0 and labels[p - 1] == input_ids[p]  # predicts a prompt token
-    assert pred_mask.sum() == loss_mask.sum()  # no target is lost by the shift
+def test_loss_mask_marks_the_generated_tokens_after_the_tokenized_prompt(out, rows):
+    """The reader's input_ids start with the prompt the prompts phase tokenized (prompts/,
+    read with plain pyarrow), and its loss_mask is 0 over them and 1 over every token the
+    engine generated (as many as it gave log-probabilities for): the module docstring's
+    shift, labels = input_ids[1:] with loss_mask[1:], then trains position t on exactly the
+    generated tokens, the first from the last prompt position."""
+    prompts = {r["sample_id"]: r["tokenized_prompt"] for r in read(out, "prompts")}
+    ds = OutDataset(str(out), shuffle=False, columns=["sample_id", "conversation_id", "num_prompt_tokens"])
+    assert len(ds) == len(rows) > 8
+    for s in ds:
+        prompt, generated = prompts[s["conversation_id"]], len(rows[s["sample_id"]]["token_logprobs"])
+        input_ids, loss_mask = s["input_ids"].tolist(), s["loss_mask"].tolist()
+        assert s["num_prompt_tokens"] == len(prompt) and generated > 0
+        assert len(input_ids) == len(prompt) + generated
+        assert input_ids[:len(prompt)] == prompt
+        assert loss_mask == [0] * len(prompt) + [1] * generated
+        trained = [t for t, m in enumerate(loss_mask[1:]) if m]  # positions whose next token is a target
+        assert trained == list(range(len(prompt) - 1, len(input_ids) - 1))
 
 
 def test_collate_pads_ids_with_the_manifest_pad_id_and_masks_with_zero(out):
