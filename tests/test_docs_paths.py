@@ -6,7 +6,8 @@ What is checked: a path that starts with one of the repository's top folders
 a path that starts with a folder of eagle_data/, which the docs name relative to it
 (`job/stages/feed.py`, `engines/state_files.py`, `storage/`); a dotted module name
 (`python -m ray_jobs.generate`), which may end in a name that module defines
-(`eagle_data.training.stream.features`, `storage/contract.PHASES`); a Markdown link's target,
+(`eagle_data.training.stream.features`, `storage/contract.PHASES`, a class's
+`eagle_data.storage.status.SampleStatus.read`); a Markdown link's target,
 relative to the file it is in. Each must be a file or a folder (a module: its .py file or
 package) of this checkout.
 
@@ -63,9 +64,9 @@ def sources() -> list[Path]:
             REPO / "cluster.yaml"]
 
 
-def top_level_names(tree: ast.Module) -> set[str]:
-    """The names a module binds at its top level (also under a top-level if/try/with)."""
-    names, body = set(), list(tree.body)
+def bound_names(statements: list[ast.stmt]) -> set[str]:
+    """The names a module's or a class's body binds (also under an if/try/with in it)."""
+    names, body = set(), list(statements)
     while body:
         node = body.pop()
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -82,8 +83,20 @@ def top_level_names(tree: ast.Module) -> set[str]:
 
 
 @functools.cache
-def defined(module_file: Path) -> set[str]:
-    return top_level_names(ast.parse(module_file.read_text()))
+def parsed(module_file: Path) -> ast.Module:
+    return ast.parse(module_file.read_text())
+
+
+def defines(module_file: Path, names: list[str]) -> bool:
+    """NAME: the module binds it, or exports it lazily (a string of its source, as a module
+    `__getattr__` takes it), or it is a module's own (`__file__`); Class.NAME: the class's
+    body binds it."""
+    tree = parsed(module_file)
+    if len(names) == 1:
+        strings = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+        return names[0] in bound_names(tree.body) | strings or re.fullmatch(r"__\w+__", names[0]) is not None
+    classes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == names[0]]
+    return len(names) == 2 and any(names[1] in bound_names(c.body) for c in classes)
 
 
 @functools.cache
@@ -103,21 +116,25 @@ def module_file(parts: list[str]) -> Path | None:
 
 
 def module_exists(name: str) -> bool:
-    """A module, or a module and one name its source defines, or a string the code holds."""
+    """A module, or a module and a name it defines (`defines`), or a string the code holds."""
     parts = name.split(".")
     if module_file(parts) is not None or name in code_strings():
         return True
-    found = module_file(parts[:-1])
-    return found is not None and found.is_file() and parts[-1] in defined(found)
+    for split in (len(parts) - 1, len(parts) - 2):
+        found = module_file(parts[:split]) if split > 0 else None
+        if found is not None and found.is_file() and defines(found, parts[split:]):
+            return True
+    return False
 
 
 def path_exists(path: Path) -> bool:
-    """A file or folder; or `x/module.NAME`: module.py defining NAME."""
+    """A file or folder; or `x/module.NAME`: module.py defining NAME (`defines`)."""
     if path.exists():
         return True
-    stem, dot, attribute = path.name.partition(".")
+    stem, dot, names = path.name.partition(".")
     module = path.with_name(stem + ".py")
-    return bool(dot) and attribute.isidentifier() and module.is_file() and attribute in defined(module)
+    return bool(dot) and module.is_file() and all(n.isidentifier() for n in names.split(".")) \
+        and defines(module, names.split("."))
 
 
 def checked_path(path: str) -> str | None:
@@ -186,7 +203,11 @@ def test_the_rules_find_what_they_should():
     # what exists, and what the rules leave out
     assert found("eagle_data/job/stages/engines/state_files.py, `tests/vllm/`, job/stages/feed.py, "
                  "storage/contract.PHASES, eagle_data.training.stream.features, python -m ray_jobs.generate, "
-                 "eagle_data.out_id") == []
+                 "eagle_data.out_id, eagle_data.reader.OutIterableDataset, eagle_data.storage.status.SampleStatus.read, "
+                 "storage/status.SampleStatus.read") == []
+    assert found("eagle_data.storage.status.SampleStatus.nope, eagle_data.stream.features") == [
+        "eagle_data.storage.status.SampleStatus.nope (a module, or a name in one)",
+        "eagle_data.stream.features (a module, or a name in one)"]
     assert found("OUT/data/x.parquet out/demo/docs/nope.md https://github.com/o/r/blob/main/tests/nope.py") == []
     assert found("data/*.parquet, data/train.jsonl, tests/nope/*.py, ray_jobs.<name>, docs/hidden files") == [
         "tests/nope/"]
