@@ -139,12 +139,16 @@ def model_config(path: str, trust_remote_code: bool = False) -> tuple[dict | Non
     if not kwargs and os.path.isfile(config_file):
         with open(config_file) as f:
             return json.load(f), config_file
+    if not is_hub_id(path) and not os.path.exists(os.path.expanduser(resolve_model_path(path))):
+        # transformers would take it for a hub id and say "Repo id must be in the form ..."
+        return None, f"{path!r} does not exist (no such file or folder)"
     from transformers import AutoConfig
 
     try:
         return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **kwargs).to_dict(), f"{path} config"
     except (OSError, ValueError) as e:
-        return None, f"no model config found ({type(e).__name__})"
+        text = " ".join(str(e).split())
+        return None, f"no model config at {path!r} ({type(e).__name__}: {text[:300]})"
 
 
 def text_config_value(config: dict, key: str):

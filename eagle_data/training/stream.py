@@ -40,6 +40,7 @@ from collections import Counter
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import ray
 
 from eagle_data.config import Config
@@ -81,8 +82,7 @@ def features(out: str, cfg: Config, *, epochs: int = 1, world_size: int = 1, see
     samples = Samples(out, finish_reason=cfg.hidden_states.finish_reason, source=cfg.hidden_states.source,
                       max_len=max_len, shuffle=shuffle, seed=seed, window=window, columns=("sample_id",))
     if not samples.row.size:
-        raise MissingInput(f"{out}: no data/ row is selected (hidden_states.finish_reason "
-                           f"{cfg.hidden_states.finish_reason}, source {cfg.hidden_states.source}, max_len {max_len})")
+        raise MissingInput(no_rows(samples, cfg, max_len))
     per_epoch = padded_order(np.arange(samples.row.size), world_size, drop_last).size
     num_layers, hidden_size = target_shape(cfg)
     ids, dtype = layer_ids(cfg, num_layers), cfg.hidden_states.dtype
@@ -109,6 +109,20 @@ def features(out: str, cfg: Config, *, epochs: int = 1, world_size: int = 1, see
                           compute=ray.data.ActorPoolStrategy(size=cfg.engine.replicas),
                           fn_constructor_kwargs=dict(reporter=reporter, layer_ids=ids, hidden_size=hidden_size,
                                                      dtype=dtype))
+
+
+def no_rows(samples: Samples, cfg: Config, max_len: int | None) -> str:
+    """Why the stream has no sample: data/ is missing or holds no row (the generate phase has
+    not run, or answered nothing), or the filters that are set leave none."""
+    root = samples.out.root
+    filters = {"hidden_states.finish_reason": cfg.hidden_states.finish_reason,
+               "hidden_states.source": cfg.hidden_states.source, "max_len": max_len}
+    named = ", ".join(f"{key} {value}" for key, value in filters.items() if value is not None)
+    if samples.out.files and named:
+        return f"{root}: no data/ row is selected by {named}: widen them (null: any)"
+    found = samples.out.fs.get_file_info(f"{root}/data").type == pafs.FileType.Directory
+    return (f"{root}/data {'holds no row' if found else 'is missing'}: this OUT has no answers to stream (has the "
+            "generate phase run? `python -m ray_jobs.generate --config FILE --phase generate` makes them)")
 
 
 def read_chunk(batch: pa.Table, samples: ray.ObjectRef, world_size: int, drop_last: bool, chunk: int,

@@ -59,7 +59,8 @@ def target_shape(cfg: Config) -> tuple[int, int]:
     """(decoder layers L, hidden size H) of the target, from its config."""
     config, where = model_config(cfg.model.path, cfg.model.trust_remote_code)
     if config is None:
-        raise MissingInput(f"the hidden-states phase needs the target's config: {where}")
+        raise MissingInput(f"model.path {cfg.model.path!r}: the target's config (its layers and hidden size, "
+                           f"for the hidden states) cannot be read: {where}")
     layers, hidden = text_config_value(config, "num_hidden_layers"), text_config_value(config, "hidden_size")
     if not layers or not hidden:
         raise MissingInput(f"{where} has no num_hidden_layers / hidden_size")
