@@ -6,6 +6,11 @@ the packing stage after either engine is the same. No file is written.
 Layer id k < L is HF's `hidden_states[k]` (the residual stream after k decoder layers).
 Id L is the last decoder layer's output before the final norm, taken with a forward hook:
 HF's `hidden_states[L]` is after the norm (Qwen3, Llama under transformers 5).
+
+The model is loaded as the generate pass loads it: `engine.engine_kwargs` go to
+`from_pretrained` (a `revision`, `subfolder`, `variant`, `attn_implementation`, ...: the
+same weights the answers came from), except the dtype, which is the pass's own
+(`hidden_states.dtype`), as vLLM's pass sets it over the engine's.
 """
 
 from __future__ import annotations
@@ -29,6 +34,17 @@ def decoder_layers(model):
     return layers
 
 
+DTYPE_KWARGS = ("dtype", "torch_dtype")  # transformers' two spellings of the dtype
+
+
+def from_pretrained_kwargs(engine_kwargs: dict, dtype: str) -> dict:
+    """`from_pretrained`'s pass-through kwargs for the pass: `engine.engine_kwargs` (what the
+    generate pass passes), with `dtype` (a torch dtype's name) instead of theirs."""
+    import torch
+
+    return {**{k: v for k, v in engine_kwargs.items() if k not in DTYPE_KWARGS}, "dtype": getattr(torch, dtype)}
+
+
 class TransformersHiddenStates(Stage):
     """Loads the model once per actor; one forward per row (no padding: exact positions)."""
 
@@ -36,11 +52,9 @@ class TransformersHiddenStates(Stage):
     makes = columns("sample_id", ENGINE_ERROR_COLUMN, *STATE_COLUMNS)
 
     def __init__(self, model_path: str, trust_remote_code: bool, layer_ids: list[int], dtype: str,
-                 cpu_threads: int | None = None):
-        import torch
-
+                 cpu_threads: int | None = None, engine_kwargs: dict | None = None):
         self.torch, self.device, self.model = load_model(model_path, trust_remote_code,
-                                                         {"dtype": getattr(torch, dtype)}, cpu_threads)
+                                                         from_pretrained_kwargs(engine_kwargs or {}, dtype), cpu_threads)
         self.layer_ids = sorted(layer_ids)
         layers = decoder_layers(self.model)
         self.num_layers = len(layers)
@@ -78,4 +92,5 @@ class TransformersHiddenStates(Stage):
 
 def transformers_hidden_states_stage(ds: ray.data.Dataset, cfg: Config, layer_ids: list[int],
                                      dtype: str) -> ray.data.Dataset:
-    return actor_pool(ds, cfg, TransformersHiddenStates, cfg.engine.batch_size, layer_ids=layer_ids, dtype=dtype)
+    return actor_pool(ds, cfg, TransformersHiddenStates, cfg.engine.batch_size, layer_ids=layer_ids, dtype=dtype,
+                      engine_kwargs=cfg.engine.engine_kwargs)
