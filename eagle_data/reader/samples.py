@@ -19,6 +19,9 @@ never at read time, so no rank's count can change while it iterates.
 Shuffling is two-level so that reads stay sequential: row groups are permuted, then rows
 are permuted within each group of `window` consecutive row groups. All ranks must see the
 same shard list: read an OUT whose generate phase finished (not one still being written).
+An OUT whose data/ holds fewer rows than its generate phase recorded ok (a shard deleted or
+moved out since) is refused, naming the counts and `verify`: reading on would train on
+what is left without a word (`storage/damage.py` `missing_data_rows`).
 
 Hidden states (`hidden_states=True`, for an OUT whose hidden-states phase ran): each item
 also has `hidden_states`, a torch tensor [tokens, n_layers, H] in the OUT's dtype (torch
@@ -64,6 +67,7 @@ import pyarrow.parquet as pq
 
 from eagle_data.errors import ConfigError, EagleDataError, MissingInput
 from eagle_data.storage.contract import HIDDEN_STATES, LOGPROB_COLUMNS
+from eagle_data.storage.damage import missing_data_rows
 from eagle_data.storage.folder import Output
 from eagle_data.storage.hidden_states import DTYPES, Entry, Index, ShardHeaderError, damaged, read_header, stale, tokens_crc32
 from eagle_data.storage.selection import row_filter
@@ -76,12 +80,19 @@ FILTER_COLUMNS = ("finish_reason", "source", *LENGTH_COLUMNS)  # small: read for
 
 class OutReader:
     """A read-only view of an OUT (storage's `Output`, opened as `Output.existing`): its data/
-    shards and what the manifest says of them; nothing but the shard list and manifest is read here."""
+    shards and what the manifest says of them; nothing but the shard list, their footers and
+    the manifest is read here. Refused (MissingInput) when data/ holds fewer rows than the
+    generate phase recorded ok."""
 
     def __init__(self, path: str, filesystem=None):
         out = Output.existing(path, filesystem)
         self.fs, self.root, self.manifest = out.fs, out.root, out.manifest
         self.files = readable_shards(self.fs, out.folder("data"))  # a damaged one: an error naming it
+        missing = missing_data_rows(out, self.files)  # a shard gone: refused, not read short
+        if missing:
+            raise MissingInput(f"{missing}: reading on would serve only what is left. Run `python -m eagle_data "
+                               f"verify {self.root}` to see which samples are missing; the job's generate phase "
+                               "(the same command) answers them again")
 
     @property
     def tokenizer(self) -> dict:

@@ -82,6 +82,23 @@ def check_prompts_record(out: Output) -> None:
             return
 
 
+def missing_data_rows(out: Output, files: list[str]) -> str | None:
+    """Why data/ (its shards `files`) cannot be read as the generate phase left it: it holds
+    fewer rows than that phase recorded ok (counts over every run, at its last finish) -- a
+    shard deleted or moved out since, or quarantined by a run that has not answered its
+    samples again yet --, or None. More rows than recorded is a later run adding rows (one
+    may still be running); an OUT with no recorded count (no finished generate run) is not
+    checked. A consumer reading on would silently train on fewer samples."""
+    recorded = out.manifest.counts("generate").get("ok")
+    if not recorded:
+        return None
+    rows = sum(_rows(out.fs, f) for f in files)
+    if rows >= recorded:
+        return None
+    return (f"{out.root}/data holds {rows} rows, fewer than the {recorded} ok rows the generate phase recorded "
+            "(a shard deleted or moved out of data/ since, or quarantined as damaged by a run)")
+
+
 def read_problem(fs, path: str) -> str | None:
     """Why a shard does not read back whole, or None."""
     try:

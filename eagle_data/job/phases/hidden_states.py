@@ -44,7 +44,7 @@ from eagle_data.storage.hidden_states import layer_bytes
 from eagle_data.storage.selection import selected_rows
 from eagle_data.storage.shards import shard_files
 from eagle_data.storage.status import SampleStatus
-from eagle_data.storage.damage import quarantine_hidden_states
+from eagle_data.storage.damage import missing_data_rows, quarantine_hidden_states
 
 log = logging.getLogger("eagle_data")
 
@@ -84,6 +84,11 @@ def run_hidden_states(cfg: Config, out: Output, engine=None) -> dict:
     data_files = shard_files(out.fs, out.folder("data"))
     if not data_files:
         raise MissingInput(f"{out.root}/data holds no rows: run the generate phase first")
+    missing = missing_data_rows(out, data_files)
+    if missing:
+        raise MissingInput(f"{missing}: their samples would get no hidden states. Run the generate phase first "
+                           f"(`--phase generate` or `all`: it answers them again); `python -m eagle_data verify "
+                           f"{out.root}` names them")
     if not isinstance(out.fs, pafs.LocalFileSystem):
         raise NotWritable(f"the hidden-states phase needs output.path on a local or mounted filesystem "
                           f"(every node's engine writes its files there), not {cfg.output.path!r}")
