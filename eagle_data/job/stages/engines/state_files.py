@@ -16,6 +16,16 @@ Scratch layout: `<scratch_dir>/eagle-data-<out_id>/<run_id>/<sample_id>.safetens
 killed on a node leaves its folder there; the next run's engine actors on that node remove
 the folders of this OUT's earlier runs (`clean_earlier_runs`: only folders named like a run
 id, inside the folder named after this OUT; an OUT runs one phase at a time, its lock says so).
+
+A feature stream's files are under `<scratch_dir>/eagle-data-stream-<id>/<run_id>/` (one
+folder per stream, training/stream.py); several streams may run at once on a node. Each of
+its engine actors holds `<scratch_dir>/eagle-data-stream-<id>.lock` (shared, fcntl) from
+before the folder is made until the actor's process ends, however it ends (the kernel lets
+go of a dead process's lock). Every hidden-states engine that starts on a node (a stream's
+or the phase's) removes the folders of the streams whose lock no engine holds: the run
+folders in them, the folder once empty, and the lock (`clean_ended_streams`; a folder left
+by an eagle-data from before these locks has none, and goes too). A folder with something
+else in it is left, and so is any name the project does not make.
 """
 
 from __future__ import annotations
@@ -32,6 +42,9 @@ from eagle_data.errors import NotWritable
 STATE_COLUMNS = {"hidden_states": pa.large_binary(), "hidden_states_shape": pa.list_(pa.int64()),
                    "hidden_token_ids": pa.list_(pa.int64())}
 RUN_FOLDER = re.compile(r"^\d{8}T\d{6}-[0-9a-f]{6}$")  # manifest.new_run_id's names
+STREAM_FOLDER = re.compile(r"^eagle-data-stream-[0-9a-f]{32}$")  # training/stream.py's, one per stream
+LOCK = ".lock"
+_held: dict[str, int] = {}  # this process's stream locks: lock path -> its open descriptor
 
 
 def scratch_folder(scratch_dir: str, out_id: str, run_id: str) -> str:
@@ -86,15 +99,80 @@ def remove(path: str) -> None:
 
 
 def prepare(run_folder: str) -> None:
-    """At an engine actor's start on its node: this run's scratch folder made (one that
-    cannot be is the engine's start failure, said in one line, instead of a failed row per
-    request), and this OUT's earlier runs' folders there removed."""
+    """At an engine actor's start on its node: a stream's lock held (for as long as this
+    process lives), this run's scratch folder made (one that cannot be is the engine's start
+    failure, said in one line, instead of a failed row per request), this OUT's earlier
+    runs' folders there removed, and the folders of streams that no longer run."""
+    folder = os.path.dirname(run_folder.rstrip("/"))
+    scratch_dir, top = os.path.split(folder)
     try:
+        if STREAM_FOLDER.match(top):
+            hold(folder + LOCK)
         os.makedirs(run_folder, exist_ok=True)
     except OSError as e:
         raise NotWritable(f"hidden_states.scratch_dir: cannot make {run_folder} on this node ({e}); choose a "
                           "folder on each engine node's own storage that the job may write") from None
     clean_earlier_runs(run_folder)
+    clean_ended_streams(scratch_dir)
+
+
+def hold(lock_path: str) -> None:
+    """Hold `lock_path` shared until this process ends (once per process). A cleaner that
+    took it exclusively in the meantime has removed it: then it is made again."""
+    if lock_path in _held:
+        return
+    os.makedirs(os.path.dirname(lock_path), exist_ok=True)
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            if os.stat(lock_path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                _held[lock_path] = fd
+                return
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def clean_ended_streams(scratch_dir: str) -> list[str]:
+    """Remove what ended streams left in this node's scratch: for each stream folder (or lock)
+    whose lock can be taken exclusively (no live engine holds it), its run folders, then the
+    folder if that left it empty, then its lock. Returns the stream folders removed."""
+    removed = []
+    try:
+        names = os.listdir(scratch_dir)
+    except OSError:
+        return removed
+    for stem in sorted({n.removesuffix(LOCK) for n in names if STREAM_FOLDER.match(n.removesuffix(LOCK))}):
+        folder = os.path.join(scratch_dir, stem)
+        lock_path = folder + LOCK
+        if lock_path in _held or os.path.islink(folder):
+            continue
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError:  # another user's, or not a plain file: not ours to judge
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a running stream's engine holds it
+            if os.path.isdir(folder):
+                for name in os.listdir(folder):
+                    path = os.path.join(folder, name)
+                    if RUN_FOLDER.match(name) and os.path.isdir(path) and not os.path.islink(path):
+                        shutil.rmtree(path, ignore_errors=True)
+                try:
+                    os.rmdir(folder)
+                except OSError:
+                    continue  # it holds something the project did not put there: left, lock and all
+            os.unlink(lock_path)
+            removed.append(folder)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
 
 
 def clean_earlier_runs(run_folder: str) -> list[str]:
