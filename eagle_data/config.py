@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from eagle_data.errors import ConfigError
@@ -25,8 +26,22 @@ def _no_boolean(value: Any) -> Any:
     return value
 
 
+def _finite_tree(value: Any, where: tuple = ()) -> Any:
+    """A free-form setting's values, at any depth: an inf or nan inside them reaches the
+    engine or speculators as it does at the top (speculators' `optimizer.lr: .nan` trained
+    and failed ~100 s later)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{'.'.join(map(str, where))}: Input should be a finite number (got {value})")
+    for key, item in value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ():
+        _finite_tree(item, (*where, key))
+    return value
+
+
 Finite = Annotated[float, Field(allow_inf_nan=False), BeforeValidator(_no_boolean)]
 Int = Annotated[int, Field(strict=True)]
+# Every free-form setting (passed on to the chat template, the engine or speculators): its
+# numbers are finite too.
+FreeForm = Annotated[dict[str, Any], AfterValidator(_finite_tree)]
 # The finish reasons a data/ row can have (job/stages/postprocess.py); a filter on others
 # selects nothing, so any other value is a config error (the tools' --finish-reason: choices).
 FinishReason = Literal["stop", "length"]
@@ -113,7 +128,7 @@ class PromptConfig(_Section):
     max_turns: Int | None = Field(
         json_schema_extra=changes("prompts"), default=None, ge=1,
         description="`turns: all`: answer at most this many user turns per conversation; null = all")
-    chat_template_kwargs: dict[str, Any] = Field(
+    chat_template_kwargs: FreeForm = Field(
         json_schema_extra=changes("prompts"), default_factory=dict,
         description="passed to `apply_chat_template` (e.g. `enable_thinking`, `thinking`)")
 
@@ -182,7 +197,7 @@ class EngineConfig(_Section):
         json_schema_extra=RUN_ONLY, default=64, ge=1,
         description="batches in flight per replica; keep `batch_size x max_concurrent_batches >= "
                     "(2 + batch_size/8) x max_num_seqs` (the job warns when it is not)")
-    engine_kwargs: dict[str, Any] = Field(
+    engine_kwargs: FreeForm = Field(
         json_schema_extra=RUN_ONLY, default_factory=dict,
         description="passed through to the engine: vLLM's `engine_kwargs` (`max_num_seqs`, "
                     "`enable_prefix_caching`, ...) or transformers' `from_pretrained`. A key that a typed "
@@ -195,8 +210,11 @@ class EngineConfig(_Section):
         description="CPUs reserved by one engine replica (transformers, or vllm with `device: cpu`)")
     cpu_threads: Int | None = Field(
         json_schema_extra=RUN_ONLY, default=None, ge=1,
-        description="the transformers backend's torch threads; null = all cores of its node "
-                    "(Ray would otherwise limit it to `num_cpus`)")
+        description="an engine replica's compute threads on CPU; null = all cores. transformers: torch's threads "
+                    "(Ray would otherwise limit them to `num_cpus`). vllm with `device: cpu`: its OpenMP threads, "
+                    "bound to this many of the cores the replica's actor may use (Ray reserves `num_cpus`, it does "
+                    "not pin), a share per rank; a set VLLM_CPU_OMP_THREADS_BIND is used instead. vLLM's own "
+                    "binding keeps a core for its scheduler: half of a 2-core machine (docs/development.md)")
     replica_resources: dict[str, Annotated[Finite, Field(gt=0)]] = Field(
         json_schema_extra=RUN_ONLY, default_factory=dict,
         description="custom Ray resources one engine replica takes, e.g. `{eagle_replica: 1}` with every node "
@@ -224,7 +242,7 @@ class VariantConfig(_Section):
     top_p: Finite | None = Field(default=None, gt=0, le=1, description="nucleus sampling: top-p")
     top_k: Int | None = Field(default=None, ge=0, description="top-k sampling; 0 = off")
     min_p: Finite | None = Field(default=None, ge=0, le=1, description="min-p sampling; 0 = off")
-    chat_template_kwargs: dict[str, Any] | None = Field(
+    chat_template_kwargs: FreeForm | None = Field(
         default=None, description="over `prompt.chat_template_kwargs` (e.g. `enable_thinking: false`); "
                                   "applied in the prompts phase, so prompts/ holds the tokens the engine sees")
 
@@ -363,11 +381,15 @@ class TrainConfig(_Section):
         json_schema_extra=RUN_ONLY, default=8, ge=1,
         description="stream rows per optimizer step on each worker, packed into one sequence of their "
                     "tokens (speculators' packed batch); equal on every worker, so DDP's steps line up")
+    resource_wait_s: Finite = Field(
+        json_schema_extra=RUN_ONLY, default=300, ge=0,
+        description="how long (seconds) to wait for the cluster to offer the workers' resources (an autoscaling "
+                    "cluster adds nodes) before failing with a message, instead of waiting forever")
     checkpoint_every: Int | None = Field(
         json_schema_extra=RUN_ONLY, default=None, ge=1,
         description="also save the draft every this many steps, as `step-<N>/` beside `final/`; null = at the "
                     "end only")
-    speculators: dict[str, Any] = Field(
+    speculators: FreeForm = Field(
         json_schema_extra=RUN_ONLY, default_factory=dict,
         description="speculators 0.9.0's own training config (`speculators.train` TrainConfig, nested as in "
                     "its YAML): draft shape (`draft.*`), loss, optimizer, `trainer.epochs`, "
@@ -413,6 +435,10 @@ class Config(_Section):
                              "(CPUs: engine.num_cpus; GPUs follow engine.tensor_parallel_size)")
         if self.engine.backend == "transformers" and self.engine.tensor_parallel_size != 1:
             raise ValueError("engine.tensor_parallel_size > 1 needs engine.backend=vllm")
+        threads, ranks = self.engine.cpu_threads, self.engine.tensor_parallel_size
+        if self.engine.device == "cpu" and threads is not None and threads < ranks:
+            raise ValueError(f"engine.cpu_threads ({threads}) is fewer than engine.tensor_parallel_size "
+                             f"({ranks}): each rank needs a core of its own")
         return self
 
 

@@ -84,9 +84,22 @@ class OutputMismatch(EagleDataError):
     """OUT was made with a config that the current one would silently mix with."""
 
 
+class DamagedModel(EagleDataError):
+    """A model file does not hold what it says (a truncated download), named."""
+
+
 class NoReplicaResources(EagleDataError):
     """The cluster cannot hold one engine replica (after engine.resource_wait_s): a setup
     problem like any other, so the same code."""
+
+
+class DraftStartFailed(EagleDataError):
+    """The draft trainer's worker could not build the draft on its verifier (the target's
+    config or weights did not load): the cause named, instead of Ray Train's traceback."""
+
+
+class NoTrainingResources(EagleDataError):
+    """The cluster cannot hold the draft trainer's workers (after train.resource_wait_s)."""
 
 
 class EngineStartFailed(EagleDataError):
@@ -138,6 +151,7 @@ class Stopped(KeyboardInterrupt):
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_stopped_by: list[int] = []  # the stop signals received, in order: what `cli` reports
 
 
 def stop_on_signals() -> None:
@@ -161,12 +175,26 @@ def ignore_stop_signals() -> None:
 
 
 def _stop(signum: int, frame) -> None:
+    _stopped_by.append(signum)
     ignore_stop_signals()
     raise Stopped(signum)
 
 
 def _ignore(signum: int, frame) -> None:
     pass
+
+
+def user_error(e: BaseException | None) -> EagleDataError | None:
+    """The project's error behind `e`, if any: `e` itself, or what it wraps through a Ray
+    task's or actor's error (its `.cause`) or was raised from."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        cause = getattr(e, "cause", None)
+        if isinstance(e, EagleDataError) and not isinstance(cause, BaseException):
+            return e
+        e = cause if isinstance(cause, BaseException) else e.__cause__
+    return None
 
 
 def no_space(e: BaseException) -> OSError | None:
@@ -187,6 +215,7 @@ def cli(command: Callable[[], int], writing: Callable[[], str | None] = lambda: 
     destination) is a DiskFull; a stop signal (Stopped, or Ctrl-C before stop_on_signals)
     prints `error: stopped by SIG...<on_stop>` and returns 128 + its number. Anything else
     propagates with its traceback."""
+    _stopped_by.clear()  # a stop signal is one per command: an earlier command's is not this one's
     try:
         try:
             return command()
@@ -202,7 +231,9 @@ def cli(command: Callable[[], int], writing: Callable[[], str | None] = lambda: 
         return e.exit_code
     except KeyboardInterrupt as e:
         ignore_stop_signals()  # the process is on its way out: no second message or traceback
-        signum = getattr(e, "signum", signal.SIGINT)
+        # The signal's own number, also where what reached here is a plain KeyboardInterrupt
+        # (a stop raised inside a call that turned it into one); Ctrl-C before the handlers.
+        signum = getattr(e, "signum", None) or (_stopped_by[0] if _stopped_by else signal.SIGINT)
         print(f"error: stopped by {signal.Signals(signum).name}{on_stop}", file=sys.stderr)
         return 128 + signum
 

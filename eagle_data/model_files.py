@@ -16,7 +16,7 @@ import urllib.parse
 import re
 from dataclasses import dataclass
 
-from eagle_data.errors import EagleDataError, MissingInput
+from eagle_data.errors import DamagedModel, EagleDataError, MissingInput
 
 
 def resolve_model_path(path: str) -> str:
@@ -64,6 +64,33 @@ def check_tokenizer_path(path: str) -> None:
     resolved = resolve_model_path(path)
     if not is_hub_id(path) and not os.path.exists(os.path.expanduser(resolved)):
         raise MissingInput(f"model/tokenizer path {path!r} does not exist ({resolved})")
+
+
+def check_weights(path: str) -> None:
+    """Fail fast, before any Ray work, on a local model folder whose safetensors files do not
+    hold what their headers say (a truncated download): the engines and the draft trainer's
+    workers would each fail on it later, one traceback per actor. Reads the headers only."""
+    folder = os.path.expanduser(resolve_model_path(path))
+    if not os.path.isdir(folder):
+        return  # a hub id or a single (GGUF) file
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".safetensors"):
+            continue
+        file = os.path.join(folder, name)
+        size = os.path.getsize(file)
+        try:
+            with open(file, "rb") as f:
+                length = int.from_bytes(f.read(8), "little")
+                if 8 + length > size:
+                    raise ValueError(f"a header of {length} bytes")
+                header = json.loads(f.read(length))
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            raise DamagedModel(f"model.path {path!r}: {name} is not a readable safetensors file ({e}); "
+                               "download or convert the model again") from None
+        if 8 + length + end > size:
+            raise DamagedModel(f"model.path {path!r}: {name} is truncated ({size} bytes; its header says "
+                               f"{8 + length + end}); download or convert the model again")
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:

@@ -118,3 +118,14 @@ def smoke_runs(request):
     yield runs
     for lane in lanes:
         lane.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.fixture
+def own_signal_handlers():
+    """The test process's SIGINT and SIGTERM handlers, put back after the test."""
+    import signal
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)

@@ -3,7 +3,9 @@
 version check, bounded queues between the generate stream's operators (`QueuedBlocksCap`,
 `bound_queues`), small Parquet read tasks, one engine batch per block, reads that hand on
 each block as it comes, this job's actors (Ray's state API), the engine operator's replicas
-(its operator state) and Ray Data's progress output.
+(its operator state), Ray Data's progress output, waiting for the nodes a job needs
+(`wait_for_nodes`: Ray Data and Ray Train would wait for them forever), and a local Ray
+instance that its own workers can find (`init_ray`).
 
 `check_ray_version` (called at import) compares the installed Ray with the pin in
 pyproject.toml and says what to do when they differ.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 import weakref
 
@@ -125,6 +128,46 @@ def job_actors(class_names: tuple[str, ...]) -> list | None:
         log.debug("Ray's state API did not answer: %s", e)
         return None
     return [a for a in actors if a.node_id in ours and any(f"({name})" in (a.class_name or "") for name in class_names)]
+
+
+def init_ray() -> None:
+    """ray.init(): join the cluster there is (RAY_ADDRESS, or the latest `ray start`'s), else
+    start a local instance whose workers are told its address (RAY_ADDRESS in the job's
+    runtime env; its GCS on a port chosen here). Without it, what a worker asks Ray's state
+    API looks for "the" Ray instance on the machine, and beside another one fails: Ray
+    Train's PlacementGroupCleaner printed "Found multiple active Ray instances" and its
+    traceback into the log of a run that succeeded."""
+    from ray._private import services
+
+    if services.canonicalize_bootstrap_address(None) is not None:
+        ray.init()  # joins it
+        return
+    with socket.socket() as s:  # a free port now; the GCS binds it a moment later
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    address = f"{services.get_node_ip_address()}:{port}"
+    before = os.environ.get("RAY_GCS_SERVER_PORT")
+    os.environ["RAY_GCS_SERVER_PORT"] = str(port)  # read by the local node Ray starts (ray._private.node)
+    try:
+        ray.init(address="local", runtime_env={"env_vars": {"RAY_ADDRESS": address}})
+    finally:
+        os.environ.pop("RAY_GCS_SERVER_PORT") if before is None else os.environ.update(RAY_GCS_SERVER_PORT=before)
+    if ray.get_runtime_context().gcs_address != address:
+        log.warning("the local Ray instance is at %s, not %s as its workers were told",
+                    ray.get_runtime_context().gcs_address, address)
+
+
+def wait_for_nodes(fits, wait_s: float, poll_s: float = 2.0) -> tuple[bool, list[dict]]:
+    """Whether `fits(nodes)` (each alive node's resources) became true within `wait_s`
+    seconds (an autoscaling cluster adds nodes meanwhile), and the nodes last seen."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+        if fits(nodes):
+            return True, nodes
+        if time.monotonic() >= deadline:
+            return False, nodes
+        time.sleep(poll_s)
 
 
 def wait_for_actors_to_exit(class_names: tuple[str, ...], timeout_s: float = 60) -> None:

@@ -20,7 +20,7 @@ import ray
 
 from eagle_data.errors import ignore_stop_signals, stop_on_signals
 from eagle_data.job.driver_priority import step_below_engine
-from eagle_data.job.ray_internals import ray_data_progress, wait_for_actors_to_exit
+from eagle_data.job.ray_internals import init_ray, ray_data_progress, wait_for_actors_to_exit
 from eagle_data.job.stages.engines import ENGINE_CLASSES
 from eagle_data.job.stages.engines.exit_noise import quiet_worker_logs
 
@@ -32,7 +32,7 @@ def start_ray(progress: bool) -> float:
     `progress`: Ray Data's own progress output (output.ray_data_progress)."""
     started = time.monotonic()
     if not ray.is_initialized():
-        ray.init()  # joins the cluster when there is one, else starts a local instance
+        init_ray()  # joins the cluster when there is one, else starts a local instance
         stop_on_signals()  # instead of the SIGTERM handlers ray.init installed (errors.stop_on_signals)
     before, after = step_below_engine()  # the driver never preempts the engine (driver_priority.py)
     if after != before:
@@ -66,7 +66,11 @@ def leave_ray() -> None:
 @contextlib.contextmanager
 def ray_job():
     """An entry point's job: Ray closed after it (close_ray), left at once when it raises
-    or is stopped (leave_ray), so that no local instance outlives the command."""
+    or is stopped (leave_ray), so that no local instance outlives the command. A Ray this
+    process was already connected to (a caller's: a test, a notebook) is left as it was."""
+    if ray.is_initialized():
+        yield
+        return
     try:
         yield
     except BaseException:

@@ -1,19 +1,35 @@
 """`train.speculators` -> speculators' own TrainConfig (speculators 0.9.0, the `draft`
-extra), with what the stream decides filled in (the target, its aux layer ids), checked
-before anything starts: speculators' config ignores unknown keys, and a key in the wrong
-place would train with a silent default."""
+extra), with what the stream decides filled in (the target, its aux layer ids, the states'
+dtype), checked before anything starts: speculators' config ignores unknown keys, and a
+key in the wrong place would train with a silent default.
+
+`trainer.save_path` must be new or empty, or hold only what a start of the trainer that
+made no step left there (MARKER says the trainer made the folder and lists what it wrote
+before its first step; save_path_leftovers): the same command then runs again without a
+hand-made cleanup."""
 
 from __future__ import annotations
 
+import json
 import os
 
 from eagle_data.config import Config
 from eagle_data.errors import ConfigError, MissingPackage
 from eagle_data.job.phases.hidden_states import layer_ids, target_shape
 
+# Written first into trainer.save_path by the trainer (the folder is the project's), then
+# again with the names speculators' run files took ({"start": [...]}).
+MARKER = ".eagle-data-draft"
+# What else a start leaves before its first step: Ray Train's folder and an empty
+# metrics.jsonl. A step-<N>/ or final/ is never a leftover.
+RUN_FILES = {"ray-train", "metrics.jsonl"}
+
 
 def speculators_config(cfg: Config):
     """`train.speculators` as speculators' TrainConfig; refused where it cannot train from the stream."""
+    if "train" not in cfg.model_fields_set:
+        raise ConfigError("the config has no `train:` section: the draft trainer's settings (train.workers, "
+                          "train.speculators with trainer.save_path, ...; docs/streaming.md, configs/kimi-k2.5.yaml)")
     try:
         from speculators.train.config.schema import TrainConfig
     except ImportError as e:
@@ -36,8 +52,18 @@ def speculators_config(cfg: Config):
     if verifier not in (None, cfg.model.path):
         raise ConfigError(f"train.speculators.verifier.verifier_name_or_path {verifier}: the stream's target is "
                           f"model.path {cfg.model.path}; leave it unset")
+    vocab = draft.get("draft_vocab_size")
+    if vocab is not None and (not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1):
+        raise ConfigError(f"train.speculators.draft.draft_vocab_size {vocab!r}: the draft's vocabulary, a number of "
+                          "tokens of at least 1 (null: the target's whole vocabulary, as in speculators)")
+    data = dict(given.get("data") or {})
+    dtype = data.get("hidden_states_dtype", cfg.hidden_states.dtype)
+    if dtype != cfg.hidden_states.dtype:
+        raise ConfigError(f"train.speculators.data.hidden_states_dtype {dtype}: the stream's states are "
+                          f"hidden_states.dtype {cfg.hidden_states.dtype}; leave it unset or set both alike")
     try:
         spec = TrainConfig.model_validate({**given, "draft": {**draft, "target_layer_ids": ids[:-1]},
+                                           "data": {**data, "hidden_states_dtype": dtype},
                                            "verifier": {**(given.get("verifier") or {}),
                                                         "verifier_name_or_path": cfg.model.path,
                                                         "trust_remote_code": cfg.model.trust_remote_code}})
@@ -51,10 +77,30 @@ def speculators_config(cfg: Config):
     if not save_path or not os.path.isabs(save_path):
         raise ConfigError(f"train.speculators.trainer.save_path {save_path!r}: give an absolute folder for the "
                           "draft checkpoints (on storage rank 0's node writes and you read)")
-    if os.path.exists(save_path) and (not os.path.isdir(save_path) or os.listdir(save_path)):
+    if os.path.exists(save_path) and (not os.path.isdir(save_path) or save_path_leftovers(save_path) is None):
         raise ConfigError(f"train.speculators.trainer.save_path {save_path} exists and is not an empty folder: "
                           "choose a new one (nothing in it is replaced)")
     return spec
+
+
+def save_path_leftovers(save_path: str) -> list[str] | None:
+    """What of an existing save_path folder a new start may remove: [] when it is empty, the
+    names a start that made no step left (START_FILES, MARKER among them, metrics.jsonl
+    empty); None when it holds anything else (a user's file, a checkpoint, a step's metrics)."""
+    names = os.listdir(save_path)
+    if not names:
+        return []
+    try:
+        with open(os.path.join(save_path, MARKER)) as f:
+            started = set(json.load(f)["start"])
+    except (OSError, ValueError, KeyError, TypeError):  # no marker, or not the trainer's
+        return None
+    if not set(names) <= {MARKER, *RUN_FILES, *started}:
+        return None
+    metrics = os.path.join(save_path, "metrics.jsonl")
+    if os.path.exists(metrics) and os.path.getsize(metrics):
+        return None
+    return names
 
 
 def unknown_keys(model, given: dict, where: str) -> None:

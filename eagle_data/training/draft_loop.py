@@ -16,6 +16,7 @@ import logging
 import os
 import uuid
 
+from eagle_data.errors import DraftStartFailed
 from eagle_data.training.batches import pack
 
 log = logging.getLogger("eagle_data")
@@ -39,7 +40,11 @@ def train_loop(config: dict) -> None:
     torch.manual_seed(args.seed)
     if not args.draft_mrope_full_head_hack:
         install_partial_neox_rotary()  # as speculators' own trainer does
-    draft = build_draft_model(args, Eagle3DraftModel, config["t2d"], config["d2t"], args.draft_vocab_size)
+    try:
+        draft = build_draft_model(args, Eagle3DraftModel, config["t2d"], config["d2t"], args.draft_vocab_size)
+    except Exception as e:  # speculators loads the verifier's config and weights here: say which failed how
+        raise DraftStartFailed(f"the draft could not be built on its verifier, model.path "
+                               f"{args.verifier_name_or_path} ({type(e).__name__}: {e})") from None
     model = prepare_model(draft)
     optimizers = build_optimizers(model, args)
     train_kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(**vars(args))

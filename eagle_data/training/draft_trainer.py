@@ -15,20 +15,33 @@ mapping and loss.
 
 Checkpoints are by step, not by epoch: a worker's rows are not in epoch order (Ray's equal
 split may hand an epoch's last rows out at the very end of the stream).
+
+What fails is said in one line (errors.cli): the setup before Ray starts (the target's
+weights, save_path), the cluster's resources for the workers (train.resource_wait_s), and an
+error a worker raises that is the project's (the draft that cannot be built on the
+verifier). A stop signal stops the run with its own exit code: `fit` runs in a thread of its
+own, since Ray Train puts its own SIGINT handler in place of the project's when it runs in
+the main thread.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import shutil
+import threading
 import uuid
 
 from eagle_data.config import Config
-from eagle_data.errors import EagleDataError
+from eagle_data.errors import EagleDataError, NotWritable, NoTrainingResources, user_error
 from eagle_data.job.phases.hidden_states import target_shape
+from eagle_data.job.ray_internals import wait_for_nodes
 from eagle_data.job.ray_session import start_ray
+from eagle_data.model_files import check_weights
 from eagle_data.tools.token_counts import count_tokens
+from eagle_data.training.draft_config import MARKER, save_path_leftovers
 from eagle_data.training.draft_loop import train_loop
 from eagle_data.training.stream import features, stream_report
 
@@ -38,10 +51,13 @@ log = logging.getLogger("eagle_data")
 def train(cfg: Config, spec) -> str:
     """Train the draft `spec` (draft_config.speculators_config) describes; returns the summary."""
     save_path = spec.trainer.save_path
+    prepare_save_path(save_path)
+    check_weights(cfg.model.path)  # each worker loads the verifier's: a truncated file fails here, once
     d2t, t2d, vocab_size = draft_vocabulary(cfg, spec)
-    os.makedirs(save_path, exist_ok=True)
     spec.save(save_path)  # speculators' run.yaml and train_command.txt, as its own trainer writes them
+    mark(save_path, start=sorted(set(os.listdir(save_path)) - {MARKER}))
     start_ray(cfg.output.ray_data_progress)
+    wait_for_worker_resources(cfg)
     report = f"eagle-data-train-{uuid.uuid4().hex[:8]}"
     log.info("train: %d workers (%s), draft vocab %d of %d, %d epochs, %d rows a step, checkpoints in %s",
              cfg.train.workers, cfg.train.device, spec.draft.draft_vocab_size, vocab_size, spec.trainer.epochs,
@@ -51,22 +67,77 @@ def train(cfg: Config, spec) -> str:
 
 
 def draft_vocabulary(cfg: Config, spec) -> tuple:
-    """d2t and t2d of the draft's vocabulary (spec.draft.draft_vocab_size, set to what is
-    used: at most the target's) from OUT's training-token counts, with speculators' mapping."""
+    """d2t and t2d of the draft's vocabulary from OUT's training-token counts, with
+    speculators' mapping, and the target's vocabulary size. spec.draft.draft_vocab_size is
+    set to what is used: at most the target's; None, as in speculators, is the target's
+    whole vocabulary (no mapping: d2t and t2d None)."""
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution, get_target_vocab_size
 
     vocab_size = get_target_vocab_size(None, cfg.model.path, cfg.model.trust_remote_code)
-    draft_vocab = min(spec.draft.draft_vocab_size or 32_000, vocab_size)
+    asked = spec.draft.draft_vocab_size
+    if asked is None or asked >= vocab_size:
+        if asked is not None and asked > vocab_size:
+            log.info("train: draft.draft_vocab_size %d is more than the target's %d tokens: the target's", asked,
+                     vocab_size)
+        spec.draft.draft_vocab_size = vocab_size
+        return None, None, vocab_size
     counts = count_tokens(cfg.output.path, vocab_size, cfg.hidden_states.finish_reason, cfg.hidden_states.source).counts
     d2t, t2d = build_vocab_mappings_from_distribution(
-        {int(i): int(counts[i]) for i in counts.nonzero()[0]}, draft_vocab, vocab_size)
-    spec.draft.draft_vocab_size = draft_vocab
+        {int(i): int(counts[i]) for i in counts.nonzero()[0]}, asked, vocab_size)
     return d2t, t2d, vocab_size
+
+
+def prepare_save_path(save_path: str) -> None:
+    """save_path made (or emptied of what a start that made no step left there:
+    draft_config.save_path_leftovers) and marked as the trainer's (draft_config.MARKER)."""
+    leftovers = save_path_leftovers(save_path) if os.path.isdir(save_path) else []
+    if leftovers is None:  # filled since the config was checked
+        raise NotWritable(f"train.speculators.trainer.save_path {save_path} is not empty: choose a new folder")
+    if leftovers:
+        log.warning("train: %s holds what a start that made no step left (%s): removing it", save_path,
+                    ", ".join(sorted(leftovers)))
+    try:
+        for name in leftovers:
+            path = os.path.join(save_path, name)
+            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+        os.makedirs(save_path, exist_ok=True)
+        mark(save_path, start=[])
+    except OSError as e:
+        raise NotWritable(f"train.speculators.trainer.save_path {save_path} cannot be written "
+                          f"({type(e).__name__}: {e.strerror or e}); choose a folder you can write") from None
+
+
+def mark(save_path: str, start: list[str]) -> None:
+    """draft_config.MARKER: the folder is the trainer's; `start`, what its start wrote there."""
+    with open(os.path.join(save_path, MARKER), "w") as f:
+        json.dump({"made_by": "eagle-data's draft trainer (python -m ray_jobs.train_draft)", "start": start}, f)
+
+
+def wait_for_worker_resources(cfg: Config) -> None:
+    """Fail with a message, instead of Ray Train retrying its workers' start forever, when the
+    cluster cannot hold train.workers workers (an autoscaling cluster gets train.resource_wait_s)."""
+    need = {"GPU": 1} if cfg.train.device == "gpu" else {}
+    need.update({"CPU": cfg.train.cpus_per_worker} if cfg.train.cpus_per_worker else {})
+
+    def room(res: dict) -> float:
+        return min((math.floor(res.get(k, 0) / v) for k, v in need.items()), default=math.inf)
+
+    fits, nodes = wait_for_nodes(lambda nodes: sum(room(res) for res in nodes) >= cfg.train.workers,
+                                 cfg.train.resource_wait_s)
+    if fits:
+        return
+    hint = ("there is no GPU in the cluster; set train.device=cpu to train on CPUs"
+            if "GPU" in need and not any(res.get("GPU", 0) for res in nodes)
+            else "lower train.workers / train.cpus_per_worker or add nodes")
+    raise NoTrainingResources(
+        f"train.workers={cfg.train.workers} with train.device={cfg.train.device} need {need} each, and after waiting "
+        f"{cfg.train.resource_wait_s:g}s (train.resource_wait_s) the cluster has room for "
+        f"{sum(min(room(res), cfg.train.workers) for res in nodes):g}: {hint}")
 
 
 def fit(cfg: Config, spec, d2t, t2d, report: str) -> None:
     """The stream into a TorchTrainer of train.workers workers running draft_loop.train_loop."""
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchTrainer
 
     save_path, workers = spec.trainer.save_path, cfg.train.workers
@@ -79,13 +150,46 @@ def fit(cfg: Config, spec, d2t, t2d, report: str) -> None:
     loop_config = {"args": dict(spec.flatten()), "d2t": d2t, "t2d": t2d, "batch_size": cfg.train.batch_size,
                    "hidden_size": target_shape(cfg)[1], "stream_dtype": cfg.hidden_states.dtype,
                    "save_path": save_path, "checkpoint_every": cfg.train.checkpoint_every}
-    result = TorchTrainer(train_loop, train_loop_config=loop_config, datasets={"train": ds},
-                          scaling_config=ScalingConfig(num_workers=workers, use_gpu=gpu,
-                                                       resources_per_worker=resources),
-                          run_config=RunConfig(storage_path=os.path.join(save_path, "ray-train"),
-                                               name="train")).fit()
+    trainer = TorchTrainer(train_loop, train_loop_config=loop_config, datasets={"train": ds},
+                           scaling_config=ScalingConfig(num_workers=workers, use_gpu=gpu,
+                                                        resources_per_worker=resources),
+                           run_config=RunConfig(storage_path=os.path.join(save_path, "ray-train"), name="train"))
+    try:
+        result = in_a_thread(trainer.fit)
+    except TrainingFailedError as e:
+        raise failure(e) from None
     if result.error:
-        raise result.error
+        raise failure(result.error)
+
+
+def in_a_thread(call):
+    """call() in a thread of its own, its result or error here. The main thread waits, where
+    the project's stop signals (errors.stop_on_signals) stop the job: in the main thread Ray
+    Train's fit() puts its own SIGINT handler in place, which only asks the run to stop and
+    exits 1 without a word."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["result"] = call()
+        except BaseException as e:  # handed to the main thread as it is
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, name="ray-train-fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.5)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+def failure(error: BaseException) -> BaseException:
+    """A failed fit() as the user is told: the project's error a worker raised (the first by
+    rank), with its message and exit code; anything else as it is (a bug: its traceback)."""
+    ranks = sorted(getattr(error, "worker_failures", {}).items())
+    causes = [*(cause for _, cause in ranks), getattr(error, "controller_failure", None), error]
+    return next((found for cause in causes if (found := user_error(cause)) is not None), error)
 
 
 def summary(save_path: str, stream: dict) -> str:

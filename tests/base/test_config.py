@@ -121,6 +121,25 @@ def test_every_float_in_the_config_model_is_finite(bad):
     assert not taken, f"float fields that accept {bad!r}: {taken}"
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_every_free_form_setting_refuses_a_non_finite_number_at_any_depth(bad):
+    """The settings passed on as they are (to the chat template, the engine, speculators):
+    `train.speculators.optimizer.lr: .nan` was accepted and failed ~100 s into training.
+    Walks the whole model, so a free-form setting added later without `FreeForm` fails here."""
+    import typing
+
+    from eagle_data.config import Config
+
+    locs = [loc[:-1] for loc in float_fields(Config, kinds=(typing.Any,))]  # loc[-1]: the dict's "k"
+    assert {("prompt", "chat_template_kwargs"), ("engine", "engine_kwargs"), ("train", "speculators"),
+            ("sampling", "variants", 0, "chat_template_kwargs")} <= set(locs)
+    taken = accepted(locs, {"optimizer": {"betas": [0.9, bad]}},
+                     lambda err: "optimizer.betas.1: Input should be a finite number" in err["msg"])
+    assert not taken, f"free-form settings that accept {bad!r} inside: {taken}"
+    with pytest.raises(ConfigError, match=r"train.speculators: optimizer.lr: Input should be a finite number \(got nan\)"):
+        load_config(None, BASE + ["train.speculators.optimizer.lr=.nan"])
+
+
 def number_fields(annotation, loc=()):
     """The loc of every int and float the config model holds (as float_fields)."""
     yield from float_fields(annotation, loc, kinds=(int, float))

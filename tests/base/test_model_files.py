@@ -37,3 +37,25 @@ def test_model_vocab_size_is_the_configs_not_the_tokenizers(tmp_path, qwen3_toke
     (model / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 163840}}))
     assert model_vocab_size(str(model))[0] == 163840  # a multimodal model's text model (Kimi-K2.5)
     assert model_vocab_size(str(tmp_path / "none"))[0] is None
+
+
+def test_a_truncated_or_unreadable_safetensors_file_is_named_before_anything_loads_it(tmp_path, tiny_qwen3):
+    """A truncated download: the engines and the draft trainer's workers each failed on it
+    later, with a traceback per actor. check_weights reads the headers only."""
+    import shutil
+
+    from eagle_data.errors import DamagedModel
+    from eagle_data.model_files import check_weights
+
+    check_weights(str(tiny_qwen3))  # whole: nothing to say
+    broken = shutil.copytree(tiny_qwen3, tmp_path / "broken")
+    weights = broken / "model.safetensors"
+    size = weights.stat().st_size
+    os.truncate(weights, size - 1000)
+    with pytest.raises(DamagedModel, match=rf"model.path '{broken}': model.safetensors is truncated "
+                                           rf"\({size - 1000} bytes; its header says {size}\)"):
+        check_weights(str(broken))
+    weights.write_bytes((10**9).to_bytes(8, "little") + b"{}")  # a header longer than the file
+    with pytest.raises(DamagedModel, match="model.safetensors is not a readable safetensors file"):
+        check_weights(str(broken))
+    check_weights("Qwen/Qwen3-8B")  # a hub id: nothing local to read

@@ -4,11 +4,15 @@ with a silent default, in the wrong place, or on other features than the stream'
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from support import job_config
-from eagle_data.errors import ConfigError
-from eagle_data.training.draft_config import speculators_config
+from eagle_data.errors import ConfigError, NotWritable
+from eagle_data.training.draft_config import MARKER, speculators_config
+from eagle_data.training.draft_trainer import prepare_save_path
 
 
 def config(out, model, **speculators):
@@ -32,7 +36,10 @@ def test_the_stream_decides_the_verifier_and_the_aux_layers(deep_qwen3, tmp_path
     ({"draft": {"target_layer_ids": [1, 2, 3]}}, "the stream carries aux layers [2, 4, 5]"),
     ({"speculator_type": "dflash"}, "only eagle3 trains from it"),
     ({"data": {"hidden_states_dtype": "float16"}},
-     "train.speculators: data.hidden_states_dtype: Value error, hidden_states_dtype float16 is not supported"),
+     "train.speculators.data.hidden_states_dtype float16: the stream's states are hidden_states.dtype bfloat16"),
+    # 0 trained with 32,000 (an `or 32_000`); null is speculators' whole vocabulary.
+    ({"draft": {"draft_vocab_size": 0}}, "train.speculators.draft.draft_vocab_size 0: the draft's vocabulary"),
+    ({"draft": {"draft_vocab_size": -5}}, "train.speculators.draft.draft_vocab_size -5: the draft's vocabulary"),
 ])
 def test_refused(deep_qwen3, tmp_path, speculators, message):
     if "save_path" not in message:
@@ -48,3 +55,60 @@ def test_a_save_path_holding_files_is_refused_and_left_alone(deep_qwen3, tmp_pat
     with pytest.raises(ConfigError, match="exists and is not an empty folder"):
         speculators_config(config(tmp_path / "out", deep_qwen3, trainer={"save_path": str(tmp_path / "d")}))
     assert (tmp_path / "d" / "mine.txt").read_text() == "a user's file"
+
+
+def test_the_states_dtype_is_the_streams_unless_set_alike(deep_qwen3, tmp_path):
+    """speculators' data.hidden_states_dtype (its autocast and the packed states' dtype) and
+    the stream's hidden_states.dtype were never checked against each other."""
+    cfg = job_config(tmp_path / "out", deep_qwen3, hidden_states__dtype="float32")
+    given = {"trainer": {"save_path": str(tmp_path / "d")}}
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"speculators": given})})
+    assert speculators_config(cfg).data.hidden_states_dtype == "float32"
+    cfg.train.speculators["data"] = {"hidden_states_dtype": "bfloat16"}
+    with pytest.raises(ConfigError, match="hidden_states_dtype bfloat16: the stream's states are hidden_states.dtype "
+                                          "float32; leave it unset or set both alike"):
+        speculators_config(cfg)
+
+
+def test_a_config_without_a_train_section_is_told_so(deep_qwen3, tmp_path):
+    """It was told `train.speculators.trainer.save_path None: give an absolute folder`."""
+    with pytest.raises(ConfigError, match="the config has no `train:` section"):
+        speculators_config(job_config(tmp_path / "out", deep_qwen3))
+
+
+def started(save: Path, metrics: str = "") -> Path:
+    """save_path as a start that made no step leaves it (speculators' run files, Ray Train's
+    folder, metrics.jsonl), listed in the trainer's marker."""
+    save.mkdir()
+    for name in ("run.yaml", "train_command.txt", "speculators.patch"):
+        (save / name).write_text(name)
+    (save / "ray-train" / "train").mkdir(parents=True)
+    (save / "metrics.jsonl").write_text(metrics)
+    (save / MARKER).write_text(json.dumps({"start": ["run.yaml", "speculators.patch", "train_command.txt"]}))
+    return save
+
+
+def test_what_a_start_that_made_no_step_left_is_taken_over_and_nothing_else(deep_qwen3, tmp_path):
+    """A failed start left speculators' run.yaml and friends, and the same command was then
+    refused until the user deleted them by hand. Only what the trainer's marker says it
+    wrote is taken over, and never a folder with a step done or a file of the user's."""
+    save = started(tmp_path / "d")
+    cfg = config(tmp_path / "out", deep_qwen3, trainer={"save_path": str(save)})
+    speculators_config(cfg)  # accepted
+    prepare_save_path(str(save))
+    assert sorted(p.name for p in save.iterdir()) == [MARKER]
+    assert json.loads((save / MARKER).read_text())["start"] == []
+
+    refused = {"a step done": started(tmp_path / "steps", metrics='{"step": 1}\n'),
+               "a user's file": started(tmp_path / "user"), "no marker": started(tmp_path / "unmarked"),
+               "a checkpoint": started(tmp_path / "checkpoint")}
+    (refused["a user's file"] / "notes.txt").write_text("mine")
+    (refused["no marker"] / MARKER).unlink()
+    (refused["a checkpoint"] / "step-2").mkdir()
+    for why, folder in refused.items():
+        before = sorted(p.name for p in folder.rglob("*"))
+        with pytest.raises(ConfigError, match="exists and is not an empty folder"):
+            speculators_config(config(tmp_path / "out", deep_qwen3, trainer={"save_path": str(folder)}))
+        with pytest.raises(NotWritable, match="is not empty"):
+            prepare_save_path(str(folder))
+        assert sorted(p.name for p in folder.rglob("*")) == before, why

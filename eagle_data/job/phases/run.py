@@ -19,7 +19,8 @@ from eagle_data.job.phases import PHASE_BY_NAME, PHASES
 from eagle_data.job.ray_session import start_ray
 from eagle_data.job.stages.engines import check_engine_kwargs
 from eagle_data.job.stages.source import content_stamp, locate, stamp_changes
-from eagle_data.model_files import check_tokenizer_path, hub_reachable, is_hub_id, load_tokenizer, use_hub_cache_only
+from eagle_data.model_files import (check_tokenizer_path, check_weights, hub_reachable, is_hub_id, load_tokenizer,
+                                   use_hub_cache_only)
 from eagle_data.storage.damage import check_prompts_record, quarantine_corrupt
 from eagle_data.storage.folder import Output
 from eagle_data.storage.lock import lock
@@ -175,6 +176,7 @@ def check_model_files(cfg: Config, need_weights: bool) -> None:
     check_tokenizer_path(cfg.model.tokenizer_path)
     if need_weights:
         check_tokenizer_path(cfg.model.path)
+        check_weights(cfg.model.path)
     try:
         load_tokenizer(cfg.model.tokenizer_path, cfg.model.trust_remote_code)
     except (OSError, ValueError) as e:

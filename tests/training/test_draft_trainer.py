@@ -1,0 +1,206 @@
+"""The draft trainer (`python -m ray_jobs.train_draft`) under bad input, a missing resource,
+a worker's error and stop signals: one `error:` line naming the key, path or file and exit 2
+(130/143 for a signal), nothing left running, what it wrote reusable by the same command."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from support import REPO, job_settings
+from eagle_data.errors import (DamagedModel, DraftStartFailed, NoTrainingResources, NotWritable, Stopped,
+                               stop_on_signals)
+from eagle_data.training.draft_config import MARKER
+from eagle_data.training.draft_trainer import draft_vocabulary, failure, in_a_thread, wait_for_worker_resources
+
+
+def train_settings(out, model, save: Path, **speculators) -> dict:
+    """The cluster test's trainer on OUT: 1 CPU worker reserving no CPU, 2 rows a step,
+    speculators' eager loss and attention, 3 epochs."""
+    settings = job_settings(out, model, engine__batch_size=2, hidden_states__dtype="float32")
+    settings["train"] = {"workers": 1, "device": "cpu", "cpus_per_worker": 0, "batch_size": 2, "speculators": {
+        "trainer": {"epochs": 3, "save_path": str(save)}, "loss": {"loss_implementation": "eager"},
+        "draft": {"draft_vocab_size": 256, "draft_attn_impl": "eager"}, "optimizer": {"lr": 0.01}, **speculators}}
+    return settings
+
+
+def train_draft(settings: dict, tmp_path: Path, *overrides: str, capsys) -> tuple[int, str]:
+    """The entry point in this process (what fails before Ray starts): its exit code and stderr."""
+    from ray_jobs.train_draft import main
+
+    config = tmp_path / "train.yaml"
+    config.write_text(yaml.safe_dump(settings))
+    code = main(["--config", str(config), *(a for o in overrides for a in ("--set", o))])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["/proc/eagle-data-draft", "/sys/eagle-data-draft", "under-a-file"])
+def test_a_save_path_that_cannot_be_made_is_one_line_naming_it(deep_qwen3, tmp_path, capsys, own_signal_handlers,
+                                                               where):
+    """/sys/x and /proc/x were a PermissionError / FileNotFoundError traceback from os.makedirs."""
+    if where == "under-a-file":
+        (tmp_path / "file").write_text("a user's file")
+        where = str(tmp_path / "file" / "draft")
+    code, err = train_draft(train_settings(tmp_path / "out", deep_qwen3, Path(where)), tmp_path, capsys=capsys)
+    assert code == NotWritable.exit_code == 2
+    assert err.startswith(f"error: train.speculators.trainer.save_path {where} cannot be written (")
+    assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_a_truncated_target_is_named_before_ray_starts_and_the_command_then_runs_again(
+        deep_qwen3, tmp_path, capsys, own_signal_handlers):
+    """It failed in the workers, a WorkerGroupError traceback, exit 1, and left speculators'
+    run files in save_path, so the same command was then refused."""
+    broken = shutil.copytree(deep_qwen3, tmp_path / "broken")
+    os.truncate(broken / "model.safetensors", (broken / "model.safetensors").stat().st_size - 1000)
+    settings = train_settings(tmp_path / "out", broken, tmp_path / "draft")
+    for _ in range(2):  # the same command again: not refused for what the first one left
+        code, err = train_draft(settings, tmp_path, capsys=capsys)
+        assert code == DamagedModel.exit_code == 2
+        assert err == f"error: model.path '{broken}': model.safetensors is truncated " \
+                      f"({(broken / 'model.safetensors').stat().st_size} bytes; its header says " \
+                      f"{(deep_qwen3 / 'model.safetensors').stat().st_size}); download or convert the model again\n"
+    assert sorted(p.name for p in (tmp_path / "draft").iterdir()) == [MARKER]
+
+
+def test_draft_vocab_size_null_is_the_targets_whole_vocabulary_and_more_is_clamped(deep_qwen3, tmp_path):
+    """null trained with 32,000 (an `or 32_000`); speculators' own null is the verifier's
+    whole vocabulary, without a mapping."""
+    from support import job_config
+    from eagle_data.training.draft_config import speculators_config
+
+    cfg = job_config(tmp_path / "out", deep_qwen3)
+    vocab = json.loads((deep_qwen3 / "config.json").read_text())["vocab_size"]
+    for asked in (None, vocab + 1000):
+        speculators = {"trainer": {"save_path": str(tmp_path / "d")}, "draft": {"draft_vocab_size": asked}}
+        spec = speculators_config(cfg.model_copy(update={"train": cfg.train.model_copy(
+            update={"speculators": speculators})}))
+        assert draft_vocabulary(cfg, spec) == (None, None, vocab)
+        assert spec.draft.draft_vocab_size == vocab
+
+
+def test_workers_the_cluster_cannot_hold_fail_with_a_message_after_the_wait(ray_local, deep_qwen3, tmp_path):
+    """`train.device=gpu` on a machine without a GPU: Ray Train said "worker group startup
+    timed out after 60 s" again and again, without end."""
+    from support import job_config
+
+    cfg = job_config(tmp_path / "out", deep_qwen3, train__device="gpu", train__cpus_per_worker=0, train__resource_wait_s=1)
+    started = time.monotonic()
+    with pytest.raises(NoTrainingResources, match=r"train.workers=1 with train.device=gpu need \{'GPU': 1\} each, "
+                                                  r"and after waiting 1s \(train.resource_wait_s\) the cluster has "
+                                                  r"room for 0: there is no GPU in the cluster; set train.device=cpu"):
+        wait_for_worker_resources(cfg)
+    assert time.monotonic() - started < 30
+    cpus = job_config(tmp_path / "out", deep_qwen3, train__device="cpu", train__cpus_per_worker=2, train__workers=2,
+                      train__resource_wait_s=0)
+    with pytest.raises(NoTrainingResources, match=r"room for 1: lower train.workers"):
+        wait_for_worker_resources(cpus)  # the session's instance has 2 CPUs: room for one such worker
+    wait_for_worker_resources(cpus.model_copy(update={"train": cpus.train.model_copy(update={"workers": 1})}))
+
+
+def test_a_project_error_raised_in_a_worker_is_the_runs_error(ray_local):
+    """A worker's own error came out as Ray Train's WorkerGroupError traceback, exit 1."""
+    from ray.train import WorkerGroupError
+
+    @ray_local.remote(num_cpus=0)
+    def build():
+        raise DraftStartFailed("the draft could not be built on its verifier, model.path /m (KeyError: 'x')")
+
+    try:
+        ray_local.get(build.remote())
+    except Exception as e:
+        raised = e  # Ray's RayTaskError wrapping the worker's DraftStartFailed
+    group = WorkerGroupError("rank 1 failed", {1: raised, 0: RuntimeError("a rank lost with it")})
+    assert type(failure(group)) is DraftStartFailed
+    assert str(failure(group)) == "the draft could not be built on its verifier, model.path /m (KeyError: 'x')"
+    bug = WorkerGroupError("rank 0 failed", {0: ZeroDivisionError("a bug")})
+    assert failure(bug) is bug  # not the project's: as it is, with its traceback
+
+
+def test_a_stop_signal_reaches_the_job_while_fit_runs_in_its_thread(own_signal_handlers):
+    """In the main thread Ray Train's fit() puts a SIGINT handler of its own in place of the
+    project's (it only asks the run to stop, then exits 1 without a word): fit runs in a
+    thread of its own, where it installs none, and the main thread stops on the signal."""
+    def fit():  # as Ray Train's: its handler only where it runs in the main thread
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, lambda *a: None)
+        time.sleep(30)
+
+    stop_on_signals()
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    started = time.monotonic()
+    with pytest.raises(Stopped) as stopped:
+        in_a_thread(fit)
+    assert stopped.value.signum == signal.SIGINT and time.monotonic() - started < 10
+    assert in_a_thread(lambda: 42) == 42
+    with pytest.raises(ZeroDivisionError):
+        in_a_thread(lambda: 1 / 0)
+
+
+def ray_processes_of(ray_tmpdir: str) -> list:
+    import psutil
+
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("RAY_TMPDIR") == ray_tmpdir and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_trainer_stopped_mid_training_exits_128_plus_the_signal_and_leaves_no_ray(hidden_out, deep_qwen3, tmp_path,
+                                                                                   signum):
+    """The trainer on its own local Ray instance (beside the session's: another instance on
+    the machine), stopped once it has made two steps. SIGTERM exited 130 "stopped by
+    SIGINT"; Ctrl-C was Ray Train's "Gracefully aborting...", exit 1, no `error:` line; and
+    every run printed Ray Train's PlacementGroupCleaner traceback ("Found multiple active
+    Ray instances"). Now: 128 + the signal, one line naming it, no traceback, the steps made
+    kept, and no process of its Ray instance alive after it."""
+    save = tmp_path / "draft"
+    config = tmp_path / "train.yaml"
+    config.write_text(yaml.safe_dump(train_settings(hidden_out, deep_qwen3, save)))
+    ray_tmpdir = str(Path(os.environ.get("TMPDIR", "/tmp")) / f"ray-td-{os.getpid()}-{signum}")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(PYTHONPATH=str(REPO), RAY_TMPDIR=ray_tmpdir)
+    log = tmp_path / "log.txt"
+    try:
+        with open(log, "w") as out:
+            job = subprocess.Popen([sys.executable, "-m", "ray_jobs.train_draft", "--config", str(config)], cwd=REPO,
+                                   env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            deadline = time.monotonic() + 300
+            while job.poll() is None and time.monotonic() < deadline:
+                if (save / "metrics.jsonl").exists() and len((save / "metrics.jsonl").read_text().splitlines()) >= 2:
+                    break
+                time.sleep(0.2)
+            assert job.poll() is None, log.read_text()[-3000:]
+            # SIGTERM as `kill` sends it; Ctrl-C as a terminal does, to the whole process group
+            os.kill(job.pid, signum) if signum == signal.SIGTERM else os.killpg(job.pid, signum)
+            code = job.wait(timeout=120)
+        text = log.read_text()
+        assert code == 128 + signum, text[-3000:]
+        assert text.splitlines()[-1] == f"error: stopped by {signal.Signals(signum).name}"
+        assert "Traceback" not in text, text
+        steps = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+        assert [s["step"] for s in steps] == list(range(1, len(steps) + 1)) and len(steps) >= 2
+        deadline = time.monotonic() + 30
+        while ray_processes_of(ray_tmpdir) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert ray_processes_of(ray_tmpdir) == []
+    finally:
+        for p in ray_processes_of(ray_tmpdir):
+            p.kill()
+        shutil.rmtree(ray_tmpdir, ignore_errors=True)
