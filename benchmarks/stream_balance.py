@@ -138,9 +138,13 @@ class Peaks:
 
     def _run(self) -> None:
         import psutil
+        import ray
         from ray._private.internal_api import memory_summary
 
         me = psutil.Process()
+        # This script's own Ray instance: without an address Ray looks for one and fails when the
+        # machine runs several (a test session's, another smoke's).
+        gcs = ray.get_runtime_context().gcs_address
         while not self._stop.wait(0.5):
             self.driver = max(self.driver, me.memory_info().rss)
             for p in psutil.process_iter(["cmdline"]):
@@ -149,7 +153,7 @@ class Peaks:
                         self.coordinator = max(self.coordinator, p.memory_info().rss)
                     except psutil.Error:
                         pass
-            used = re.search(r"Plasma memory usage (\d+) MiB", memory_summary(stats_only=True))
+            used = re.search(r"Plasma memory usage (\d+) MiB", memory_summary(gcs, stats_only=True))
             if used:
                 self.store = max(self.store, int(used.group(1)) << 20)
 
