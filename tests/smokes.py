@@ -1,8 +1,9 @@
 """The benchmark smoke runs (tests/test_benchmarks.py): each script in benchmarks/ at a
 smoke size. They start with the test session (conftest.py's `smoke_runs`) and run in the
 background beside the other tests, each on a Ray instance of its own: a smoke run only shows
-that its script still runs and prints its figures (at a smoke size, beside other work, the
-figures mean nothing), and most of it is waiting on one core (imports, model loads, actor
+that its script still runs and prints sane figures (finite, positive, the rows it was given
+counted: tests/test_benchmarks.py reads them back; at a smoke size, beside other work, their
+values mean nothing), and most of it is waiting on one core (imports, model loads, actor
 start-ups) that the tests beside it fill. Two lanes, one script at a time in each: the vLLM
 scripts, and the rest."""
 

@@ -1,18 +1,26 @@
 """No benchmark can rot: each script in benchmarks/ runs at a smoke size (seconds, a real
-model load for the vLLM ones) and must exit 0 and print its figures. The full sizes stay
-manual (each script's docstring). The runs start with the session (tests/smokes.py)."""
+model load for the vLLM ones), must exit 0, and the figures it prints must be sane: read
+back from what it prints for a reader (its JSON lines, its `RESULT {...}` line, its markdown
+tables), each is finite, times and rates are positive, and the rows it counted are the rows
+the smoke size gives it. At a smoke size beside other tests the figures' values mean nothing,
+so nothing is compared with a target. The full sizes stay manual (each script's docstring).
+The runs start with the session (tests/smokes.py)."""
 
 from __future__ import annotations
+
+import json
+import math
+import re
 
 import pytest
 
 from smokes import MARKS, SMOKE
-from support import REPO
+from support import REPO, vllm_unavailable
 
 
-def test_every_benchmark_has_a_smoke_size():
+def test_every_benchmark_has_a_smoke_size_and_its_figures_checked():
     scripts = {p.name for p in (REPO / "benchmarks").glob("*.py") if not p.name.startswith("_")}
-    assert scripts == set(SMOKE)
+    assert scripts == set(SMOKE) == set(FIGURES)
 
 
 @pytest.mark.parametrize("script", [pytest.param(s, marks=MARKS.get(s, ())) for s in sorted(SMOKE)],
@@ -22,3 +30,235 @@ def test_benchmark_runs_at_smoke_size(script, smoke_runs):
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     assert SMOKE[script][1] in output, output[-4000:]
+    try:
+        FIGURES[script](proc.stdout)
+    except AssertionError as e:
+        raise AssertionError(f"{script}'s figures: {e}\n--- its output ---\n{proc.stdout[-4000:]}") from None
+
+
+# --- reading the figures back -------------------------------------------------------------
+
+def json_lines(output: str, prefix: str = "") -> list[dict]:
+    """Every line of `output` that is `prefix` and a JSON object, parsed."""
+    return [json.loads(line[len(prefix):]) for line in output.splitlines() if line.startswith(prefix + "{")]
+
+
+def result(output: str) -> dict:
+    """The script's one `RESULT {...}` line."""
+    [found] = json_lines(output, "RESULT ")
+    return found
+
+
+def tables(output: str) -> list[list[dict[str, str]]]:
+    """Every markdown table printed: its rows, each {header: cell}."""
+    def cells(line: str) -> list[str]:
+        return [c.strip() for c in line.strip().strip("|").split("|")]
+
+    lines, found = output.splitlines(), []
+    for i, line in enumerate(lines[:-1]):
+        if line.startswith("| ") and lines[i + 1].startswith("|---"):
+            header, rows = cells(line), []
+            for row in lines[i + 2:]:
+                if not row.startswith("|"):
+                    break
+                assert len(cells(row)) == len(header), (header, row)
+                rows.append(dict(zip(header, cells(row))))
+            found.append(rows)
+    return found
+
+
+FIGURE = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?")
+
+
+def numbers(cell: str) -> list[float]:
+    """The figures in a table cell: "1,234", "12.5%", "**0.53**", "3 of 4", "150 MiB", "0.0e+00"."""
+    found = [float(f.replace(",", "")) for f in FIGURE.findall(cell)]
+    assert found, f"no figure in {cell!r}"
+    return found
+
+
+def number(cell: str) -> float:
+    return numbers(cell)[0]
+
+
+def sane(*values: float, zero: bool = False) -> None:
+    """Finite and positive (or zero, where a smoke-size figure may round to it)."""
+    for v in values:
+        assert isinstance(v, (int, float)) and not isinstance(v, bool), v
+        assert math.isfinite(v) and (v >= 0 if zero else v > 0), v
+
+
+def share(*values: float) -> None:
+    for v in values:
+        assert math.isfinite(v) and 0 <= v <= 1, v
+
+
+# --- each script's figures (at its smoke size, tests/smokes.py) -----------------------------
+
+def driver_memory(output: str) -> None:
+    runs = json_lines(output)
+    assert [r["rows"] for r in runs] == [200, 400]
+    for r in runs:
+        assert r["prompts"] == r["ok"] == r["rows"]  # every synthetic row is a prompt, and answered
+        sane(r["wall_s"], r["driver_peak_rss_mib"], *r["peaks_mib"].values())
+        sane(r["arrow_pool_peak_mib"], zero=True)
+
+
+def engine_feeding(output: str) -> None:
+    runs = json_lines(output)
+    assert [r["setting"] for r in runs] == ["4 x 4", "naive (all rows x 1)"]
+    for r in runs:
+        assert r["rows"] == r["ok"] == 40  # the rows the engine admitted, and the rows published
+        sane(r["rows_per_s"], r["wall_s"], r["window_s"], r["avg_in_flight"], r["calls"])
+        sane(r["ramp_s"], r["first_return_s"], zero=True)
+        share(r["util"], r["model_util"])
+        assert r["util"] > 0
+
+
+def hidden_states_throughput(output: str) -> None:
+    paths, cpu, storage = tables(output)
+    assert len(paths) == 8  # bare vLLM x 3, the phase x 3, the floor, the transformers dump
+    for row in paths:
+        assert number(row["rows"]) == 8  # the script asserts every row's states were made and published
+        sane(number(row["tokens"]), number(row["seconds"]), number(row["prefill tok/s"]))
+        sane(number(row["vs bare vLLM"]), number(row["load s"]), zero=True)  # the wall's ratio rounds to 0.00
+    assert len({row["tokens"] for row in paths}) == 1
+    for row in cpu:
+        for cell in list(row.values())[1:]:
+            if cell != "-":
+                sane(*numbers(cell), zero=True)
+    assert [row["scratch_dir"] for row in storage] == ["node-local (this run)", "on OUT's storage (baseline)"]
+    for row in storage:
+        sane(number(row["written"]), number(row["files written"]), number(row["published shards read"]))
+        sane(number(row["read back before publishing"]), number(row["files read back"]), zero=True)
+    written = re.search(r"written/estimate (\S+)", output)
+    assert written and 0.9 < float(written.group(1)) < 1.5, written  # the estimate is near what was written
+
+
+def multi_turn_loads(output: str) -> None:
+    [line] = [line for line in output.splitlines() if line.startswith("this checkout: {")]
+    r = json.loads(line.removeprefix("this checkout: "))
+    assert 4 <= r["ok"] <= 8  # 4 conversations x 2 turns: every first turn, and the second ones not stopped
+    assert r["tokens"] >= r["ok"]
+    assert len(r["load_spells"]) == r["engines_started"] == 1  # what the script measures: one load a run
+    sane(r["wall_s"], r["generate_s"], *r["load_spells"])
+
+
+def one_pass(output: str) -> None:
+    cost, answers, distribution = tables(output)
+    assert [row["sampling"] for row in cost] == ["greedy", "sampled"]
+    for row in cost:
+        plain, second, both, one = (number(row[k]) for k in ("plain s", "second pass s", "two passes s", "one pass s"))
+        sane(plain, one, both, number(row["one pass / two passes"]))
+        sane(second, zero=True)
+        assert abs(both - plain - second) <= 0.011
+    [row] = answers
+    same, rows = numbers(row["greedy answers equal plain's"])
+    differ, states = numbers(row["rows whose states differ from a second pass (> 1e-5 relative)"])
+    assert rows == 4 and states == 8 and 0 <= same <= rows and 0 <= differ <= states
+    sane(number(row["largest difference"]), zero=True)
+    assert [row["against plain (temperature 1.0)"] for row in distribution] == [
+        "one pass", "plain, other seeds", "plain, temperature 0.8"]
+    for row in distribution:
+        tests = number(row["tests"])
+        assert tests == 8  # 2 prompts x (token 1, 2, 3, (1, 2))
+        assert 0 <= number(row["p < 0.01"]) <= tests
+        smallest, median = number(row["smallest p"]), number(row["median p"])
+        share(smallest, median)
+        assert smallest <= median
+        again, requests = numbers(row["token 2 = token 1"])
+        assert requests == 200 and 0 <= again <= requests
+
+
+def postprocess_throughput(output: str) -> None:
+    r = result(output)
+    assert r["rows"] == 40 and r["same_prompt_lengths"] is True
+    sane(r["generated_tokens"], *r["cpu_s"].values(), *r["wall_s"].values())
+    assert set(r["cpu_s"]) == set(r["wall_s"]) == {"ours (Postprocessor)", "floor (a): batch_decode only",
+                                                   "floor (a'): Rust decode_batch only",
+                                                   "retokenize (b): template + tokenize"}
+    if vllm_unavailable() is None:  # --logprobs 2 measures with vLLM's own output classes
+        assert list(r["logprobs_us_per_token"]) == ["2"]
+        totals = r["logprobs_us_per_token"]["2"]
+        assert len(totals) == 4
+        sane(*totals.values())
+
+
+def prompts_memory(output: str) -> None:
+    runs = json_lines(output)
+    assert [(r["rows"], r["sample"]) for r in runs] == [(100, None), (200, None), (200, 50)]
+    for r in runs:
+        assert r["selected"] == (r["sample"] or r["rows"])
+        assert 0 < r["prompts"] <= r["selected"] and r["prompt_tokens"] > r["prompts"]
+        sane(r["wall_s"], r["driver_cpu_s"], r["worker_cpu_s"], r["driver_start_rss_mib"], r["driver_peak_rss_mib"],
+             r["driver_peak_anon_mib"], r["workers"], r["worker_peak_max_mib"], r["worker_peak_sum_mib"])
+        sane(r["driver_peak_shmem_mib"], r["duplicates"], zero=True)
+
+
+def reader_memory(output: str) -> None:
+    r, _ = json.JSONDecoder().raw_decode(output[output.index("\n{\n") + 1:])  # the script prints it indented
+    assert r["rows"] == r["samples"] == 400 and r["shards"] == 4
+    sane(r["tokens"], r["samples_per_s"], r["rss_before_mib"], r["rss_after_index_mib"], r["rss_peak_sampled_mib"],
+         r["ru_maxrss_mib"], *r["rss_during_mib"].values())
+    sane(r["index_s"], r["iterate_s"], r["data_on_disk_mib"], zero=True)  # rounded: 0.0 at 400 rows
+
+
+def resume_cost(output: str) -> None:
+    r = result(output)
+    assert r["finished"] == r["rows_read"] == r["rows"] == 2000  # every sample has an ok row
+    assert set(r["seconds"]) == {"resume cold", "resume warm", "full cold", "full warm"}
+    sane(*r["seconds"].values())
+
+
+def server_vs_job(output: str) -> None:
+    runs, breakdown = tables(output)
+    names = [row["run"] for row in runs]
+    assert names == ["bare vLLM (LLM.generate)", "job, default feeding", "server C=2, tight timeout"], names
+    for row in runs:
+        ok, lost = number(row["rows ok"]), sum(numbers(row["rows lost"]))  # lost: "0", or "1 timeout, 1 error"
+        assert ok + lost == 6 and (ok == 6 or row["run"].startswith("server"))  # the server may time out
+        exact, asked = numbers(row["exact rows"])[:2]  # "ids 6/6 ..." against bare vLLM's
+        assert asked == ok and 0 <= exact <= asked
+        sane(number(row["generated tokens"]), number(row["seconds"]), number(row["tokens/s"]), number(row["load s"]))
+        sane(number(row[next(k for k in row if k.startswith("vs "))]))
+    assert runs[0]["generated tokens"] == runs[1]["generated tokens"]  # the job asked what bare vLLM was
+    for row in breakdown:
+        for cell in list(row.values())[1:]:
+            if cell != "-":
+                sane(*numbers(cell.split("[")[0]), zero=True)  # "[nice 0,15]": niceness, not a figure
+
+
+def stream_balance(output: str) -> None:
+    steps, memory = tables(output)
+    [row] = steps  # --steps 2
+    assert number(row["trainer step (x engine)"]) == 2 and number(row["rows"]) == 40
+    sane(number(row["wall s"]), number(row["engine ms a row (median batch)"]))
+    share(number(row["trainer waits (share of its time)"]) / 100,
+          number(row["engine idles (share of its window)"]) / 100)
+    assert [number(row["rows"]) for row in memory] == [8, 40]
+    for row in memory:  # MiB; the shared pages and the object store hold about nothing at this size
+        small = ("worker's shared (RssShmem)", "object store peak")
+        sane(*(number(cell) for name, cell in row.items() if name not in ("rows", *small)))
+        sane(*(number(row[name]) for name in small), zero=True)
+    calibration = re.search(r"engine busy (\S+) ms a row, idle (\S+)% of its (\S+) s window", output)
+    assert calibration, "no calibration line"
+    sane(float(calibration.group(1)), float(calibration.group(3)))
+    share(float(calibration.group(2)) / 100)
+
+
+def vocab_count(output: str) -> None:
+    r = json_lines(output)[-1]
+    assert r["rows"] == 2000 and r["counts_equal"] is True
+    methods = r["methods"]
+    assert {name: m["rows"] for name, m in methods.items()} == {
+        "ours": 2000, "counter": 2000, "decode_only": 2000, "ours, N/4 rows": 400}
+    assert methods["ours"]["tokens"] == methods["counter"]["tokens"] == r["tokens"] > 0
+    for m in methods.values():
+        sane(m["tokens"], m["peak_rss_mib"])
+        sane(m["seconds"], m["cpu_seconds"], zero=True)  # rounded to the millisecond
+    sane(r["speedup"], r["cpu_speedup"], zero=True)
+
+
+FIGURES = {f.__name__ + ".py": f for f in (
+    driver_memory, engine_feeding, hidden_states_throughput, multi_turn_loads, one_pass, postprocess_throughput,
+    prompts_memory, reader_memory, resume_cost, server_vs_job, stream_balance, vocab_count)}
