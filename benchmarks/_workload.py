@@ -46,6 +46,19 @@ def start_ray(**local) -> str:
     return "a local instance of its own"
 
 
+def one_engine_thread() -> int:
+    """vLLM's CPU engine on one thread on every path of a benchmark. Sets
+    VLLM_CPU_OMP_THREADS_BIND (unless set already) to the first core this process may use, which
+    a bare `vllm.LLM` and `vllm serve` started from here inherit, and returns what the job's
+    engine.cpu_threads should be for the same (1; a Ray instance that did not inherit the
+    variable needs it). The paths compare like with like (the job's default, all cores,
+    against vLLM's own binding, one core on 2, would not), as they were measured before that
+    default, and the tiny models here gain nothing from a second thread (docs/development.md,
+    "vLLM on CPU: the settings")."""
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(min(os.sched_getaffinity(0))))
+    return 1
+
+
 def qwen3_dir(dest: Path) -> Path:
     from support import extract_tokenizer
 

@@ -80,7 +80,7 @@ import pyarrow as pa  # noqa: E402
 
 from _cpu import FRONT, KINDS, CpuSampler  # noqa: E402
 from _file_traffic import FileTraffic  # noqa: E402
-from _workload import REPO, qwen3_dir, start_ray, write_chat_rows  # noqa: E402
+from _workload import REPO, one_engine_thread, qwen3_dir, start_ray, write_chat_rows  # noqa: E402
 
 VOCAB_TEXT = 151643  # Qwen3: ids below this are ordinary text tokens
 
@@ -348,7 +348,8 @@ def main() -> None:
             "engine.backend=vllm", "engine.device=cpu", "engine.cpu_kv_cache_gib=0.5",
             f"engine.engine_kwargs={json.dumps(kwargs)}", f"engine.max_model_len={max_len}",
             f"sampling.max_tokens={args.gen[1] + 1}", f"engine.batch_size={b}", f"engine.max_concurrent_batches={c}",
-            f"hidden_states.dtype={args.dtype}", f"hidden_states.scratch_dir={local}", "output.log_every_s=3600"])
+            f"hidden_states.dtype={args.dtype}", f"hidden_states.scratch_dir={local}", "output.log_every_s=3600",
+            f"engine.cpu_threads={one_engine_thread()}"])
         ray_used = start_ray(num_cpus=os.cpu_count())
         logging.getLogger("ray").setLevel(logging.WARNING)
         run(cfg, phase="prompts")
@@ -360,7 +361,8 @@ def main() -> None:
         ids = phase_layer_ids(cfg, num_layers)
         print(f"workload: {len(rows)} data/ rows, {tokens} tokens (longest {max(len(r['input_ids']) for r in rows)}), "
               f"layer ids {ids} of {num_layers}, H {hidden_size}, {args.dtype}, max_num_seqs {args.slots}, "
-              f"batch {b} x {c} concurrent, {os.cpu_count()} cores; ray: {ray_used}", flush=True)
+              f"batch {b} x {c} concurrent, {os.cpu_count()} cores, vLLM's threads on core(s) "
+              f"{os.environ['VLLM_CPU_OMP_THREADS_BIND']}; ray: {ray_used}", flush=True)
 
         # 2. bare vLLM first, while the parent's Ray workers are idle.
         spec = tmp / "bare.json"

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import yaml
 
-from _workload import REPO, qwen3_dir
+from _workload import REPO, one_engine_thread, qwen3_dir
 
 WORDS = [" the", " cat", " sat", " on", " mat", " and", " dog", " ran", "."]
 ENGINE_STARTED = re.compile(r"Initializing a V1 LLM engine")
@@ -52,7 +52,8 @@ def job_config(path: Path, out: Path, rows: Path, model: Path, args) -> Path:
         "model": {"path": str(model)},
         "prompt": {"turns": "all"},
         "engine": {"backend": "vllm", "device": "cpu", "cpu_kv_cache_gib": 0.5, "max_model_len": 1024,
-                   "batch_size": 4, "max_concurrent_batches": 10, "engine_kwargs": kwargs},
+                   "batch_size": 4, "max_concurrent_batches": 10, "engine_kwargs": kwargs,
+                   "cpu_threads": one_engine_thread()},
         "sampling": {"max_tokens": args.max_tokens, "temperature": 1.0, "top_p": 1.0, "seed": 0},
         "output": {"path": str(out), "rows_per_shard": 64, "log_every_s": 3600},
     }

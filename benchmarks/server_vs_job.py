@@ -108,7 +108,7 @@ import urllib.request  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from _cpu import FRONT, KINDS, CpuSampler  # noqa: E402
-from _workload import REPO, qwen3_dir, start_ray, write_chat_rows  # noqa: E402
+from _workload import REPO, one_engine_thread, qwen3_dir, start_ray, write_chat_rows  # noqa: E402
 
 WORDS = [" the", " cat", " sat", " on", " mat", " and", " dog", " ran", "."]
 KV_CACHE_BYTES = 2**29  # = engine.cpu_kv_cache_gib 0.5, the job's setting
@@ -503,7 +503,7 @@ def main() -> None:
                 "engine.device=cpu", f"engine.cpu_kv_cache_gib={KV_CACHE_BYTES / 2**30}",
                 f"engine.engine_kwargs={json.dumps(kwargs)}", f"engine.max_model_len={MAX_MODEL_LEN}",
                 f"sampling.max_tokens={args.max_tokens}", "sampling.temperature=1.0", "sampling.top_p=1.0",
-                "sampling.seed=0", "output.rows_per_shard=64", "output.log_every_s=3600"]
+                "sampling.seed=0", "output.rows_per_shard=64", "output.log_every_s=3600", f"engine.cpu_threads={one_engine_thread()}"]
         niceness = {} if args.worker_niceness is None else {"worker_niceness": args.worker_niceness}
         if niceness and os.environ.get("RAY_ADDRESS"):
             raise SystemExit("--worker-niceness starts a Ray instance of its own: unset RAY_ADDRESS")
@@ -551,7 +551,7 @@ def main() -> None:
     print(f"workload: {len(prompts)} prompts, geometric lengths mean {args.mean:g} capped at {args.max_tokens} "
           f"(measured mean {sum(lengths) / len(lengths):.1f}, longest {lengths[-1]}), max_num_seqs {args.slots}; "
           f"{args.repeats} repeat(s), interleaved, median (range); reference: {reference}; driver nice {os.nice(0)}; "
-          f"ray: {ray_used}")
+          f"engine threads: VLLM_CPU_OMP_THREADS_BIND={os.environ['VLLM_CPU_OMP_THREADS_BIND']}; ray: {ray_used}")
     print("load s: bare = LLM(...); the job = Ray + pipeline start + model load; the server = start to /health")
     print_results(runs, reference, len(prompts))
     print_breakdown(runs)

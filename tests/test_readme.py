@@ -118,7 +118,9 @@ def test_the_job_commands_run_as_written_and_read_clean(ray_local, tmp_path, qwe
 
     model = build_tiny_model(qwen3_tokenizer_dir, tmp_path / "tiny-qwen3-h64", head_dim=64)
     out = tmp_path / "demo"
-    sizes = ["--set", "source.sample=6", "--set", "sampling.max_tokens=16", "--set", "output.log_every_s=2"]
+    # One engine thread: the demo's all cores serve its real model; a tiny one gains nothing from them.
+    sizes = ["--set", "source.sample=6", "--set", "sampling.max_tokens=16", "--set", "output.log_every_s=2",
+             "--set", "engine.cpu_threads=1"]
     commands = readme.starting("python", "-m", "ray_jobs.generate")
     assert any("--phase" not in c for c in commands), "no command that runs the engine"
     assert any("hidden_states" in c for c in commands), "no hidden-states command"

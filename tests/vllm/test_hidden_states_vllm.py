@@ -33,8 +33,9 @@ SYSTEM = ("You are a careful assistant. Answer in plain words, check every numbe
 QUESTIONS = ["What is a prime number?", "Why is the sky blue?", "How do bees make honey?",
              "What does a compiler do?", "Name three rivers in Europe.", "How far is the Moon?",
              "What is entropy, in one line?", "Why do cats purr?"]
+# One engine thread: a tiny model gains nothing from a second (docs/development.md).
 VLLM = dict(engine__backend="vllm", engine__device="cpu", engine__num_cpus=1, engine__cpu_kv_cache_gib=0.25,
-            engine__batch_size=4, engine__max_concurrent_batches=4, engine__resource_wait_s=30,
+            engine__batch_size=4, engine__max_concurrent_batches=4, engine__resource_wait_s=30, engine__cpu_threads=1,
             engine__engine_kwargs={"enforce_eager": True, "max_num_seqs": 8, "enable_prefix_caching": True,
                                    "block_size": 32, "max_num_batched_tokens": 32})
 
@@ -77,7 +78,8 @@ def test_vllm_phase_at_tensor_parallel_2_equals_the_transformers_phase(shared_pr
     (ours / "20260101T000000-abcdef" / "s-1.safetensors").write_bytes(b"left by a killed run")
     (ours / "notes").mkdir()
     (tmp_path / "scratch" / "someone-else.txt").write_text("not ours")
-    counts = run(settings(out, deep_2heads, dataset, dtype, **VLLM, engine__tensor_parallel_size=tensor_parallel,
+    counts = run(settings(out, deep_2heads, dataset, dtype, **{**VLLM, "engine__cpu_threads": None},
+                          engine__tensor_parallel_size=tensor_parallel,
                           hidden_states__scratch_dir=str(tmp_path / "scratch")),
                  phase="hidden_states")["hidden_states"]
     assert counts["ok"] == counts["selected"] == len(QUESTIONS) and counts["failed_rows"] == 0

@@ -34,9 +34,11 @@ pytestmark = pytest.mark.vllm
 WORDS = [" the", " cat", " sat", " on", " mat", " and", " dog", " ran", "."]
 
 # engine.device=cpu; small KV cache and batches; fp32 so that the parity test compares
-# like with like (vLLM and transformers both compute in fp32).
+# like with like (vLLM and transformers both compute in fp32); one engine thread, as the
+# references' vllm.LLM has on 2 cores (vLLM's own binding): a tiny model gains nothing from a
+# second (docs/development.md, "vLLM on CPU: the settings").
 VLLM = dict(engine__backend="vllm", engine__device="cpu", engine__num_cpus=1, engine__cpu_kv_cache_gib=0.25,
-            engine__batch_size=4, engine__max_concurrent_batches=4, engine__resource_wait_s=30,
+            engine__batch_size=4, engine__max_concurrent_batches=4, engine__resource_wait_s=30, engine__cpu_threads=1,
             engine__engine_kwargs={"dtype": "float32", "enforce_eager": True, "max_num_seqs": 8})
 ENGINE_KWARGS = {"dtype": "float32", "enforce_eager": True, "max_num_seqs": 8, "max_model_len": 1024,
                  "kv_cache_memory_bytes": int(0.25 * 2**30)}
@@ -619,7 +621,7 @@ def tp2_run(ray_local, tmp_path_factory, qwen3_tokenizer_dir):
     model = build_tiny_model(qwen3_tokenizer_dir, tmp / "tiny-2heads", head_dim=64, heads=2)
     out = tmp / "out"
     settings = job_settings(out, model, preset={
-        **VLLM, **TP2_SETTINGS, "engine__tensor_parallel_size": 2, "engine__batch_size": 2,
+        **VLLM, **TP2_SETTINGS, "engine__tensor_parallel_size": 2, "engine__cpu_threads": None, "engine__batch_size": 2,
         "engine__max_concurrent_batches": 2, "output__log_every_s": 0.5})
     run(as_config(settings), phase="prompts")
     # vllm.LLM.generate at tensor parallel 1 on the same requests, beside the job.

@@ -3,6 +3,8 @@ production config (vLLM is not installed here) and check what it would run."""
 
 from __future__ import annotations
 
+import os
+
 import pyarrow as pa
 import pytest
 
@@ -115,6 +117,31 @@ def test_cpu_tensor_parallel_runs_its_ranks_as_vllm_processes_in_one_bundle(kimi
     assert rank_cores([2, 3, 5], 2) == "2|3"  # a share left over goes unused
     with pytest.raises(ValueError, match="tensor_parallel_size 2 needs a core per rank; this replica may use 1"):
         rank_cores([0], 2)
+
+
+def test_cpu_engine_threads_are_the_replicas_cores_unless_the_user_bound_them(kimi, monkeypatch):
+    """engine.cpu_threads on vLLM's CPU build: VLLM_CPU_OMP_THREADS_BIND over that many of the
+    replica's cores (null: all), a share per rank; a set VLLM_CPU_OMP_THREADS_BIND is kept,
+    and the engine line says which applies."""
+    from eagle_data.config import ConfigError
+    from eagle_data.job.stages.engines.vllm_backend import engine_summary
+    from eagle_data.job.stages.engines.vllm_udf import bind_cpu_threads, threads_bind
+
+    assert threads_bind([0, 1], 1, None) == "0,1"
+    assert threads_bind([0, 1], 1, 1) == "0"
+    assert threads_bind(list(range(8)), 2, 4) == "0,1|2,3"
+    assert threads_bind([0, 1], 1, 4) == "0,1"  # at most the cores there are
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1")
+    bind_cpu_threads(1, None)
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    cpu = ["engine.device=cpu", "engine.tensor_parallel_size=1"]
+    assert engine_summary(load_config(KIMI, cpu)).endswith(", VLLM_CPU_OMP_THREADS_BIND=1 (set)")
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
+    assert engine_summary(load_config(KIMI, cpu)).endswith(
+        ", its threads on all of a replica's cores (engine.cpu_threads)")
+    assert "threads" not in engine_summary(kimi)  # on GPUs
+    with pytest.raises(ConfigError, match=r"engine.cpu_threads \(1\) is fewer than engine.tensor_parallel_size \(8\)"):
+        load_config(KIMI, ["engine.device=cpu", "engine.cpu_threads=1"])
 
 
 def test_no_gpu_in_the_cluster_fails_after_the_wait_instead_of_hanging(ray_local, kimi):

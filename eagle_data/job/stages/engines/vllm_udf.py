@@ -1,6 +1,6 @@
 """Ray's vLLM stage UDF (ray.data.llm, Ray 2.60, with the vLLM it pins, 0.29) with compact
 log-probabilities, a shutdown that prints nothing when all went well, and on vLLM's CPU
-build a core set of its own for each rank of a multi-rank replica."""
+build the engine's threads over the replica's cores (a share of its own for each rank)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from eagle_data.job.stages.engines.state_files import prepare, take
 from eagle_data.job.stages.engines.stats import EngineStats
 
 
-def vllm_stage_udf():
+def vllm_stage_udf(cpu_threads: int | None = None):
     """Ray's `vLLMEngineStageUDF`, but:
 
     - `generate_async` is Ray's (`vLLMEngineWrapper.generate_async`: the same request,
@@ -28,7 +28,9 @@ def vllm_stage_udf():
     - At shutdown it cancels the task reading the engine's outputs first (vLLM 0.29 stops
       the engine before it, and the task logs an `EngineDeadError`), and waits for vLLM's
       processes to exit: Ray kills an exiting actor's children, the resource tracker among
-      them, which a vLLM worker then relaunches to print `KeyError` tracebacks."""
+      them, which a vLLM worker then relaunches to print `KeyError` tracebacks.
+    - On vLLM's CPU build its OpenMP threads run on `cpu_threads` (None: all) of the cores
+      the replica's actor may use (bind_cpu_threads)."""
     import atexit
     import multiprocessing.resource_tracker
 
@@ -38,7 +40,8 @@ def vllm_stage_udf():
         def __init__(self, *args, **kwargs):
             multiprocessing.resource_tracker.ensure_running()
             engine = kwargs.get("engine_kwargs", {})
-            bind_cpu_ranks(engine.get("tensor_parallel_size", 1) * engine.get("pipeline_parallel_size", 1))
+            bind_cpu_threads(engine.get("tensor_parallel_size", 1) * engine.get("pipeline_parallel_size", 1),
+                             cpu_threads)
             super().__init__(*args, **kwargs)
             self.llm.generate_async = self.generate_async  # called by Ray's _generate_with_error_handling
             self.stats = EngineStats.attach(self.llm.engine)
@@ -135,16 +138,26 @@ def rank_cores(cores: list[int], ranks: int) -> str:
     return "|".join(",".join(map(str, g)) for g in groups)
 
 
-def bind_cpu_ranks(ranks: int) -> None:
-    """On vLLM's CPU build with ranks > 1, give each rank its own cores from those this
-    process may run on (vLLM's automatic binding wants one NUMA node per rank and refuses to
-    start on one), unless VLLM_CPU_OMP_THREADS_BIND is set already."""
-    if ranks <= 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+def threads_bind(cores: list[int], ranks: int, threads: int | None) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for an engine of `ranks` ranks on `threads` (None: all) of
+    these cores, the lowest first."""
+    return rank_cores(cores[:threads] if threads else cores, ranks)
+
+
+def bind_cpu_threads(ranks: int, threads: int | None) -> None:
+    """On vLLM's CPU build, bind the engine's OpenMP threads to `threads` (None: all) of the
+    cores this process may use, one contiguous share per rank, unless
+    VLLM_CPU_OMP_THREADS_BIND is set already (it is then vLLM's, as the user gave it).
+    vLLM's own binding ("auto") binds a rank to the cores of one NUMA node each, less one
+    core kept for its scheduler process: half of a 2-core machine, which on a real model
+    halves the engine (docs/development.md, "vLLM on CPU: the settings"); with more than
+    one rank on a one-node machine it refuses to start."""
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = rank_cores(sorted(os.sched_getaffinity(0)), ranks)
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind(sorted(os.sched_getaffinity(0)), ranks, threads)
 
 
 def stop_output_handler(engine, timeout_s: float = 5) -> None:
