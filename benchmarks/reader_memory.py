@@ -51,6 +51,7 @@ def write_out(root: Path, rows: int, tokens: int, rows_per_shard: int) -> None:
             "prompt_id": ids_list, "answer": np.zeros(n, np.int32), "variant": ["default"] * n,
             "sampling": pa.array([{"max_tokens": 8192, "temperature": 0.6, "top_p": 0.95, "top_k": 0,
                                    "min_p": 0.0, "seed": 0}] * n, SAMPLING_TYPE),
+            "answered_by": ["target"] * n,
             "messages": [[{"role": "user", "content": f"question {s}"}] for s in ids_list],
             "reasoning": [""] * n,
             "response": [f"answer {s}" for s in ids_list],

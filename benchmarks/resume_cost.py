@@ -67,6 +67,7 @@ def write_out(root: Path, rows: int, tokens: int, rows_per_shard: int, failed: i
             "source": [f"src{i % 5}" for i in range(n)],
             "prompt_id": sample_ids, "answer": np.zeros(n, np.int32), "variant": ["default"] * n,
             "sampling": pa.array([SAMPLING] * n, SAMPLING_TYPE),
+            "answered_by": ["target"] * n,
             "messages": messages,
             "reasoning": [""] * n,
             "response": [f"the answer is {2 * i}" for i in range(n)],

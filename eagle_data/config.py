@@ -86,6 +86,31 @@ class PerSourceConfig(_Section):
                     "null = equal shares")
 
 
+class FieldsConfig(_Section):
+    """Rows that are not chats (`source.fields`): which of a row's fields hold its turns, e.g.
+    `{user: question, assistant: answer}` for GSM8K, `{user: turns, source: category}` for
+    MT-bench (docs/formats.md, "Dataset layouts")."""
+
+    user: str = Field(
+        min_length=1, description="the field holding the user's text, or a list of user turns (MT-bench's `turns`)")
+    assistant: str | None = Field(
+        default=None, min_length=1,
+        description="the field holding the dataset's answer to the first user turn (GSM8K's `answer`), or a list "
+                    "of answers, one per user turn; null = the rows have no answers")
+    system: str | None = Field(
+        default=None, min_length=1, description="a field holding a system message; null = none")
+    source: str | None = Field(
+        default="source", min_length=1,
+        description="the field whose text is the row's `source` (MT-bench's `category`); null = none (source \"\")")
+
+    @model_validator(mode="after")
+    def _check_apart(self) -> "FieldsConfig":
+        named = [f for f in (self.user, self.assistant, self.system) if f is not None]
+        if len(set(named)) != len(named):
+            raise ValueError(f"user, assistant and system must be different fields, got {named}")
+        return self
+
+
 class SourceConfig(_Section):
     dataset: str = Field(
         json_schema_extra=changes("prompts"), default="mlabonne/open-perfectblend", min_length=1, pattern=r"\S",
@@ -103,6 +128,11 @@ class SourceConfig(_Section):
     per_source: PerSourceConfig | None = Field(
         json_schema_extra=changes("prompts"), default=None,
         description="source-balanced sampling (`source.per_source` below); null = one sample over all sources")
+    fields: FieldsConfig | None = Field(
+        json_schema_extra=changes("prompts"), default=None,
+        description="rows whose turns are plain fields (a question and its answer: GSM8K; a list of user turns: "
+                    "MT-bench), named in `source.fields` below; null = ShareGPT (`conversations`) or OpenAI "
+                    "(`messages`) rows")
 
     @model_validator(mode="after")
     def _check_per_source(self) -> "SourceConfig":
@@ -125,6 +155,13 @@ class PromptConfig(_Section):
         description="`first_user`: one answer per row, to the optional leading system turn + the first user turn. "
                     "`all`: every user turn is answered in order, each conditioned on the target's own earlier "
                     "answers (see \"Multi-turn\" in docs/formats.md)")
+    answers: Literal["target", "dataset"] = Field(
+        json_schema_extra=changes("prompts", "generate"), default="target",
+        description="who answers each prompt. `target`: the target model on the engine. `dataset`: the dataset's "
+                    "own assistant turn right after the first user turn, rendered with the target's chat template "
+                    "as a regenerated row would be (the same prompt, reasoning split and loss mask); no engine is "
+                    "started. The baseline a regenerated OUT must beat (see \"Dataset answers\" in docs/formats.md). "
+                    "`dataset` takes `turns: first_user`, one answer per prompt, no variants, no log-probabilities")
     max_turns: Int | None = Field(
         json_schema_extra=changes("prompts"), default=None, ge=1,
         description="`turns: all`: answer at most this many user turns per conversation; null = all")
@@ -435,11 +472,28 @@ class Config(_Section):
                              "(CPUs: engine.num_cpus; GPUs follow engine.tensor_parallel_size)")
         if self.engine.backend == "transformers" and self.engine.tensor_parallel_size != 1:
             raise ValueError("engine.tensor_parallel_size > 1 needs engine.backend=vllm")
+        if self.prompt.answers == "dataset":
+            self._check_dataset_answers()
         threads, ranks = self.engine.cpu_threads, self.engine.tensor_parallel_size
         if self.engine.device == "cpu" and threads is not None and threads < ranks:
             raise ValueError(f"engine.cpu_threads ({threads}) is fewer than engine.tensor_parallel_size "
                              f"({ranks}): each rank needs a core of its own")
         return self
+
+
+    def _check_dataset_answers(self) -> None:
+        """What the dataset's answers cannot give: it has one answer per first user turn,
+        not sampled, and no log-probabilities."""
+        refused = [(self.prompt.turns != "first_user",
+                    "prompt.turns: all (a later turn would be asked after the dataset's own answers; "
+                    "not supported: use first_user)"),
+                   (self.sampling.answers_per_prompt != 1,
+                    "sampling.answers_per_prompt > 1 (the dataset has one answer per prompt)"),
+                   (bool(self.sampling.variants), "sampling.variants (the dataset's answers are not sampled)"),
+                   (self.sampling.logprobs != 0, "sampling.logprobs (no engine computes them)")]
+        found = [why for bad, why in refused if bad]
+        if found:
+            raise ValueError(f"prompt.answers=dataset does not take {'; '.join(found)}")
 
 
 def settings(model: type[BaseModel] | None = None, prefix: str = "") -> list[tuple[str, FieldInfo]]:

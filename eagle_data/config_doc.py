@@ -48,7 +48,11 @@ combinations checked:
   `object_store_memory`: CPUs are `engine.num_cpus`, GPUs follow `engine.tensor_parallel_size`);
 - `engine.tensor_parallel_size > 1` needs `engine.backend: vllm`;
 - `source.per_source` needs `source.sample` or `source.per_source.max_rows`, its `weights`
-  need `source.sample`, and must give some source a positive weight.
+  need `source.sample`, and must give some source a positive weight;
+- `source.fields` names different fields for `user`, `assistant` and `system`;
+- `prompt.answers: dataset` takes `prompt.turns: first_user`, `sampling.answers_per_prompt: 1`,
+  no `sampling.variants` and `sampling.logprobs: 0` (the dataset has one answer per prompt,
+  not sampled).
 - `engine.engine_kwargs` may not set what a typed key sets (`max_model_len`,
   `trust_remote_code`, ...: the prompts phase and the tokenizer use the typed value), and
   its `dtype`/`torch_dtype` must be a dtype both engines take.

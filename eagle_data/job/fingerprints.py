@@ -29,18 +29,34 @@ def prompt_config(cfg: Config) -> dict:
     config = _tagged(cfg, "prompts")
     # The tokenizer the prompts phase used: model.path when model.tokenizer is null.
     config["model.tokenizer"] = cfg.model.tokenizer_path
-    # per_source only when set, so OUTs made before it existed still match.
+    # per_source, fields and answers only when set, so OUTs made before they existed still match.
     if cfg.source.per_source is None:
         del config["source.per_source"]
+    if cfg.source.fields is None:
+        del config["source.fields"]
+    if cfg.prompt.answers == "target":
+        del config["prompt.answers"]
     # sampling.seed reaches prompts/ only by drawing each conversation's variant, so only with variants.
     if not cfg.sampling.variants:
         del config["sampling.seed"]
     return normalised(config)
 
 
+# What decides how the target samples, not what the dataset's answers are.
+SAMPLED_ONLY = ("sampling.temperature", "sampling.top_p", "sampling.top_k", "sampling.min_p", "sampling.seed",
+                "sampling.logprobs", "sampling.logprobs_dtype")
+
+
 def generate_config(cfg: Config) -> dict:
-    """The keys that decide the content of data/."""
-    return normalised(_tagged(cfg, "generate"))
+    """The keys that decide the content of data/: with the dataset's answers (prompt.answers)
+    not the sampling keys, which decide nothing there; prompt.answers only when it is
+    `dataset`, so OUTs made before it existed still match."""
+    config = _tagged(cfg, "generate")
+    if cfg.prompt.answers == "target":
+        del config["prompt.answers"]
+    else:
+        config = {k: v for k, v in config.items() if k not in SAMPLED_ONLY}
+    return normalised(config)
 
 
 def hidden_states_config(cfg: Config) -> dict:

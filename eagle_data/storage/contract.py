@@ -28,14 +28,14 @@ manifest.json (`schema_version` MANIFEST_VERSION):
     phases.prompts:  status (running | complete | damaged), counts (selected = prompts +
                      skipped dataset rows; conversations = prompts/ rows = prompts x
                      answers_per_prompt; per variant), prompt_config, runs
-    phases.generate: counts, generate_config, tokenizer (path, vocab_size, eos_ids, pad_id,
-                     reasoning_start_id, reasoning_end_id), runs
+    phases.generate: counts, generate_config, answered_by (target | dataset), tokenizer (path,
+                     vocab_size, eos_ids, pad_id, reasoning_start_id, reasoning_end_id), runs
     phases.hidden_states: counts, hidden_states_config, features (layer_ids, final_norm,
                      dtype, hidden_size, num_layers), runs (each with its storage estimate)
     a run: run_id, started_at, finished_at, status (running | complete), config (the whole
            resolved config of that run), versions (libraries), counts of that run;
-           a generate run also: replica_nodes (the Ray node ids its engine replicas ran on,
-           when Ray's state API could tell)
+           a generate run also: answered_by, replica_nodes (the Ray node ids its engine
+           replicas ran on, when Ray's state API could tell)
 Read it through storage/manifest.py's accessors, not by key chains.
 """
 
@@ -56,6 +56,7 @@ VOCAB_SUMMARY = "vocab/vocab.json"  # written by the vocab tool; read by the rep
 MANIFEST_VERSION = 4
 ERROR = "error"  # failed/: the engine's error text
 IDS = ("sample_id", "conversation_id", "turn", "source")  # carried by every data/failed/stopped row
+ANSWERED_BY = ("target", "dataset")  # data/'s `answered_by`: the engine's answers, or the dataset's own
 
 # `reasoning_content` is set only on the target's own earlier answers (turns: all), the
 # field OpenAI-style clients and chat templates (Qwen3, Kimi) use for an answer's reasoning.
@@ -79,6 +80,9 @@ PROMPTS_SCHEMA = pa.schema([
     ("tokenized_prompt", pa.list_(pa.int32())),
     ("num_prompt_tokens", pa.int32()),
     ("row_id", pa.string()),  # hash of the dataset row
+    # prompt.answers=dataset: the tokens the target would have generated to give the dataset's
+    # answer (the chat template's, up to and including the end-of-turn token); else null.
+    ("answer_ids", pa.list_(pa.int32())),
 ])
 SKIPPED_SCHEMA = pa.schema([
     ("row_id", pa.string()), ("sample_id", pa.string()), ("source", pa.string()),
@@ -93,7 +97,8 @@ DATA_SCHEMA = pa.schema([
     ("turn", pa.int32()),
     ("source", pa.string()),
     *ANSWER_FIELDS,
-    ("sampling", SAMPLING_TYPE),
+    ("sampling", SAMPLING_TYPE),  # null when answered by the dataset (nothing was sampled)
+    ("answered_by", pa.string()),  # target | dataset (prompt.answers): who wrote the answer
     ("messages", MESSAGE_TYPE),
     ("reasoning", pa.string()),
     ("response", pa.string()),

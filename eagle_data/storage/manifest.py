@@ -187,6 +187,9 @@ class Manifest:
         resolved = runs[-1].get("config", {}) if runs else {}
         changed = sorted(k for k in set(made) | set(config)
                          if made.get(k, setting(resolved, k)) != config.get(k, setting(resolved, k)))
+        # A key recorded only while it is not its default (prompt.answers): the latest run's value
+        # is the recorded one, so a key on one side only is what changed.
+        changed = changed or sorted(set(made) ^ set(config))
         folders = ", ".join(f"{f}/" for f in FOLDERS_OF_PHASE[phase])
         raise OutputMismatch(
             f"{self.out} holds {phase} rows ({folders}) made with different settings (changed: {', '.join(changed)}); "

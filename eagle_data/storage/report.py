@@ -159,6 +159,8 @@ def build_report(out: Output) -> dict:
     return {
         "out": out.root,
         "generated_at": mf.now(),
+        # Who wrote data/'s answers: the target (the engine), or the dataset itself (prompt.answers).
+        "answered_by": manifest.phase("generate").get("answered_by", "target" if data.num_rows else None),
         "counts": {
             "selected": manifest.counts("prompts").get("selected"),
             "prompts": first_answers.num_rows,
@@ -307,7 +309,8 @@ def to_html(report: dict, figures: dict[str, bytes]) -> str:
         "<!doctype html><meta charset=utf-8><title>eagle-data report</title>"
         "<style>body{font-family:sans-serif;margin:2em}td,th{border:1px solid #ccc;padding:2px 8px}"
         "table{border-collapse:collapse;margin-bottom:1em}</style>"
-        f"<h1>eagle-data report</h1><p>{html.escape(report['out'])} &middot; {report['generated_at']}</p>"
+        f"<h1>eagle-data report</h1><p>{html.escape(report['out'])} &middot; {report['generated_at']}"
+        f"{' &middot; answered by the ' + html.escape(report['answered_by']) if report.get('answered_by') else ''}</p>"
         f"<h2>Counts</h2>{table(report['counts'], ('', 'rows'))}"
         f"<h2>Tokens</h2>{table(report['tokens'], ('', 'statistics'))}"
         f"<h2>By source</h2>{table(report['by_source'], ('source', 'rows'))}"

@@ -66,7 +66,8 @@ def render_sample(row: dict, tokenizer, colour: bool) -> str:
     mask = row["loss_mask"]
     lines = [
         heading(literal(f"sample {row['sample_id']}  source {row['source']}  finish_reason {row['finish_reason']}")),
-        literal(f"variant {row['variant']}: " + ", ".join(f"{k} {v}" for k, v in row["sampling"].items())),
+        literal(f"variant {row['variant']}: " + ", ".join(f"{k} {v}" for k, v in row["sampling"].items())
+                if row["sampling"] is not None else "answered by the dataset (its own answer: nothing sampled)"),
         f"tokens: prompt {row['num_prompt_tokens']}, reasoning {row['num_reasoning_tokens']}, "
         f"response {row['num_response_tokens']}; loss on {sum(mask)} of {len(mask)}",
         heading("--- prompt"),

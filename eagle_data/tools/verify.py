@@ -8,7 +8,8 @@
   num_prompt_tokens + num_reasoning_tokens + num_response_tokens, no loss on the prompt;
   with top-k log-probabilities (sampling.logprobs), one entry per generated token in each
   of their columns, the same k in every shard, ids within the model's vocabulary, and the
-  sampled tokens' log-probabilities finite and <= 0;
+  sampled tokens' log-probabilities finite and <= 0; every row's `answered_by` is the one
+  the generate phase records (target, or dataset: the dataset's own answers);
 - the prompts phase accounts for every selected row: prompts + skipped = selected, and
   every prompt has answers_per_prompt conversations in prompts/;
 - after a finished generate run, every turn that could be asked (the first, and each one
@@ -106,7 +107,18 @@ def prompts_shard(out: Output, path: str, table, seen: Seen) -> list[str]:
 def data_shard(out: Output, path: str, table, seen: Seen) -> list[str]:
     tokenizer = out.manifest.tokenizer
     vocab = tokenizer.get("model_vocab_size") or tokenizer.get("vocab_size")
-    return _check_data_rows(path, table.select(DATA_CHECK_COLUMNS)) + _check_logprobs(path, table, vocab, seen.logprob_k)
+    return (_check_data_rows(path, table.select(DATA_CHECK_COLUMNS)) + _check_logprobs(path, table, vocab, seen.logprob_k)
+            + _check_answered_by(path, table, out.manifest.phase("generate").get("answered_by", "target")))
+
+
+def _check_answered_by(path: str, table, recorded: str) -> list[str]:
+    """Rows of one OUT are answered one way: the one its generate phase records (a shard
+    written before the column existed has none: the target's)."""
+    if "answered_by" not in table.column_names:
+        return []
+    other = table.filter(pc.not_equal(table.column("answered_by"), recorded))  # (null: not recorded)
+    return [f"{path}: sample_id {s}: answered_by {v!r}, the generate phase records {recorded!r}"
+            for s, v in zip(other.column("sample_id").to_pylist(), other.column("answered_by").to_pylist())]
 
 
 def check_prompts(out: Output, seen: Seen) -> tuple[list[str], dict]:

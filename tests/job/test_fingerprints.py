@@ -66,6 +66,15 @@ CASES = {
         {**GENERATE, "sampling.logprobs": 4, "sampling.logprobs_dtype": "float16", "mask.train_on": "response"},
         {**HIDDEN_STATES, "hidden_states.layer_ids": [1, 3], "hidden_states.dtype": "float32",
          "hidden_states.finish_reason": ["stop"], "hidden_states.source": ["s1"]}),
+    # The dataset's own answers: recorded in both (only then, so that OUTs made before the key
+    # still match); data/ is then decided by no sampling key but max_tokens (where an answer is cut).
+    "dataset answers": (
+        ["prompt.answers=dataset", "source.fields={user: question, assistant: answer}", "sampling.temperature=0"],
+        {**PROMPTS, "prompt.answers": "dataset",
+         "source.fields": {"user": "question", "assistant": "answer", "system": None, "source": "source"}},
+        {"model.path": "/m", "prompt.answers": "dataset", "sampling.max_tokens": 8192, "sampling.variants": [],
+         "sampling.answers_per_prompt": 1, "mask.train_on": "generated"},
+        HIDDEN_STATES),
 }
 
 
@@ -108,3 +117,22 @@ def test_an_untagged_field_is_named_at_any_depth():
     assert found == {"inner.tagged": ["generate"], "inner.forgotten": None, "held": []}
     with pytest.raises(ValueError, match="phases are"):
         changes("generat")
+
+
+def test_switching_an_out_between_the_targets_and_the_datasets_answers_is_refused_naming_the_key(tmp_path):
+    """Either way round: the key is recorded in the fingerprints only as `dataset`, so a
+    switch back shows as a key recorded on one side only."""
+    from eagle_data.errors import OutputMismatch
+    from eagle_data.storage.manifest import Manifest
+    from eagle_data.storage.files import filesystem
+
+    target = load_config(None, BASE)
+    dataset = load_config(None, BASE + ["prompt.answers=dataset"])
+    for made, then in [(target, dataset), (dataset, target)]:
+        fs, root = filesystem(str(tmp_path / f"out-{made.prompt.answers}"))
+        manifest = Manifest(fs, root)
+        for phase, config in (("prompts", prompt_config), ("generate", generate_config)):
+            manifest.start_run(phase, made.model_dump(mode="json"), {f"{'prompt' if phase == 'prompts' else phase}_config":
+                                                                     config(made)})
+            with pytest.raises(OutputMismatch, match=r"made with different settings \(changed: prompt.answers"):
+                manifest.check_config(phase, config(then))

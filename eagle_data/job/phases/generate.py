@@ -35,6 +35,7 @@ from eagle_data.model_files import SpecialTokens, generation_eos_ids, load_token
 from eagle_data.storage.contract import ERROR, FAILED_SCHEMA, STOPPED_SCHEMA, data_schema
 from eagle_data.storage.files import filesystem
 from eagle_data.storage.folder import Output
+from eagle_data.storage.manifest import Manifest
 from eagle_data.storage.shards import ShardWriter, shard_files
 from eagle_data.storage.status import SampleStatus
 
@@ -56,10 +57,12 @@ def run_generate(cfg: Config, out: Output, engine=None) -> dict:
     writers = {name: out.writer(name, schema, run["run_id"], *shard)
                for name, schema in (("data", data), ("failed", FAILED_SCHEMA), ("stopped", STOPPED_SCHEMA))}
     replicas = ReplicaNodes()
+    by_engine = cfg.prompt.answers == "target"  # the dataset's own answers start no engine
     progress = Progress(total=total, done_before=len(finished), todo=total - len(finished),
                         max_tokens=cfg.sampling.max_tokens, every_s=cfg.output.log_every_s,
-                        data_writer=writers["data"], failed_writer=writers["failed"], on_line=replicas.poll,
-                        engine=EngineWatch(ENGINE_CLASSES))
+                        data_writer=writers["data"], failed_writer=writers["failed"],
+                        on_line=replicas.poll if by_engine else None,
+                        engine=EngineWatch(ENGINE_CLASSES) if by_engine else None)
     with progress:
         answer_turns(cfg, out, special, finished, writers, progress, run["run_id"], engine or apply_engine)
     return finish_run(cfg, out, run, total, writers, progress, replicas)
@@ -73,9 +76,10 @@ def start_run(cfg: Config, out: Output) -> tuple[SpecialTokens, dict, int, set[s
     finished = SampleStatus.read(out.fs, out.root, cfg.output.max_attempts).finished()
     run = out.manifest.start_run("generate", cfg.model_dump(mode="json"), {
         "generate_config": generate_config(cfg),
+        "answered_by": cfg.prompt.answers,
         "tokenizer": {"path": cfg.model.tokenizer_path, "vocab_size": len(tokenizer), **special.to_dict(),
                       **target_vocab(cfg)},
-    }, todo=total - len(finished))
+    }, todo=total - len(finished), answered_by=cfg.prompt.answers)
     log.info("generate: %d turns to answer, %d already done, %d to do", total, len(finished), total - len(finished))
     return special, run, total, finished
 
@@ -122,12 +126,12 @@ def publish_the_rest(writers: dict) -> None:
 def finish_run(cfg: Config, out: Output, run: dict, total: int, writers: dict, progress: Progress,
                replicas: "ReplicaNodes") -> dict:
     counts = phase_counts(out, cfg, total)
-    nodes = replicas.report()
+    nodes = replicas.report() if cfg.prompt.answers == "target" else None  # no engine, no replicas
     data, failed = writers["data"], writers["failed"]
     out.manifest.finish_run("generate", run, counts, ok=data.written, failed=failed.written,
                             generated_tokens=progress.generated_tokens,
                             wall_s=round(time.monotonic() - progress.started, 1),
-                            engine_load_s=[round(s, 1) for s in progress.engine.load_s],
+                            engine_load_s=[round(s, 1) for s in progress.engine.load_s] if progress.engine else [],
                             **({"replica_nodes": nodes} if nodes is not None else {}))
     log.info("generate: run %s wrote %d ok, %d failed; OUT totals %s", run["run_id"], data.written,
              failed.written, counts)
@@ -177,7 +181,9 @@ def first_turn_prompts(cfg: Config, out: Output, finished: ray.ObjectRef) -> tup
         return None, 0
     first_turn = UnfinishedFirstTurns(cfg.prompt.turns, finished)
     ids = pads.dataset(files, filesystem=out.fs, format="parquet").to_table(columns=["sample_id"])
-    ds = read_parquet_in_small_tasks(files, out.fs, PROMPT_COLUMNS)
+    # The dataset's own answers, tokenized by the prompts phase (prompt.answers=dataset).
+    answers = ["answer_ids"] if cfg.prompt.answers == "dataset" else []
+    ds = read_parquet_in_small_tasks(files, out.fs, PROMPT_COLUMNS + answers)
     return ds.map_batches(first_turn, batch_format="pyarrow"), first_turn.unfinished(ids).num_rows
 
 
@@ -207,8 +213,8 @@ def record_stops(ds: ray.data.Dataset, stopped: ShardWriter, run_id: str) -> int
 def engine_requests(ds: ray.data.Dataset, cfg: Config, special: SpecialTokens) -> ray.data.Dataset:
     """Prompts -> engine requests, one engine batch per block: finished rows leave the
     engine batch by batch, and the engine stage takes each block as one batch."""
-    ds = ds.map_batches(Requests(engine_sampling(cfg), cfg.sampling.seed, list(special.eos_ids)),
-                        batch_format="pyarrow")
+    ds = ds.map_batches(Requests(engine_sampling(cfg), cfg.sampling.seed, list(special.eos_ids),
+                                 sampled=cfg.prompt.answers == "target"), batch_format="pyarrow")
     return one_batch_per_block(ds, cfg.engine.batch_size)
 
 
@@ -254,7 +260,9 @@ def phase_counts(out: Output, cfg: Config, user_turns: int) -> dict:
 
 def summary(out: str, counts: dict) -> list[str]:
     turns = f" of {counts['user_turns']} user turns" if counts["user_turns"] != counts["conversations"] else ""
-    lines = [f"  data/     {counts['ok']} ok samples{turns}",
+    fs, root = filesystem(out)
+    by = " (the dataset's own answers)" if Manifest(fs, root).phase("generate").get("answered_by") == "dataset" else ""
+    lines = [f"  data/     {counts['ok']} ok samples{turns}{by}",
              f"  failed/   {counts['failed_rows']} failed attempts; {counts['failed_final']} samples gave up, "
              f"{counts['pending_retry']} to retry (rerun the same command)"]
     if counts["stopped"]:

@@ -43,6 +43,8 @@ MEANING = {
     "user_turns": "the user texts the target answers, in order",
     "tokenized_prompt": "the chat template's tokens of `messages`, the engine's input",
     "num_prompt_tokens": "len(tokenized_prompt)",
+    "answer_ids": "prompt.answers=dataset: the tokens the target would have generated to give the dataset's answer",
+    "answered_by": "who wrote the answer: target | dataset (prompt.answers)",
     "reason": "why a row is skipped or a conversation stops ('' when it is not)",
     "detail": "where and what, for `reason`",
     "sampling_params": "the engine's sampling parameters for this row (per-row seed)",

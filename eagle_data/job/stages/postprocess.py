@@ -4,7 +4,8 @@ decoded text, finish reason, loss mask.
 Stage contract: takes the engine's columns (`prompt_token_ids`, `generated_tokens`,
 `__inference_error__`) + carried `sample_id`, `conversation_id`, `turn`, `source`,
 `prompt_id`, `answer`, `variant`, `sampling`, `messages`; makes the `data/` columns plus `error` ("" for ok rows; failed rows keep only
-the ids, source and error).
+the ids, source and error). `answered_by` (target | dataset) is the run's: who wrote the
+answers the engine stage handed on (engines/dataset_answers.py gives the dataset's).
 
 `input_ids = prompt_token_ids + generated_tokens`, nothing re-tokenized. The reasoning
 boundary is the end-of-reasoning token id (looked up from the tokenizer by its string):
@@ -95,13 +96,15 @@ class Postprocessor(Stage):
     train_on: str  # "generated" | "response"
     logprobs: int = 0  # k: the engine's top-k log-probabilities become data/ columns
     logprobs_dtype: str = "float32"
+    answered_by: str = "target"  # prompt.answers
 
     @classmethod
     def from_config(cls, cfg: Config, special: SpecialTokens) -> "Postprocessor":
         return cls(tokenizer_path=cfg.model.tokenizer_path, trust_remote_code=cfg.model.trust_remote_code,
                    eos_ids=special.eos_ids, reasoning_start_id=special.reasoning_start_id,
                    reasoning_end_id=special.reasoning_end_id, train_on=cfg.mask.train_on,
-                   logprobs=cfg.sampling.logprobs, logprobs_dtype=cfg.sampling.logprobs_dtype)
+                   logprobs=cfg.sampling.logprobs, logprobs_dtype=cfg.sampling.logprobs_dtype,
+                   answered_by=cfg.prompt.answers)
 
     @property
     def schema(self) -> pa.Schema:
@@ -172,6 +175,7 @@ class Postprocessor(Stage):
         offsets = pa.array(out_off.astype(np.int32))
         return pa.table({
             **{c: batch.column(c) for c in (*IDS, *ANSWER_OF, "messages")},
+            "answered_by": pa.array([self.answered_by] * n, pa.string()),
             "reasoning": pa.array(reasoning, pa.string()),
             "response": pa.array(response, pa.string()),
             "input_ids": pa.ListArray.from_arrays(offsets, pa.array(ids)),

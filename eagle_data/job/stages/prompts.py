@@ -20,11 +20,11 @@ from typing import ClassVar
 
 import pyarrow as pa
 
-from eagle_data.config import Config
+from eagle_data.config import Config, FieldsConfig
 from eagle_data.job.stages.columns import Stage, columns
 from eagle_data.errors import ConfigError
 from eagle_data.job.variants import DEFAULT, Assigner, Variant, conversation_ids, frozen, variants
-from eagle_data.model_files import control_token_pattern, load_tokenizer
+from eagle_data.model_files import control_token_pattern, generation_eos_ids, load_tokenizer, special_tokens
 from eagle_data.storage.contract import PROMPTS_SCHEMA, SKIPPED_SCHEMA
 
 ROLES = {
@@ -57,15 +57,17 @@ class Turn:
     content: str
     given_role: str  # as the row spells it
     where: str  # e.g. conversations[2]
+    reasoning: object = None  # the turn's `reasoning_content` or `reasoning`, as the row has it (read for answers)
 
     def unknown_role(self, role_key: str) -> Skip:
         return Skip("bad_schema", f"{self.where}.{role_key} is an unknown role {self.given_role!r}")
 
 
-def parse_turns(raw: str) -> tuple[list[Turn], str]:
+def parse_turns(raw: str, fields: FieldsConfig | None = None) -> tuple[list[Turn], str]:
     """(the row's turns, the key that names a role), or Skip. Every turn must be well formed
     (an object with a string role and text): a row that is not is broken data. Which roles
-    are allowed is the turn policy's to say, for the turns it uses."""
+    are allowed is the turn policy's to say, for the turns it uses. `fields`
+    (source.fields): the turns are the row's fields it names."""
     try:
         row = json.loads(raw)
     except RecursionError:
@@ -74,6 +76,8 @@ def parse_turns(raw: str) -> tuple[list[Turn], str]:
         raise Skip("bad_json", f"line is not JSON ({e})") from None
     if not isinstance(row, dict):
         raise Skip("bad_schema", f"row is a {type(row).__name__}, not an object")
+    if fields is not None:
+        return field_turns(row, fields), "role"
     # A table (parquet, a folder of files) with both columns gives every row both keys, the
     # other one null: a row is read from whichever column holds it.
     if row.get("conversations") is not None:
@@ -103,8 +107,53 @@ def parse_turns(raw: str) -> tuple[list[Turn], str]:
             except UnicodeEncodeError as e:  # JSON allows "\ud800"; Unicode text does not
                 raise Skip("bad_encoding", f"{where}.{key} holds a lone surrogate "
                                            f"U+{ord(turn[key][e.start]):04X} at {e.start}") from None
-        out.append(Turn(ROLES.get(turn[role_key].strip().lower()), turn[text_key], turn[role_key], where))
+        reasoning = next((turn[k] for k in REASONING_KEYS if turn.get(k) is not None), None)
+        out.append(Turn(ROLES.get(turn[role_key].strip().lower()), turn[text_key], turn[role_key], where, reasoning))
     return out, role_key
+
+
+# Where a chat row's assistant turn keeps its reasoning, when not inline (<think>...</think>).
+REASONING_KEYS = ("reasoning_content", "reasoning")
+
+
+def field_turns(row: dict, fields: FieldsConfig) -> list[Turn]:
+    """The turns of a row whose fields hold them (source.fields): the system message, then
+    each user text followed by its answer (the assistant field's text answers the first
+    user turn; a list, each in turn). A text is a string; a list field holds strings (an
+    answer may be null: none)."""
+    def texts(name: str, optional: bool) -> list:
+        value = row.get(name)
+        if value is None:
+            if optional:
+                return []
+            raise Skip("bad_schema", f"no '{name}' (source.fields names it)")
+        values = value if isinstance(value, list) else [value]
+        for i, text in enumerate(values):
+            where = f"{name}[{i}]" if isinstance(value, list) else name
+            if not isinstance(text, str) and not (optional and text is None):
+                raise Skip("bad_schema", f"{where} is a {type(text).__name__}, not a string")
+            try:
+                (text or "").encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise Skip("bad_encoding", f"{where} holds a lone surrogate U+{ord(text[e.start]):04X} "
+                                           f"at {e.start}") from None
+        return values
+
+    def named(name: str, i: int, many: bool) -> str:
+        return f"{name}[{i}]" if many else name
+
+    users = texts(fields.user, optional=False)
+    answers = texts(fields.assistant, optional=True) if fields.assistant else []
+    system = texts(fields.system, optional=True) if fields.system else []
+    if len(system) > 1:
+        raise Skip("bad_schema", f"'{fields.system}' holds {len(system)} texts, not one system message")
+    many_users, many_answers = isinstance(row[fields.user], list), isinstance(row.get(fields.assistant), list)
+    turns = [Turn("system", system[0], "system", fields.system)] if system and system[0] is not None else []
+    for i, user in enumerate(users):
+        turns.append(Turn("user", user, "user", named(fields.user, i, many_users)))
+        if i < len(answers) and answers[i] is not None:
+            turns.append(Turn("assistant", answers[i], "assistant", named(fields.assistant, i, many_answers)))
+    return turns
 
 
 def first_user_messages(turns: list[Turn], role_key: str) -> list[dict]:
@@ -142,6 +191,31 @@ def conversation_messages(turns: list[Turn], role_key: str) -> tuple[list[dict],
         if not text.strip():
             raise Skip("empty", f"user turn {i} is empty")
     return messages, users
+
+
+def answer_of(turns: list[Turn], markers: tuple[str, str]) -> tuple[str, str]:
+    """prompt.answers=dataset: (reasoning, text) of the dataset's answer to the first user
+    turn, the assistant turn right after it. Its reasoning is the turn's `reasoning_content`
+    (or `reasoning`) field, or inline: the text up to the end-of-reasoning marker (after a
+    start marker, if any; `markers` = model.reasoning_start, model.reasoning_end). No such
+    turn, or an empty one: Skip no_answer."""
+    first = next(i for i, t in enumerate(turns) if t.role == "user")
+    after = turns[first + 1] if first + 1 < len(turns) else None
+    if after is None or after.role != "assistant":
+        said = f"{after.where} is {after.given_role!r}" if after is not None else "the row ends there"
+        raise Skip("no_answer", f"no assistant turn right after the first user turn ({said})")
+    reasoning, text = after.reasoning, after.content
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise Skip("bad_schema", f"{after.where}'s reasoning is a {type(reasoning).__name__}, not a string")
+    start, end = markers
+    if reasoning is None and end in text:  # inline: [<think>] reasoning </think> text
+        head, _, text = text.partition(end)
+        head = head.strip()
+        reasoning, text = (head[len(start):] if head.startswith(start) else head).strip(), text.lstrip("\n")
+    reasoning = reasoning or ""
+    if not text.strip() and not reasoning.strip():
+        raise Skip("no_answer", f"the answer ({after.where}) is empty")
+    return reasoning, text
 
 
 def sample_id_of(messages: list[dict]) -> str:
@@ -252,6 +326,48 @@ class PromptRenderer:
         return results
 
 
+    def render_answers(self, conversations: list[list[dict]], answers: list[tuple[str, str]],
+                       prompts: list[list[int]], names: list[str],
+                       stop_ids: tuple[int, ...]) -> list[tuple[list[int] | None, str, str]]:
+        """prompt.answers=dataset: (the tokens the target would have generated to give each
+        conversation's dataset answer, reason, detail). The conversation with its answer as
+        the last assistant turn (reasoning as `reasoning_content`) is rendered with the chat
+        template, as a regenerated row's tokens would be, and tokenized; its tokens must
+        start with the prompt's own (`prompts`), and the answer's run up to and including
+        its end-of-turn token, the first of `stop_ids` (the model's eos ids) after the prompt.
+        Otherwise `answer_template_mismatch` (`template_error` when the template raises)."""
+        tokenizer = load_tokenizer(self.tokenizer_path, self.trust_remote_code)
+        texts, results = [], []
+        for messages, (reasoning, text), name in zip(conversations, answers, names):
+            assistant = {"role": "assistant", "content": text, **({"reasoning_content": reasoning} if reasoning else {})}
+            try:
+                texts.append(tokenizer.apply_chat_template(messages + [assistant], tokenize=False,
+                                                           **self.variants[name].chat_template_kwargs))
+                results.append(None)
+            except Exception as e:  # a chat template may raise on odd conversations
+                texts.append(None)
+                results.append((None, "template_error", f"the answered conversation: {type(e).__name__}: {e}"))
+        ok = [i for i, t in enumerate(texts) if t is not None]
+        encoded = tokenizer([texts[i] for i in ok], add_special_tokens=False)["input_ids"] if ok else []
+        for i, ids in zip(ok, encoded):
+            prompt = prompts[i]
+            if ids[:len(prompt)] != prompt:
+                at = next((k for k, (a, b) in enumerate(zip(ids, prompt)) if a != b), min(len(ids), len(prompt)))
+                results[i] = (None, "answer_template_mismatch",
+                              f"the chat template renders the conversation with its answer as other tokens than "
+                              f"the prompt's from token {at} of {len(prompt)} (prompt "
+                              f"{tokenizer.decode(prompt[at:at + 6])!r}, rendered {tokenizer.decode(ids[at:at + 6])!r})")
+                continue
+            tail = ids[len(prompt):]
+            end = next((k for k, t in enumerate(tail) if t in stop_ids), None)
+            if end is None:
+                results[i] = (None, "answer_template_mismatch",
+                              f"the rendered answer has no end-of-turn token (the model's eos ids {list(stop_ids)})")
+                continue
+            results[i] = (tail[:end + 1], "", "")
+        return results
+
+
 @functools.lru_cache(maxsize=4)
 def longest_token_chars(tokenizer_path: str, trust_remote_code: bool) -> int:
     """The most characters of text one token stands for: its longest vocabulary entry (added
@@ -273,12 +389,20 @@ class PromptBuilder(PromptRenderer, Stage):
     max_turns: int | None = None  # prompt.max_turns
     answers: int = 1  # sampling.answers_per_prompt
     seed: int = 0  # sampling.seed: the variants' draw
+    row_fields: FieldsConfig | None = None  # source.fields
+    answer_stop_ids: tuple[int, ...] = ()  # prompt.answers=dataset: the model's eos ids; () = the target answers
 
     @classmethod
     def from_config(cls, cfg: Config) -> "PromptBuilder":
+        stops = ()
+        if cfg.prompt.answers == "dataset":  # the ids the generate phase stops at (generate.py target_tokens)
+            tokenizer = load_tokenizer(cfg.model.tokenizer_path, cfg.model.trust_remote_code)
+            stops = special_tokens(tokenizer, cfg.model.reasoning_start, cfg.model.reasoning_end,
+                                   generation_eos_ids(cfg.model.path, cfg.model.trust_remote_code)).eos_ids
         return cls(**cls.fields(cfg), reasoning_markers=(cfg.model.reasoning_start, cfg.model.reasoning_end),
                    turns=cfg.prompt.turns, max_turns=cfg.prompt.max_turns,
-                   answers=cfg.sampling.answers_per_prompt, seed=cfg.sampling.seed)
+                   answers=cfg.sampling.answers_per_prompt, seed=cfg.sampling.seed, row_fields=cfg.source.fields,
+                   answer_stop_ids=stops)
 
     def apply(self, batch: pa.Table) -> pa.Table:
         """One row per dataset row that cannot become a prompt (answer 0, with its reason),
@@ -291,11 +415,11 @@ class PromptBuilder(PromptRenderer, Stage):
         for row_id, source, raw, origin, read_error in zip(*(batch.column(c).to_pylist() for c in self.reads)):
             base = {"row_id": row_id, "source": source, "raw": raw, "sample_id": "", "prompt_id": "",
                     "answer": 0, "variant": "", "messages": None, "user_turns": None, "reason": "",
-                    "detail": "", "tokenized_prompt": None}
+                    "detail": "", "tokenized_prompt": None, "answer_ids": None, "dataset_answer": None}
             try:
                 if read_error:  # bad_encoding or bad_file (job/stages/source.py)
                     raise Skip(*read_error.split(": ", 1))
-                turns, role_key = parse_turns(raw)
+                turns, role_key = parse_turns(raw, self.row_fields)
                 if self.turns == "all":
                     messages, users = conversation_messages(turns, role_key)
                     # The conversation is identified by everything the target is asked.
@@ -303,7 +427,11 @@ class PromptBuilder(PromptRenderer, Stage):
                 else:
                     messages = first_user_messages(turns, role_key)
                     users, identity = [messages[-1]["content"]], messages
-                for role, content in [(m["role"], m["content"]) for m in messages] + [("user", u) for u in users]:
+                texts = [(m["role"], m["content"]) for m in messages] + [("user", u) for u in users]
+                if self.answer_stop_ids:  # prompt.answers=dataset
+                    base["dataset_answer"] = answer_of(turns, self.reasoning_markers)
+                    texts += [("assistant", text) for text in base["dataset_answer"]]
+                for role, content in texts:
                     found = control.search(content)
                     if found:
                         raise Skip("special_token_in_content",
@@ -321,6 +449,13 @@ class PromptBuilder(PromptRenderer, Stage):
         for c, (ids, reason, detail) in zip(flat, self.render([c["messages"] for c in flat],
                                                               [c["variant"] for c in flat])):
             c.update(tokenized_prompt=ids, reason=reason, detail=detail)
+        if self.answer_stop_ids:
+            flat = [c for c in flat if not c["reason"]]
+            rendered = self.render_answers([c["messages"] for c in flat], [c["dataset_answer"] for c in flat],
+                                           [c["tokenized_prompt"] for c in flat], [c["variant"] for c in flat],
+                                           self.answer_stop_ids)
+            for c, (ids, reason, detail) in zip(flat, rendered):
+                c.update(answer_ids=ids, reason=reason, detail=detail)
         out = []
         for group in rows:
             bad = next((c for c in group if c["reason"]), None)
@@ -329,7 +464,7 @@ class PromptBuilder(PromptRenderer, Stage):
                 out.append({**group[0], "sample_id": group[0]["prompt_id"], "reason": bad["reason"],
                             "num_prompt_tokens": len(ids) if ids else 0,
                             "detail": f"{bad['origin']}: {bad['detail']}" if bad["origin"] else bad["detail"],
-                            "answer": 0, "tokenized_prompt": None, "user_turns": None})
+                            "answer": 0, "tokenized_prompt": None, "user_turns": None, "answer_ids": None})
                 continue
             out += [{**c, "num_prompt_tokens": len(c["tokenized_prompt"])} for c in group]
         return pa.Table.from_pylist(out, schema=PROMPT_SCHEMA)

@@ -49,13 +49,15 @@ class DropStoppedTurns(Stage):
 
 class Requests(Stage):
     """Each row's engine request: its variant's sampling parameters with its own seed, and
-    the exact values as the `sampling` column data/ records."""
+    the exact values as the `sampling` column data/ records (null when `sampled` is False:
+    the dataset's own answers, which nothing sampled; their requests say where to cut them)."""
 
     reads = columns("sample_id", "variant", "tokenized_prompt")
     makes = columns("sample_id", "tokenized_prompt", "sampling_params", "sampling")
 
-    def __init__(self, sampling: dict[str, dict], seed: int, stop_ids: list[int]):
+    def __init__(self, sampling: dict[str, dict], seed: int, stop_ids: list[int], sampled: bool = True):
         self.sampling, self.seed, self.stop_ids = sampling, seed, stop_ids  # sampling: engine_sampling()
+        self.sampled = sampled
 
     def apply(self, batch: pa.Table) -> pa.Table:
         params = [
@@ -63,7 +65,8 @@ class Requests(Stage):
              "detokenize": False}  # postprocess decodes; the engine need not
             for sid, variant in zip(batch.column("sample_id").to_pylist(), batch.column("variant").to_pylist())
         ]
-        recorded = pa.array([{k: p[k] for k in SAMPLING_TYPE.names} for p in params], SAMPLING_TYPE)
+        recorded = pa.array([{k: p[k] for k in SAMPLING_TYPE.names} if self.sampled else None for p in params],
+                            SAMPLING_TYPE)
         return batch.append_column("sampling_params", pa.array(params)).append_column("sampling", recorded)
 
 

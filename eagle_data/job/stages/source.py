@@ -267,6 +267,7 @@ def _saved_layout(folder: str, split: str) -> Layout | None:
 
 def read_source(cfg: SourceConfig) -> ray.data.Dataset:
     layout = locate(cfg)
+    field = source_field(cfg)
     if layout.kind == "hub":
         import datasets  # hub id: datasets downloads (or reuses its cache), Ray reads it
 
@@ -275,7 +276,7 @@ def read_source(cfg: SourceConfig) -> ray.data.Dataset:
         except Exception as e:  # network, cache miss, unknown id or split: all the user's to fix
             raise MissingInput(f"source.dataset {cfg.dataset!r} (split {cfg.split!r}) cannot be loaded "
                                f"from the hub or its local cache: {type(e).__name__}: {e}") from None
-        return ray.data.from_huggingface(hf).map_batches(TableToRaw(), batch_format="pyarrow")
+        return ray.data.from_huggingface(hf).map_batches(TableToRaw(field), batch_format="pyarrow")
     if layout.kind == "saved":
         import datasets
 
@@ -290,7 +291,7 @@ def read_source(cfg: SourceConfig) -> ray.data.Dataset:
         # What ray.data.from_huggingface does for a local Dataset, without its first step:
         # asking the hub whether the dataset's name is a public dataset (a network round
         # trip, or retries when there is no network, for a folder on disk).
-        return ray.data.from_arrow(table).map_batches(TableToRaw(), batch_format="pyarrow")
+        return ray.data.from_arrow(table).map_batches(TableToRaw(field), batch_format="pyarrow")
     # One read task per file (per row group of a parquet file: a task's memory stays one
     # row group's), each read on its own: no schema is unified across files (a `source`
     # column that is string in one parquet file and dictionary in another is fine: every
@@ -298,7 +299,7 @@ def read_source(cfg: SourceConfig) -> ray.data.Dataset:
     # damage and gives one bad_file row naming it, instead of a failed Ray task.
     parts = [{"path": path, "row_group": group} for path in layout.paths for group in _row_groups(path)]
     return (ray.data.from_items(parts, override_num_blocks=max(1, len(parts)))
-            .map_batches(FilesToRaw(), batch_format="pyarrow", batch_size=1))
+            .map_batches(FilesToRaw(field), batch_format="pyarrow", batch_size=1))
 
 
 def _row_groups(path: str) -> range:
@@ -315,8 +316,13 @@ def _row_id(raw: str) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
-def _source_of(row) -> str:
-    source = row.get("source") if isinstance(row, dict) else None
+def source_field(cfg: SourceConfig) -> str | None:
+    """The field of a row that names its `source`: `source`, or source.fields.source."""
+    return cfg.fields.source if cfg.fields is not None else "source"
+
+
+def _source_of(row, field: str | None = "source") -> str:
+    source = row.get(field) if isinstance(row, dict) and field is not None else None
     if not isinstance(source, str):
         return ""
     try:
@@ -343,15 +349,18 @@ class TableToRaw(Stage):
 
     makes = RAW
 
+    def __init__(self, source_field: str | None = "source"):
+        self.source_field = source_field  # the field that names a row's source (source.fields.source)
+
     def apply(self, table: pa.Table) -> pa.Table:
-        return _raw_table(table_rows(table))
+        return _raw_table(table_rows(table, self.source_field))
 
 
-def table_rows(table: pa.Table) -> list[tuple]:
+def table_rows(table: pa.Table, source_field: str | None = "source") -> list[tuple]:
     rows = []
     for row in table.to_pylist():
         raw = _json_text(row)
-        rows.append((_row_id(raw), _source_of(row), raw, "", ""))
+        rows.append((_row_id(raw), _source_of(row, source_field), raw, "", ""))
     return rows
 
 
@@ -361,16 +370,20 @@ class FilesToRaw(Stage):
     reads = columns("path", "row_group")
     makes = RAW
 
+    def __init__(self, source_field: str | None = "source"):
+        self.source_field = source_field  # the field that names a row's source (source.fields.source)
+
     def apply(self, batch: pa.Table) -> pa.Table:
         parts = zip(batch.column("path").to_pylist(), batch.column("row_group").to_pylist())
-        return _raw_table([row for path, group in parts for row in file_rows(path, group)])
+        return _raw_table([row for path, group in parts for row in file_rows(path, group, self.source_field)])
 
 
-def file_rows(path: str, row_group: int = 0) -> list[tuple]:
+def file_rows(path: str, row_group: int = 0, source_field: str | None = "source") -> list[tuple]:
     """A file's raw rows (a parquet file's: those of `row_group`); where the file cannot be
-    read on, the rows before and one bad_file row that names the file and where it broke."""
+    read on, the rows before and one bad_file row that names the file and where it broke.
+    `source_field`: the field that names a row's source."""
     if path.lower().endswith(PARQUET_SUFFIXES):
-        return parquet_rows(path, row_group)
+        return parquet_rows(path, row_group, source_field)
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -383,12 +396,12 @@ def file_rows(path: str, row_group: int = 0) -> list[tuple]:
         data = data[3:]
     is_array = path.lower().endswith((".json", ".json.gz")) and data.lstrip()[:1] == b"["
     if not broken:
-        return array_rows(path, data) if is_array else line_rows(path, data)
+        return array_rows(path, data, source_field) if is_array else line_rows(path, data, source_field)
     if is_array:  # the records before the cut, then a bad_json row for the rest
-        return array_rows(path, data) + [bad_file_row(path, broken)]
+        return array_rows(path, data, source_field) + [bad_file_row(path, broken)]
     complete = data[:data.rfind(b"\n") + 1]  # a line the cut went through is not a row
     line = complete.count(b"\n") + 1
-    rows = line_rows(path, complete)
+    rows = line_rows(path, complete, source_field)
     return rows + [bad_file_row(f"{path}:{line}", f"{broken}; the {len(rows)} rows before line {line} are kept",
                                 data[len(complete):])]
 
@@ -416,11 +429,11 @@ def gunzip(data: bytes) -> tuple[bytes, str]:
     return b"".join(out), ""
 
 
-def parquet_rows(path: str, group: int) -> list[tuple]:
+def parquet_rows(path: str, group: int, source_field: str | None = "source") -> list[tuple]:
     """One row group's rows, with the file's own schema; a damaged group is one bad_file row."""
     try:
         parquet = pq.ParquetFile(path)
-        return table_rows(parquet.read_row_group(group))
+        return table_rows(parquet.read_row_group(group), source_field)
     except (OSError, pa.ArrowException) as e:
         return [bad_file_row(path, f"row group {group} cannot be read ({e}); the file's other row groups are read")]
 
@@ -433,7 +446,7 @@ def bad_file_row(origin: str, why: str, tail: bytes = b"") -> tuple:
     return (_row_id(f"{origin}\n{raw}"), "", raw, origin, f"bad_file: {why}")
 
 
-def line_rows(path: str, data: bytes) -> list[tuple]:
+def line_rows(path: str, data: bytes, source_field: str | None = "source") -> list[tuple]:
     """One row per non-blank line, each decoded on its own."""
     rows = []
     for number, line in enumerate(data.split(b"\n"), start=1):
@@ -448,14 +461,14 @@ def line_rows(path: str, data: bytes) -> list[tuple]:
         source = ""
         if not error:
             try:
-                source = _source_of(json.loads(text))
+                source = _source_of(json.loads(text), source_field)
             except (ValueError, RecursionError):
                 pass  # not JSON: skipped later as bad_json
         rows.append((_row_id(text), source, text, origin, error))
     return rows
 
 
-def array_rows(path: str, data: bytes) -> list[tuple]:
+def array_rows(path: str, data: bytes, source_field: str | None = "source") -> list[tuple]:
     """A `.json` file holding `[record, ...]`: one row per record, decoded one at a time, so
     a record with a bad byte is skipped alone. A file that stops being JSON part way
     through gives one bad_json row for the rest (named by file and line)."""
@@ -485,7 +498,7 @@ def array_rows(path: str, data: bytes) -> list[tuple]:
         except UnicodeEncodeError as e:
             raw = chunk.encode("utf-8", errors="surrogateescape").decode("utf-8", errors="backslashreplace")
             error = f"bad_encoding: not UTF-8: byte 0x{ord(chunk[e.start]) - 0xDC00:02x}"
-        rows.append((_row_id(raw), "" if error else _source_of(record), raw, origin, error))
+        rows.append((_row_id(raw), "" if error else _source_of(record, source_field), raw, origin, error))
         line += text.count("\n", start, end)
         pos = _skip_space(text, end)
         line += text.count("\n", end, pos)

@@ -1,4 +1,4 @@
-"""The engine stage: one contract, two backends.
+"""The engine stage: one contract, two backends (and the dataset's own answers).
 
 In: `sample_id`, `tokenized_prompt` (list[int]), `sampling_params` (dict) and carried columns.
 Out: the columns of Ray's vLLM stage (`vLLMOutputData`: `prompt`, `prompt_token_ids`,
@@ -10,7 +10,8 @@ With `sampling_params["logprobs"]` = k > 0 each ok row also carries the log-prob
 columns (logprobs.py). The modules: vllm_backend.py (Ray's vLLM stage, its UDF in
 vllm_udf.py), transformers_backend.py, their hidden-states passes, outputs.py (the output
 columns), kwargs.py (typed and passed-through engine kwargs), stats.py (vLLM's counters for
-the progress line), processes.py and exit_noise.py (a quiet exit).
+the progress line), processes.py and exit_noise.py (a quiet exit). With prompt.answers=dataset
+no engine runs: dataset_answers.py gives the dataset's answers back in the same columns.
 """
 
 from __future__ import annotations
@@ -94,6 +95,11 @@ def start_settings(cfg: Config, cause: str) -> str:
 
 
 def apply_engine(ds: ray.data.Dataset, cfg: Config, pad_id: int) -> ray.data.Dataset:
+    if cfg.prompt.answers == "dataset":
+        from eagle_data.job.stages.engines.dataset_answers import dataset_answers_stage
+
+        log.info("engine: none; the answers are the dataset's own (prompt.answers=dataset)")
+        return dataset_answers_stage(ds)
     if cfg.engine.backend == "vllm":
         from eagle_data.job.stages.engines.vllm_backend import engine_summary, vllm_stage, wait_for_replica_resources
 

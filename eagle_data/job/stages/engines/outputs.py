@@ -8,3 +8,10 @@ VLLM_OUTPUT_DEFAULTS = {"prompt": "", "prompt_token_ids": None, "num_input_token
                         "logprobs": None, "prompt_logprobs": None}
 # And the bookkeeping columns Ray's vLLM stage adds to every row besides them.
 VLLM_STAGE_EXTRA_COLUMNS = ("request_id", "params", "time_taken_llm", "batch_uuid")
+CONSUMED = ("tokenized_prompt", "sampling_params")  # popped by the engine, as Ray's stage does
+
+
+def engine_output(prompt: list[int] | None = None, generated: list[int] = (), error: str = "") -> dict:
+    """One row as Ray's vLLM stage emits it; an error row gets the values that stage gives."""
+    return {**VLLM_OUTPUT_DEFAULTS, "prompt_token_ids": prompt, "num_input_tokens": len(prompt or ()),
+            "generated_tokens": list(generated), "num_generated_tokens": len(generated), ENGINE_ERROR_COLUMN: error}

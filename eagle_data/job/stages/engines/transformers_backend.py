@@ -20,13 +20,11 @@ from eagle_data.config import Config
 from eagle_data.job.stages.columns import Stage, columns
 from eagle_data.job.stages.engines.kwargs import with_passed
 from eagle_data.job.stages.engines.logprobs import logprob_values
-from eagle_data.job.stages.engines.outputs import ENGINE_ERROR_COLUMN, VLLM_OUTPUT_DEFAULTS
+from eagle_data.job.stages.engines.outputs import CONSUMED, ENGINE_ERROR_COLUMN, engine_output
 from eagle_data.model_files import pretrained_args
 from eagle_data.storage.contract import LOGPROB_COLUMNS
 
 log = logging.getLogger(__name__)
-
-CONSUMED = ("tokenized_prompt", "sampling_params")  # popped by the engine, as Ray's stage does
 
 
 def typed_from_pretrained(model_path: str, trust_remote_code: bool) -> dict[str, tuple[str, Any]]:
@@ -150,12 +148,6 @@ def top_logprobs_of(torch, logits: tuple, generated, k: int) -> tuple:
         values.append(top.values)
         own.append(logprobs.gather(-1, generated[:, step:step + 1]).squeeze(-1))
     return tuple(torch.stack(t, dim=1).cpu().numpy() for t in (ids, values, own))
-
-
-def engine_output(prompt: list[int] | None = None, generated: list[int] = (), error: str = "") -> dict:
-    """One row as Ray's vLLM stage emits it; an error row gets the values that stage gives."""
-    return {**VLLM_OUTPUT_DEFAULTS, "prompt_token_ids": prompt, "num_input_tokens": len(prompt or ()),
-            "generated_tokens": list(generated), "num_generated_tokens": len(generated), ENGINE_ERROR_COLUMN: error}
 
 
 def actor_pool(ds: ray.data.Dataset, cfg: Config, engine: type, batch_size: int | None,
