@@ -8,7 +8,7 @@ import os
 import time
 
 from eagle_data.job.stages.engines.logprobs import flat_logprob_values
-from eagle_data.job.stages.engines.processes import descendants, wait_for_exit
+from eagle_data.job.stages.engines.processes import descendants, die_with_this_process, wait_for_exit, watchdogs
 from eagle_data.job.stages.engines.state_files import prepare, take
 from eagle_data.job.stages.engines.stats import EngineStats
 
@@ -29,6 +29,9 @@ def vllm_stage_udf(cpu_threads: int | None = None):
       the engine before it, and the task logs an `EngineDeadError`), and waits for vLLM's
       processes to exit: Ray kills an exiting actor's children, the resource tracker among
       them, which a vLLM worker then relaunches to print `KeyError` tracebacks.
+    - Every process it starts (vLLM's EngineCore and workers, the resource tracker) ends with
+      its actor however the actor ends (processes.die_with_this_process): a driver that
+      started its own Ray and was SIGKILLed left them running, re-parented to pid 1.
     - On vLLM's CPU build its OpenMP threads run on `cpu_threads` (None: all) of the cores
       the replica's actor may use (bind_cpu_threads)."""
     import atexit
@@ -38,6 +41,7 @@ def vllm_stage_udf(cpu_threads: int | None = None):
 
     class VLLMEngine(vLLMEngineStageUDF):
         def __init__(self, *args, **kwargs):
+            die_with_this_process()  # before anything is started
             multiprocessing.resource_tracker.ensure_running()
             engine = kwargs.get("engine_kwargs", {})
             bind_cpu_threads(engine.get("tensor_parallel_size", 1) * engine.get("pipeline_parallel_size", 1),
@@ -87,7 +91,8 @@ def vllm_stage_udf(cpu_threads: int | None = None):
             if getattr(self, "shut", True):
                 return
             self.shut = True
-            engine_processes = descendants(os.getpid()) - {multiprocessing.resource_tracker._resource_tracker._pid}
+            engine_processes = (descendants(os.getpid()) - {multiprocessing.resource_tracker._resource_tracker._pid}
+                                - watchdogs())
             stop_output_handler(self.llm.engine)
             self.llm.shutdown()
             wait_for_exit(engine_processes)
