@@ -67,8 +67,7 @@ def test_an_ended_streams_folder_is_removed_by_the_next_stream_and_a_running_one
 
         assert not Path(killed).parent.exists()
         assert sorted(p.name for p in scratch.iterdir()) == sorted([
-            Path(running).parent.name, Path(running).parent.name + ".lock", Path(later).parent.name,
-            Path(later).parent.name + ".lock", "someone-else.txt", "eagle-data-stream-notes"])
+            Path(running).parent.name, Path(later).parent.name, "someone-else.txt", "eagle-data-stream-notes"])
         assert (Path(running) / "row.safetensors").is_file()  # the running stream's row, untouched
     finally:
         for engine in engines:
@@ -81,9 +80,9 @@ def test_an_ended_streams_folder_is_removed_by_the_next_stream_and_a_running_one
     assert Path(later).is_dir() and (scratch / "someone-else.txt").is_file()
 
 
-def test_a_stream_folder_with_files_not_ours_is_left_and_one_without_a_lock_removed(tmp_path):
-    """A folder made before streams held locks has none: it is an ended stream's. Inside a
-    stream's folder only run folders are removed; anything else keeps the folder."""
+def test_a_stream_folder_with_files_not_ours_is_left_and_an_unheld_one_removed(tmp_path):
+    """A folder no engine holds is an ended stream's (one made before these locks too).
+    Inside a stream's folder only run folders are removed; anything else keeps the folder."""
     scratch = tmp_path / "scratch"
     old = scratch / f"eagle-data-stream-{'a' * 32}" / "20260101T000000-abcdef"
     old.mkdir(parents=True)
@@ -92,5 +91,5 @@ def test_a_stream_folder_with_files_not_ours_is_left_and_one_without_a_lock_remo
     (kept / "20260101T000000-abcdef").mkdir(parents=True)
     (kept / "notes.txt").write_text("a user's")
     prepare(str(scratch / f"eagle-data-stream-{'c' * 32}" / "20260102T000000-abcdef"))
-    assert not old.parent.exists() and not (scratch / f"eagle-data-stream-{'a' * 32}.lock").exists()
+    assert not old.parent.exists()
     assert [p.name for p in kept.iterdir()] == ["notes.txt"]

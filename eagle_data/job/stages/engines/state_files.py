@@ -19,13 +19,13 @@ id, inside the folder named after this OUT; an OUT runs one phase at a time, its
 
 A feature stream's files are under `<scratch_dir>/eagle-data-stream-<id>/<run_id>/` (one
 folder per stream, training/stream.py); several streams may run at once on a node. Each of
-its engine actors holds `<scratch_dir>/eagle-data-stream-<id>.lock` (shared, fcntl) from
-before the folder is made until the actor's process ends, however it ends (the kernel lets
-go of a dead process's lock). Every hidden-states engine that starts on a node (a stream's
-or the phase's) removes the folders of the streams whose lock no engine holds: the run
-folders in them, the folder once empty, and the lock (`clean_ended_streams`; a folder left
-by an eagle-data from before these locks has none, and goes too). A folder with something
-else in it is left, and so is any name the project does not make.
+its engine actors holds a shared lock (fcntl) on the stream's folder itself from its start
+until its process ends, however it ends (the kernel lets go of a dead process's lock). Every
+hidden-states engine that starts on a node (a stream's or the phase's) removes the folders
+of the streams whose folder no engine holds (`clean_ended_streams`: the run folders in it,
+then the folder once empty; a folder left by an eagle-data from before these locks goes
+too). A folder with something else in it is left, and so is any name the project does not
+make. No lock file: the folder is the lock.
 """
 
 from __future__ import annotations
@@ -43,8 +43,7 @@ STATE_COLUMNS = {"hidden_states": pa.large_binary(), "hidden_states_shape": pa.l
                    "hidden_token_ids": pa.list_(pa.int64())}
 RUN_FOLDER = re.compile(r"^\d{8}T\d{6}-[0-9a-f]{6}$")  # manifest.new_run_id's names
 STREAM_FOLDER = re.compile(r"^eagle-data-stream-[0-9a-f]{32}$")  # training/stream.py's, one per stream
-LOCK = ".lock"
-_held: dict[str, int] = {}  # this process's stream locks: lock path -> its open descriptor
+_held: dict[str, int] = {}  # the stream folders this process holds: path -> its open descriptor
 
 
 def scratch_folder(scratch_dir: str, out_id: str, run_id: str) -> str:
@@ -99,7 +98,7 @@ def remove(path: str) -> None:
 
 
 def prepare(run_folder: str) -> None:
-    """At an engine actor's start on its node: a stream's lock held (for as long as this
+    """At an engine actor's start on its node: a stream's folder held (for as long as this
     process lives), this run's scratch folder made (one that cannot be is the engine's start
     failure, said in one line, instead of a failed row per request), this OUT's earlier
     runs' folders there removed, and the folders of streams that no longer run."""
@@ -107,7 +106,7 @@ def prepare(run_folder: str) -> None:
     scratch_dir, top = os.path.split(folder)
     try:
         if STREAM_FOLDER.match(top):
-            hold(folder + LOCK)
+            hold(folder)
         os.makedirs(run_folder, exist_ok=True)
     except OSError as e:
         raise NotWritable(f"hidden_states.scratch_dir: cannot make {run_folder} on this node ({e}); choose a "
@@ -116,18 +115,21 @@ def prepare(run_folder: str) -> None:
     clean_ended_streams(scratch_dir)
 
 
-def hold(lock_path: str) -> None:
-    """Hold `lock_path` shared until this process ends (once per process). A cleaner that
-    took it exclusively in the meantime has removed it: then it is made again."""
-    if lock_path in _held:
+def hold(folder: str) -> None:
+    """Make `folder` and hold a shared lock on it until this process ends (once per process).
+    A cleaner that took it exclusively first has removed it: then it is made again."""
+    if folder in _held:
         return
-    os.makedirs(os.path.dirname(lock_path), exist_ok=True)
     while True:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        os.makedirs(folder, exist_ok=True)
+        try:
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
         fcntl.flock(fd, fcntl.LOCK_SH)
         try:
-            if os.stat(lock_path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
-                _held[lock_path] = fd
+            if os.stat(folder, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                _held[folder] = fd
                 return
         except FileNotFoundError:
             pass
@@ -135,40 +137,31 @@ def hold(lock_path: str) -> None:
 
 
 def clean_ended_streams(scratch_dir: str) -> list[str]:
-    """Remove what ended streams left in this node's scratch: for each stream folder (or lock)
-    whose lock can be taken exclusively (no live engine holds it), its run folders, then the
-    folder if that left it empty, then its lock. Returns the stream folders removed."""
+    """Remove what ended streams left in this node's scratch: each stream folder whose lock
+    can be taken exclusively (no live engine holds it) loses its run folders, then goes if
+    that left it empty. Returns the stream folders removed."""
     removed = []
     try:
-        names = os.listdir(scratch_dir)
+        names = sorted(os.listdir(scratch_dir))
     except OSError:
         return removed
-    for stem in sorted({n.removesuffix(LOCK) for n in names if STREAM_FOLDER.match(n.removesuffix(LOCK))}):
-        folder = os.path.join(scratch_dir, stem)
-        lock_path = folder + LOCK
-        if lock_path in _held or os.path.islink(folder):
+    for name in names:
+        folder = os.path.join(scratch_dir, name)
+        if not STREAM_FOLDER.match(name) or folder in _held or os.path.islink(folder) or not os.path.isdir(folder):
             continue
         try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        except OSError:  # another user's, or not a plain file: not ours to judge
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:  # gone meanwhile, or not ours to open
             continue
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # a running stream's engine holds it
-            if os.path.isdir(folder):
-                for name in os.listdir(folder):
-                    path = os.path.join(folder, name)
-                    if RUN_FOLDER.match(name) and os.path.isdir(path) and not os.path.islink(path):
-                        shutil.rmtree(path, ignore_errors=True)
-                try:
-                    os.rmdir(folder)
-                except OSError:
-                    continue  # it holds something the project did not put there: left, lock and all
-            os.unlink(lock_path)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            for run in os.listdir(folder):
+                path = os.path.join(folder, run)
+                if RUN_FOLDER.match(run) and os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+            os.rmdir(folder)  # fails on anything the project did not put there: the folder is left
             removed.append(folder)
-        except OSError:
+        except OSError:  # BlockingIOError: a running stream's engine holds it
             continue
         finally:
             os.close(fd)
