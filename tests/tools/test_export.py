@@ -257,3 +257,18 @@ def test_a_dest_inside_the_out_it_reads_is_refused(tmp_path, capsys):
     assert sorted(p.relative_to(src) for p in src.rglob("*")) == before
     assert main(["vocab", str(src), "--draft-vocab-size", "10", "--dest", str(src / "vocab")]) == 0  # its own place
     assert main(["export", str(src), str(tmp_path / "x.jsonl"), "--format", "jsonl"]) == 0
+
+
+def test_jsonl_of_an_out_made_before_answered_by_has_the_columns_it_has(tmp_path):
+    """data/'s `answered_by` is additive (manifest schema_version 4): an OUT whose shards
+    were written without it still exports, each row with the columns its shards hold."""
+    import pyarrow.parquet as pq
+
+    rows = [synthetic_row(i, 4, 0, 2, "stop", "a") for i in range(3)]
+    src = write_out(tmp_path / "older", rows, rows_per_shard=2)
+    for shard in sorted((src / "data").glob("*.parquet")):
+        table = pq.read_table(shard)
+        pq.write_table(table.drop_columns(["answered_by"]).replace_schema_metadata(table.schema.metadata), shard)
+    export(str(src), str(tmp_path / "older.jsonl"), "jsonl")
+    lines = [json.loads(line) for line in (tmp_path / "older.jsonl").read_text().splitlines()]
+    assert len(lines) == 3 and list(lines[0]) == [c for c in data_schema().names if c != "answered_by"]
