@@ -404,9 +404,15 @@ class TrainConfig(_Section):
     """The EAGLE-3 draft trainer fed by the feature stream (ray_jobs/train_draft.py): Ray Train
     workers training speculators' draft model (the optional `draft` extra)."""
 
+    source: Literal["stream", "hidden_states"] = Field(
+        json_schema_extra=RUN_ONLY, default="stream",
+        description="where the training samples' states come from: `stream`, the engine replicas compute them "
+                    "every epoch (eagle_data/training/stream.py, nothing written); `hidden_states`, OUT's "
+                    "`hidden_states/` (the hidden-states phase's, read by each worker, no engine: several "
+                    "drafts from one set of features). The same packing, loss and metrics")
     workers: Int = Field(
         json_schema_extra=RUN_ONLY, default=1, ge=1,
-        description="Ray Train workers (DDP ranks); each gets the same number of stream rows")
+        description="Ray Train workers (DDP ranks); each gets the same number of rows")
     device: Literal["gpu", "cpu"] = Field(
         json_schema_extra=RUN_ONLY, default="gpu",
         description="one GPU per worker (NCCL), or CPU workers (gloo): tests, laptops")
@@ -429,10 +435,14 @@ class TrainConfig(_Section):
     speculators: FreeForm = Field(
         json_schema_extra=RUN_ONLY, default_factory=dict,
         description="speculators 0.9.0's own training config (`speculators.train` TrainConfig, nested as in "
-                    "its YAML): draft shape (`draft.*`), loss, optimizer, `trainer.epochs`, "
-                    "`trainer.max_steps`, `data.hidden_states_dtype`, `data.total_seq_len` (longer rows are "
-                    "not streamed), `seed`; `trainer.save_path`, an absolute folder that does not exist yet "
-                    "or is empty, is required. Validated by speculators when the trainer starts")
+                    "its YAML); the keys the trainer honours: `seed`, `draft.*` (shape, `draft_vocab_size`), "
+                    "`loss.*`, `optimizer.*`, `scheduler.*` (speculators' schedule: linear with 1% warmup by "
+                    "default), `trainer.epochs`, `trainer.max_steps`, `trainer.log_freq`, "
+                    "`trainer.gradient_checkpointing`, `data.total_seq_len` (longer rows are left out), "
+                    "`data.hidden_states_dtype` (= hidden_states.dtype), `data.train_data_ratio` (the prompts "
+                    "trained on; the others held out and validated each epoch); any other key is refused. "
+                    "`trainer.save_path`, an absolute folder that does not exist yet or is empty, is required. "
+                    "Validated by speculators when the trainer starts")
 
 
 class Config(_Section):

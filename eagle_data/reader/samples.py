@@ -23,6 +23,10 @@ An OUT whose data/ holds fewer rows than its generate phase recorded ok (a shard
 moved out since) is refused, naming the counts and `verify`: reading on would train on
 what is left without a word (`storage/damage.py` `missing_data_rows`).
 
+A validation split (`holdout=(side, fraction, seed)`, the draft trainer's): only the rows
+on that side, "train" or "validation", of a seeded hash of each row's prompt_id
+(storage/selection.py `held_out`), decided in the index like every other filter.
+
 Hidden states (`hidden_states=True`, for an OUT whose hidden-states phase ran): each item
 also has `hidden_states`, a torch tensor [tokens, n_layers, H] in the OUT's dtype (torch
 is imported then: bfloat16 has no numpy dtype), layers in ascending vLLM layer-id order
@@ -70,7 +74,7 @@ from eagle_data.storage.contract import HIDDEN_STATES, LOGPROB_COLUMNS
 from eagle_data.storage.damage import missing_data_rows
 from eagle_data.storage.folder import Output
 from eagle_data.storage.hidden_states import DTYPES, Entry, Index, ShardHeaderError, damaged, read_header, stale, tokens_crc32
-from eagle_data.storage.selection import row_filter
+from eagle_data.storage.selection import SPLITS, held_out, row_filter
 from eagle_data.storage.shards import readable_shards
 
 TOKEN_COLUMNS = ("input_ids", "loss_mask")
@@ -148,12 +152,16 @@ class Samples:
     def __init__(self, out: str | OutReader, *, finish_reason=None, source=None, min_len=None,
                  max_len=None, overflow: str = "drop", columns: Sequence[str] = (),
                  rank: int = 0, world_size: int = 1, drop_last: bool = False, shuffle: bool = True, seed: int = 0,
-                 window: int = 4, filesystem=None, hidden_states: bool = False, logprobs: bool = False):
+                 window: int = 4, filesystem=None, hidden_states: bool = False, logprobs: bool = False,
+                 holdout: tuple[str, float, int] | None = None):
         if overflow not in ("drop", "truncate"):
             raise ValueError("overflow must be 'drop' (filter out rows longer than max_len) "
                              "or 'truncate' (cut them to max_len)")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} not in [0, world_size={world_size})")
+        if holdout is not None and (holdout[0] not in SPLITS or not 0 <= holdout[1] <= 1):
+            raise ValueError(f"holdout {holdout}: (one of {SPLITS}, a fraction in [0, 1], a seed)")
+        self.holdout = holdout
         self.out = out if isinstance(out, OutReader) else OutReader(out, filesystem)
         self.columns = tuple(c for c in columns if c not in (*TOKEN_COLUMNS, "attention_mask"))
         self.max_len = max_len
@@ -217,15 +225,20 @@ class Samples:
         time; never the token lists."""
         self.blocks: list[tuple[int, int]] = []  # (file number, row group number)
         rows, block_ids, spans = [], [], []
-        read = (*FILTER_COLUMNS, "sample_id") if self.hidden_states else FILTER_COLUMNS
+        read = (*FILTER_COLUMNS, *(["sample_id"] if self.hidden_states else []),
+                *(["prompt_id"] if self.holdout else []))
         for f, path in enumerate(self.out.files):
             for g, n in enumerate(self.out.row_group_sizes(path)):
                 keep = np.arange(n, dtype=np.int32)
-                if expr is not None or self.hidden_states:
+                if expr is not None or self.hidden_states or self.holdout:
                     table = self.out.read_row_group(path, g, read)
                     table = table.append_column("__row", pa.array(keep))
                     if expr is not None:
                         table = table.filter(expr)
+                    if self.holdout:
+                        side, fraction, seed = self.holdout
+                        validation = held_out(table.column("prompt_id").to_pylist(), fraction, seed)
+                        table = table.filter(pa.array([v == (side == "validation") for v in validation], pa.bool_()))
                     keep = table.column("__row").to_numpy()
                     if self.hidden_states:
                         keep, span = self._hidden_spans(table, keep, path)

@@ -1,8 +1,10 @@
 """Which data/ rows a reader, an export or the hidden-states phase takes: a filter over the
-small columns (finish reason, source, total length), and the rows it selects."""
+small columns (finish reason, source, total length), the rows it selects, and the rows a
+trainer holds out for validation."""
 
 from __future__ import annotations
 
+import hashlib
 from typing import Sequence
 
 import pyarrow as pa
@@ -49,3 +51,16 @@ def selected_rows(fs, data_folder: str, finish_reason: Sequence[str] | None = No
     n = pc.add(pc.add(table.column("num_prompt_tokens").cast(pa.int64()), table.column("num_reasoning_tokens")),
                table.column("num_response_tokens"))
     return pa.table({"sample_id": table.column("sample_id"), "num_tokens": n})
+
+
+SPLITS = ("train", "validation")
+
+
+def held_out(prompt_ids: Sequence[str], fraction: float, seed: int) -> list[bool]:
+    """Whether each row is a validation row: a seeded hash of its prompt_id below `fraction`.
+    By prompt, not by row: every answer to a prompt and every turn of its conversations fall
+    on the same side, so no validation prompt is trained on; and the same prompt is held out
+    in every OUT made from it (the target's answers, the dataset's)."""
+    bound = round(fraction * 2**64)
+    return [int.from_bytes(hashlib.blake2b(f"{seed}:{p}".encode(), digest_size=8).digest(), "big") < bound
+            for p in prompt_ids]

@@ -2,7 +2,10 @@
 no Ray: what a worker's loop calls on each batch.
 
     collate(batch, pad_id, dtype)      the reader's padded batch, with hidden_states
-    pack(batch, hidden_size, ...)      speculators' packed batch, as its own dataset makes it
+    stream_items(batch, dtype)         its rows as (input_ids, loss_mask, hidden_states) tensors
+    pack(items, hidden_size, dtype)    speculators' packed batch of such rows (the stream's, or
+                                       the reader's of an OUT's hidden_states/), as its own
+                                       dataset makes it
 """
 
 from __future__ import annotations
@@ -41,25 +44,29 @@ def collate(batch: dict, pad_id: int, dtype: str, pad_to_multiple_of: int | None
     return pad(items, pad_id, pad_to_multiple_of)
 
 
-def pack(batch: dict, hidden_size: int, stream_dtype: str, dtype) -> dict:
-    """Stream rows -> speculators' packed batch ([1, total tokens, ...], document_ids), each
-    row made the sample speculators' dataset makes from its hidden-states file and shifted
-    by its shift_batch; no row cut, no padding. The states are pre-norm at every layer id,
-    the last one the final state: speculators' `hidden_states[:, :-1]` (the aux input) and
-    `verifier_last_hidden_states`."""
+def stream_items(batch: dict, dtype: str) -> list[tuple]:
+    """Every row of a numpy batch of stream rows as row_tensors gives it."""
+    return [row_tensors(batch, i, dtype) for i in range(len(batch["sample_id"]))]
+
+
+def pack(items: list[tuple], hidden_size: int, dtype) -> dict:
+    """Rows (input_ids, loss_mask, hidden_states [T, layers, H]) -> speculators' packed batch
+    ([1, total tokens, ...], document_ids), each row made the sample speculators' dataset
+    makes from its hidden-states file and shifted by its shift_batch; no row cut, no
+    padding. The states are pre-norm at every layer id, the last one the final state:
+    speculators' `hidden_states[:, :-1]` (the aux input) and `verifier_last_hidden_states`."""
     import torch
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import CollateFn
 
-    items = []
-    for i in range(len(batch["sample_id"])):
-        input_ids, loss_mask, states = row_tensors(batch, i, stream_dtype)  # states [T, layers, H]
+    samples = []
+    for input_ids, loss_mask, states in items:
         n = len(input_ids)
-        items.append({"hidden_states": states[:, :-1].flatten(1), "verifier_last_hidden_states": states[:, -1],
-                      "input_ids": input_ids, "loss_mask": loss_mask, "lengths": torch.tensor([n]),
-                      "position_ids": torch.arange(n)})
-    total = sum(len(item["input_ids"]) - 1 for item in items)  # shift_batch drops one token a row
-    packed = CollateFn(max_len=total, hidden_size=hidden_size, num_target_layers=states.shape[1] - 1, dtype=dtype,
-                       preprocess=shift_batch)(items)
+        samples.append({"hidden_states": states[:, :-1].flatten(1), "verifier_last_hidden_states": states[:, -1],
+                        "input_ids": input_ids, "loss_mask": loss_mask, "lengths": torch.tensor([n]),
+                        "position_ids": torch.arange(n)})
+    total = sum(len(sample["input_ids"]) - 1 for sample in samples)  # shift_batch drops one token a row
+    packed = CollateFn(max_len=total, hidden_size=hidden_size, num_target_layers=items[0][2].shape[1] - 1,
+                       dtype=dtype, preprocess=shift_batch)(samples)
     packed.pop("error_records")
     return packed

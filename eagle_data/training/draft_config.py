@@ -24,6 +24,30 @@ MARKER = ".eagle-data-draft"
 # metrics.jsonl. A step-<N>/ or final/ is never a leftover.
 RUN_FILES = {"ray-train", "metrics.jsonl"}
 
+# The keys of speculators' TrainConfig the trainer honours (a section: all its keys but those
+# INSTEAD names); any other key given is refused, naming what stands for it here:
+# speculators' own trainer reads them, this one would silently ignore them.
+HONOURED = {"speculator_type", "seed", "verifier", "draft", "loss", "optimizer", "scheduler",
+            "trainer.epochs", "trainer.max_steps", "trainer.save_path", "trainer.log_freq",
+            "trainer.gradient_checkpointing", "data.total_seq_len", "data.hidden_states_dtype",
+            "data.train_data_ratio"}
+INSTEAD = {  # why a refused key is not needed here, or what stands for it
+    "draft.token_freq_path": "the draft's vocabulary is counted from OUT's rows",
+    "draft.d2t_path": "the draft's vocabulary is counted from OUT's rows; `python -m eagle_data vocab` writes "
+                      "the same mapping",
+    "draft.t2d_path": "the draft's vocabulary is counted from OUT's rows; `python -m eagle_data vocab` writes "
+                      "the same mapping",
+    "data": "the rows are OUT's, their states the stream's or OUT's hidden_states/ (train.source)",
+    "generation": "the answers are OUT's, made by the generate phase",
+    "trainer.checkpoint_freq": "train.checkpoint_every says when to save, in steps",
+    "trainer.save_best": "every validation is in metrics.jsonl; train.checkpoint_every saves every N steps",
+    "trainer.no_resume_from_checkpoint": "a run starts from step 0 in a new trainer.save_path",
+    "trainer.fsdp_shard": "its workers are DDP ranks (train.workers)",
+    "logging": "it logs to metrics.jsonl in trainer.save_path and to the job log",
+    "dry_run": "its checks run before anything starts",
+    "deterministic_cuda": "train.source: hidden_states gives a reproducible order",
+}
+
 
 def speculators_config(cfg: Config):
     """`train.speculators` as speculators' TrainConfig; refused where it cannot train from the stream."""
@@ -39,6 +63,7 @@ def speculators_config(cfg: Config):
 
     given = dict(cfg.train.speculators)
     unknown_keys(TrainConfig, given, "train.speculators")
+    refuse_unhonoured(given)
     num_layers, _ = target_shape(cfg)
     ids = layer_ids(cfg, num_layers)
     if ids[-1] != num_layers or len(ids) < 2:
@@ -101,6 +126,16 @@ def save_path_leftovers(save_path: str) -> list[str] | None:
     if os.path.exists(metrics) and os.path.getsize(metrics):
         return None
     return names
+
+
+def refuse_unhonoured(given: dict) -> None:
+    """A key of speculators' config this trainer does not honour, given: refused (HONOURED)."""
+    for section, value in given.items():
+        for key in [f"{section}.{key}" for key in value] if isinstance(value, dict) else [section]:
+            if key in INSTEAD or (key not in HONOURED and section not in HONOURED):
+                why = INSTEAD.get(key) or INSTEAD.get(section) or "it trains eagle3 drafts only"
+                raise ConfigError(f"train.speculators.{key}: not used by this trainer ({why}); the keys it takes: "
+                                  + ", ".join(sorted(HONOURED)))
 
 
 def unknown_keys(model, given: dict, where: str) -> None:

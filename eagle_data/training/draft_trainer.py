@@ -26,6 +26,7 @@ the main thread.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -34,9 +35,11 @@ import shutil
 import threading
 import uuid
 
+import numpy as np
+
 from eagle_data.config import Config
-from eagle_data.errors import EagleDataError, NotWritable, NoTrainingResources, user_error
-from eagle_data.job.phases.hidden_states import target_shape
+from eagle_data.errors import ConfigError, EagleDataError, EmptyResult, NotWritable, NoTrainingResources, user_error
+from eagle_data.job.phases.hidden_states import layer_ids, target_shape
 from eagle_data.job.ray_internals import wait_for_nodes
 from eagle_data.job.ray_session import start_ray
 from eagle_data.model_files import check_weights
@@ -54,16 +57,62 @@ def train(cfg: Config, spec) -> str:
     prepare_save_path(save_path)
     check_weights(cfg.model.path)  # each worker loads the verifier's: a truncated file fails here, once
     d2t, t2d, vocab_size = draft_vocabulary(cfg, spec)
+    plan = Plan.of(cfg, spec)
     spec.save(save_path)  # speculators' run.yaml and train_command.txt, as its own trainer writes them
     mark(save_path, start=sorted(set(os.listdir(save_path)) - {MARKER}))
     start_ray(cfg.output.ray_data_progress)
     wait_for_worker_resources(cfg)
-    report = f"eagle-data-train-{uuid.uuid4().hex[:8]}"
-    log.info("train: %d workers (%s), draft vocab %d of %d, %d epochs, %d rows a step, checkpoints in %s",
-             cfg.train.workers, cfg.train.device, spec.draft.draft_vocab_size, vocab_size, spec.trainer.epochs,
-             cfg.train.batch_size, save_path)
-    fit(cfg, spec, d2t, t2d, report)
-    return summary(save_path, stream_report(report))
+    log.info("train: %d workers (%s), draft vocab %d of %d, %s, %s, checkpoints in %s", cfg.train.workers,
+             cfg.train.device, spec.draft.draft_vocab_size, vocab_size, plan, spec.scheduler.scheduler_type, save_path)
+    fit(cfg, spec, d2t, t2d, plan)
+    return summary(save_path, plan)
+
+
+@dataclasses.dataclass
+class Plan:
+    """What the workers train on: the source (train.source), the rows of each side of the
+    split (data.train_data_ratio of the prompts train, seeded by their prompt_id), and the
+    steps that makes (every worker the same number)."""
+
+    source: str
+    train_rows: int  # an epoch's rows (the stream pads them to a multiple of the workers, as the reader)
+    validation_rows: int
+    epochs: int
+    steps: int
+    holdout: tuple[float, int]  # (validation fraction, seed)
+    report: str  # the stream's report actor
+    filters: dict
+
+    @classmethod
+    def of(cls, cfg: Config, spec) -> "Plan":
+        from eagle_data.reader import Samples
+        from eagle_data.reader.samples import padded_order
+
+        holdout = (1 - spec.data.train_data_ratio, spec.seed)
+        filters = {"finish_reason": cfg.hidden_states.finish_reason, "source": cfg.hidden_states.source,
+                   "max_len": spec.data.total_seq_len}
+        offline = cfg.train.source == "hidden_states"
+        sides = {side: Samples(cfg.output.path, holdout=(side, *holdout), hidden_states=offline, **filters)
+                 for side in ("train", "validation")}
+        if offline:
+            check_features(cfg, sides["train"])
+        sides = {side: samples.row.size for side, samples in sides.items()}
+        if not sides["train"]:
+            raise EmptyResult(f"train: no row of {cfg.output.path} is left to train on (the hidden-states filters, "
+                              f"data.total_seq_len {spec.data.total_seq_len}, data.train_data_ratio "
+                              f"{spec.data.train_data_ratio} holding out {sides['validation']})")
+        workers, epochs = cfg.train.workers, spec.trainer.epochs
+        per_worker = padded_order(np.arange(sides["train"]), workers, False).size // workers  # an epoch's
+        steps = (epochs * math.ceil(per_worker / cfg.train.batch_size) if offline
+                 else math.ceil(epochs * per_worker / cfg.train.batch_size))  # the stream: every epoch in one pass
+        if spec.trainer.max_steps:
+            steps = min(steps, spec.trainer.max_steps)
+        return cls(cfg.train.source, sides["train"], sides["validation"], epochs, steps, holdout,
+                   f"eagle-data-train-{uuid.uuid4().hex[:8]}", filters)
+
+    def __str__(self) -> str:
+        return (f"{self.train_rows} rows to train on ({self.source}), {self.validation_rows} held out, "
+                f"{self.epochs} epochs, {self.steps} steps")
 
 
 def draft_vocabulary(cfg: Config, spec) -> tuple:
@@ -135,22 +184,46 @@ def wait_for_worker_resources(cfg: Config) -> None:
         f"{sum(min(room(res), cfg.train.workers) for res in nodes):g}: {hint}")
 
 
-def fit(cfg: Config, spec, d2t, t2d, report: str) -> None:
-    """The stream into a TorchTrainer of train.workers workers running draft_loop.train_loop."""
-    from ray.train import RunConfig, ScalingConfig, TrainingFailedError
+def check_features(cfg: Config, samples) -> None:
+    """OUT's hidden_states/ are the features the config's draft takes (train.source:
+    hidden_states): the same layer ids, in the same dtype."""
+    ids = layer_ids(cfg, target_shape(cfg)[0])
+    if list(samples.hidden_layer_ids) != ids or samples.hidden_dtype != cfg.hidden_states.dtype:
+        raise ConfigError(f"train.source hidden_states: {cfg.output.path}'s hidden_states/ hold layer ids "
+                          f"{list(samples.hidden_layer_ids)} in {samples.hidden_dtype}, the config asks for {ids} in "
+                          f"{cfg.hidden_states.dtype} (hidden_states.layer_ids, hidden_states.dtype): set them as "
+                          "the hidden-states phase ran, or stream (train.source: stream)")
+
+
+def fit(cfg: Config, spec, d2t, t2d, plan: Plan) -> None:
+    """A TorchTrainer of train.workers workers running draft_loop.train_loop: on the stream
+    (the validation rows' states computed once, first, and given whole to every worker), or
+    on OUT's hidden_states/, which each worker reads itself."""
+    from ray.train import DataConfig, RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchTrainer
 
-    save_path, workers = spec.trainer.save_path, cfg.train.workers
-    ds = features(cfg.output.path, cfg, epochs=spec.trainer.epochs, world_size=workers, seed=spec.seed,
-                  max_len=spec.data.total_seq_len, report=report)
+    save_path, workers, out = spec.trainer.save_path, cfg.train.workers, cfg.output.path
+    datasets = {}
+    if plan.source == "stream":
+        if plan.validation_rows:
+            datasets["validation"] = features(out, cfg, epochs=1, world_size=1, shuffle=False,
+                                              holdout=("validation", *plan.holdout), report=f"{plan.report}-validation",
+                                              max_len=plan.filters["max_len"]).materialize()
+        datasets["train"] = features(out, cfg, epochs=plan.epochs, world_size=workers, seed=spec.seed,
+                                     holdout=("train", *plan.holdout), report=plan.report,
+                                     max_len=plan.filters["max_len"])
     gpu = cfg.train.device == "gpu"
     # Ray refuses a worker bundle of 0 CPUs; one byte of memory is a bundle that reserves nothing.
     resources = {"CPU": cfg.train.cpus_per_worker} if cfg.train.cpus_per_worker else {"memory": 1}
     resources.update({"GPU": 1} if gpu else {})
     loop_config = {"args": dict(spec.flatten()), "d2t": d2t, "t2d": t2d, "batch_size": cfg.train.batch_size,
                    "hidden_size": target_shape(cfg)[1], "stream_dtype": cfg.hidden_states.dtype,
-                   "save_path": save_path, "checkpoint_every": cfg.train.checkpoint_every}
-    trainer = TorchTrainer(train_loop, train_loop_config=loop_config, datasets={"train": ds},
+                   "save_path": save_path, "checkpoint_every": cfg.train.checkpoint_every,
+                   "source": plan.source, "out": out, "filters": plan.filters, "holdout": plan.holdout,
+                   "seed": spec.seed, "epochs": plan.epochs, "total_steps": plan.steps,
+                   "validation": bool(plan.validation_rows)}
+    trainer = TorchTrainer(train_loop, train_loop_config=loop_config, datasets=datasets or None,
+                           dataset_config=DataConfig(datasets_to_split=["train"]) if datasets else None,
                            scaling_config=ScalingConfig(num_workers=workers, use_gpu=gpu,
                                                         resources_per_worker=resources),
                            run_config=RunConfig(storage_path=os.path.join(save_path, "ray-train"), name="train"))
@@ -192,15 +265,29 @@ def failure(error: BaseException) -> BaseException:
     return next((found for cause in causes if (found := user_error(cause)) is not None), error)
 
 
-def summary(save_path: str, stream: dict) -> str:
+def summary(save_path: str, plan: Plan) -> str:
     with open(os.path.join(save_path, "metrics.jsonl")) as f:
-        steps = [json.loads(line) for line in f]
+        records = [json.loads(line) for line in f]
+    steps = [r for r in records if "step" in r and "validation" not in r]
+    validations = [r for r in records if "validation" in r]
     if not steps:
-        raise EagleDataError(f"train: no step ran (no stream row reached the trainer); see {save_path}")
-    failed = sum(sum(e["failed"].values()) for e in stream["epochs"].values())
+        raise EagleDataError(f"train: no step ran (no row reached the trainer); see {save_path}")
+    lines = [f"save_path = {save_path}",
+             f"  steps:       {steps[-1]['step']} of {plan.steps}, loss {steps[0]['loss']:.4f} -> "
+             f"{steps[-1]['loss']:.4f} (rank 0's rows)"]
+    if validations:
+        last = validations[-1]["validation"]
+        accuracy = ", ".join(f"{last[k]:.3f}" for k in sorted(last) if k.startswith("full_acc_"))
+        lines.append(f"  validation:  {plan.validation_rows} rows held out, loss "
+                     f"{validations[0]['validation']['loss']:.4f} -> {last['loss']:.4f}, full_acc by step {accuracy}")
+    if plan.source == "stream":
+        stream = stream_report(plan.report)
+        failed = sum(sum(e["failed"].values()) for e in stream["epochs"].values())
+        lines.append(f"  stream:      {stream['per_epoch']} samples an epoch, {failed} failed checks")
+    else:
+        lines.append(f"  rows:        {plan.train_rows} an epoch from hidden_states/")
     saved = sorted((d for d in os.listdir(save_path) if d.startswith("step-")), key=lambda d: int(d[5:]))
-    return "\n".join([f"save_path = {save_path}",
-                      f"  steps:       {len(steps)}, loss {steps[0]['loss']:.4f} -> {steps[-1]['loss']:.4f}",
-                      f"  stream:      {stream['per_epoch']} samples an epoch, {failed} failed checks",
-                      f"  draft:       {save_path}/final (speculators' format: vLLM's speculative_config.model)"
-                      + (f"\n  checkpoints: {', '.join(saved)}" if saved else "")])
+    lines.append(f"  draft:       {save_path}/final (speculators' format: vLLM's speculative_config.model)")
+    if saved:
+        lines.append(f"  checkpoints: {', '.join(saved)}")
+    return "\n".join(lines)

@@ -69,18 +69,21 @@ SAMPLE_COLUMNS = ("sample_id", "epoch", "input_ids", "loss_mask", "hidden_states
 
 def features(out: str, cfg: Config, *, epochs: int = 1, world_size: int = 1, seed: int = 0,
              shuffle: bool = True, drop_last: bool = False, max_len: int | None = None, window: int = 4,
-             report: str | None = None, engine=None) -> ray.data.Dataset:
+             report: str | None = None, engine=None, holdout: tuple[str, float, int] | None = None
+             ) -> ray.data.Dataset:
     """The training samples of OUT's data/ rows selected by `cfg.hidden_states`'s
     finish_reason and source (and at most `max_len` tokens), with the target's states at
     the EAGLE-3 layers computed by `cfg.engine`'s replicas, for `epochs` epochs (module
     docstring). `report` names the actor that counts each epoch's rows (default
     `eagle-data-stream-<id>`, logged); `stream_report(name)` reads it. `engine(ds, cfg,
     layer_ids, dtype, scratch_dir) -> ds` replaces the configured engine stage, as in the
-    hidden-states phase (benchmarks put a timed one there)."""
+    hidden-states phase (benchmarks put a timed one there). `holdout` = (side, fraction,
+    seed): only the rows on that side of the reader's validation split (reader/samples.py)."""
     if epochs < 1 or world_size < 1:
         raise ConfigError(f"the stream's epochs and world_size must be at least 1, got {epochs} and {world_size}")
     samples = Samples(out, finish_reason=cfg.hidden_states.finish_reason, source=cfg.hidden_states.source,
-                      max_len=max_len, shuffle=shuffle, seed=seed, window=window, columns=("sample_id",))
+                      max_len=max_len, shuffle=shuffle, seed=seed, window=window, columns=("sample_id",),
+                      holdout=holdout)
     if not samples.row.size:
         raise MissingInput(no_rows(samples, cfg, max_len))
     per_epoch = padded_order(np.arange(samples.row.size), world_size, drop_last).size

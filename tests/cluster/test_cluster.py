@@ -27,6 +27,7 @@ import yaml
 
 import readme
 from support import REPO, SAMPLE, job_config, read, speculative_generate
+from eagle_data.storage.selection import held_out
 from eagle_data.tools.verify import verify
 
 RAY = str(Path(sys.executable).parent / "ray")
@@ -362,11 +363,19 @@ def test_the_draft_trainer_submitted_trains_speculators_draft_from_the_stream_an
     info, logs = finished(client, job), client.get_job_logs(job)
     assert info.status == "SUCCEEDED", logs[-5000:]
     assert_ran_the_uploaded_copy(logs, head)
-    assert "10 samples an epoch, 0 failed checks" in logs, logs[-3000:]
+    # speculators' data.train_data_ratio (0.9) of the prompts train; the rest, held out, are validated.
+    held = sum(held_out([r["prompt_id"]], 0.1, 42)[0] for r in read(hidden_out, "data"))  # speculators' seed 42
+    per_epoch = 10 - held + (10 - held) % 2  # padded to the 2 workers
+    assert f"{per_epoch} samples an epoch, 0 failed checks" in logs, logs[-3000:]
 
-    steps = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
-    assert sum(s["rows"] for s in steps) == 3 * 10 // 2  # rank 0's equal share: 15 rows in steps of 2
+    records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "validation" not in r]
+    assert sum(s["rows"] for s in steps) == 3 * per_epoch // 2  # rank 0's equal share, in steps of 2
     assert sorted({e for s in steps for e in s["epochs"]}) == [0, 1, 2]
+    lrs = [s["lr"] for s in steps]  # speculators' linear schedule over the run's steps
+    assert lrs[0] == 0.01 and all(a > b for a, b in zip(lrs, lrs[1:]))
+    if held:
+        assert [r["epoch"] for r in records if "validation" in r] == [0, 1, 2]
     first, last = np.mean([s["loss"] for s in steps[:3]]), np.mean([s["loss"] for s in steps[-3:]])
     print(f"loss {first:.4f} -> {last:.4f} over {len(steps)} steps")
     assert last < first / 2

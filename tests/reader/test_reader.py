@@ -286,3 +286,27 @@ def test_logprobs_on_an_out_without_them_says_how_to_get_them(tmp_path):
     out = write_out(tmp_path / "out", [synthetic_row(0, 2, 0, 1, "stop", "s")], rows_per_shard=1)
     with pytest.raises(MissingInput, match="sampling.logprobs"):
         Samples(str(out), logprobs=True)
+
+
+def test_a_holdout_splits_the_rows_by_prompt_the_same_way_every_time(out, rows):
+    """The draft trainer's validation split (data.train_data_ratio): a seeded hash of each
+    row's prompt_id, so the two sides partition the rows, every answer to a prompt falls on
+    one side, and the same (fraction, seed) gives the same split; another seed another."""
+    from eagle_data.storage.selection import held_out
+
+    ids = {sid: row["prompt_id"] for sid, row in rows.items()}
+
+    def side(name: str, fraction: float, seed: int) -> set[str]:
+        return {item["sample_id"] for item in Samples(str(out), holdout=(name, fraction, seed), columns=("sample_id",))}
+
+    train, validation = side("train", 0.3, 7), side("validation", 0.3, 7)
+    assert train | validation == set(rows) and not train & validation
+    assert validation == {sid for sid, p in ids.items() if held_out([p], 0.3, 7)[0]}
+    assert 0 < len(validation) < len(rows)  # 20 rows, 30%: some on each side
+    assert side("validation", 0.3, 7) == validation and side("validation", 0.3, 8) != validation
+    assert side("validation", 0.0, 7) == set() and side("train", 1.0, 7) == set()
+    # The hash is the prompt's and the seed's alone: pinned, the same split in every process and version.
+    assert held_out([f"p{i}" for i in range(8)], 0.5, 42) == [True, True, False, True, True, True, False, True]
+    with pytest.raises(ValueError, match="holdout"):
+        Samples(str(out), holdout=("test", 0.3, 7))
+

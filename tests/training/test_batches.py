@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from eagle_data.training.batches import collate, pack
+from eagle_data.training.batches import collate, pack, stream_items
 
 LAYERS, H = 4, 2  # 4 layer ids: 3 aux inputs and the final (pre-norm) state
 ROWS = [  # (sample_id, epoch, prompt tokens, generated tokens): lengths 5, 3, 6
@@ -62,7 +62,7 @@ def test_pack_concatenates_the_rows_shifted_as_speculators_shift_batch(stream_dt
     input_ids and loss_mask) with the aux states AT token t (every layer id but the last,
     flattened layer by layer) and the final state AT token t + 1 (verifier_last); position
     ids from 1; the rows one after the other, document ids 0, 1, 2, no padding."""
-    packed = pack(numpy_batch(stream_dtype), hidden_size=H, stream_dtype=stream_dtype, dtype=dtype)
+    packed = pack(stream_items(numpy_batch(stream_dtype), stream_dtype), hidden_size=H, dtype=dtype)
     assert set(packed) == {"input_ids", "loss_mask", "hidden_states", "verifier_last_hidden_states",
                            "position_ids", "document_ids"}
     ids, mask, aux, last, positions, docs = [], [], [], [], [], []
@@ -94,7 +94,7 @@ def test_pack_concatenates_the_rows_shifted_as_speculators_shift_batch(stream_dt
 def test_pack_of_one_row():
     batch = numpy_batch("float32")
     one = {k: v[1:2] for k, v in batch.items()}  # s1: 1 prompt token, 2 generated
-    packed = pack(one, hidden_size=H, stream_dtype="float32", dtype=torch.float32)
+    packed = pack(stream_items(one, "float32"), hidden_size=H, dtype=torch.float32)
     assert packed["input_ids"][0].tolist() == [token(1, 1), token(1, 2)]
     assert packed["loss_mask"][0].tolist() == [1, 1]
     assert packed["document_ids"][0].tolist() == [0, 0]

@@ -112,3 +112,35 @@ def test_what_a_start_that_made_no_step_left_is_taken_over_and_nothing_else(deep
         with pytest.raises(NotWritable, match="is not empty"):
             prepare_save_path(str(folder))
         assert sorted(p.name for p in folder.rglob("*")) == before, why
+
+
+@pytest.mark.parametrize("speculators, message", [
+    # Valid keys that only speculators' own trainer reads: they passed and were silently ignored.
+    ({"trainer": {"checkpoint_freq": 0.5}}, "trainer.checkpoint_freq: not used by this trainer "
+                                            "(train.checkpoint_every says when to save, in steps)"),
+    ({"draft": {"d2t_path": "/x/d2t.npy"}}, "draft.d2t_path: not used by this trainer (the draft's vocabulary "
+                                            "is counted from OUT's rows"),
+    ({"data": {"data_path": "/x"}}, "data.data_path: not used by this trainer (the rows are OUT's"),
+    ({"generation": {"vllm_endpoint": "http://x"}}, "generation.vllm_endpoint: not used by this trainer"),
+    ({"logging": {"logger": "wandb"}}, "logging.logger: not used by this trainer"),
+    ({"dflash": {"block_size": 8}}, "dflash.block_size: not used by this trainer (it trains eagle3 drafts only)"),
+    ({"trainer": {"fsdp_shard": True}}, "trainer.fsdp_shard: not used by this trainer"),
+])
+def test_a_key_speculators_reads_but_this_trainer_does_not_is_refused(deep_qwen3, tmp_path, speculators, message):
+    speculators = {**speculators, "trainer": {"save_path": str(tmp_path / "d"), **speculators.get("trainer", {})}}
+    with pytest.raises(ConfigError, match="the keys it takes: data.hidden_states_dtype, ") as e:
+        speculators_config(config(tmp_path / "out", deep_qwen3, **speculators))
+    assert f"train.speculators.{message}" in str(e.value)
+
+
+def test_the_keys_it_honours_are_taken(deep_qwen3, tmp_path):
+    spec = speculators_config(config(
+        tmp_path / "out", deep_qwen3, seed=3, loss={"loss_implementation": "eager", "ttt_steps": 2},
+        optimizer={"optimizer": "adamw", "lr": 0.02}, draft={"draft_attn_impl": "eager", "num_layers": 1},
+        scheduler={"scheduler_type": "cosine", "scheduler_warmup_steps": 2},
+        data={"train_data_ratio": 0.8, "total_seq_len": 512},
+        trainer={"save_path": str(tmp_path / "d"), "epochs": 2, "max_steps": 9, "log_freq": 2,
+                 "gradient_checkpointing": True}))
+    assert (spec.seed, spec.loss.ttt_steps, spec.optimizer.lr, spec.scheduler.scheduler_type,
+            spec.scheduler.scheduler_warmup_steps, spec.data.train_data_ratio, spec.trainer.log_freq,
+            spec.trainer.gradient_checkpointing) == (3, 2, 0.02, "cosine", 2, 0.8, 2, True)

@@ -5,6 +5,7 @@ a worker's error and stop signals: one `error:` line naming the key, path or fil
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -17,9 +18,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from support import REPO, job_settings
+from support import REPO, attached, job_settings, read
 from eagle_data.errors import (DamagedModel, DraftStartFailed, NoTrainingResources, NotWritable, Stopped,
                                stop_on_signals)
+from eagle_data.storage.selection import held_out
 from eagle_data.training.draft_config import MARKER
 from eagle_data.training.draft_trainer import draft_vocabulary, failure, in_a_thread, wait_for_worker_resources
 
@@ -204,3 +206,77 @@ def test_a_trainer_stopped_mid_training_exits_128_plus_the_signal_and_leaves_no_
         for p in ray_processes_of(ray_tmpdir):
             p.kill()
         shutil.rmtree(ray_tmpdir, ignore_errors=True)
+
+
+def offline_config(out, seed: int = 0, batch_size: int = 2) -> dict:
+    """draft_loop's config for train.source: hidden_states, as draft_trainer.fit makes it
+    (what the reading of rows needs)."""
+    return {"source": "hidden_states", "out": str(out), "seed": seed, "epochs": 2, "batch_size": batch_size,
+            "holdout": (0.3, seed), "filters": {"finish_reason": None, "source": None, "max_len": None}}
+
+
+@pytest.mark.slow
+def test_the_offline_rows_are_the_readers_split_and_order_the_same_for_a_seed(hidden_out):
+    """train.source: hidden_states: each worker's batches are its rank's slice of the
+    reader's (seed, epoch) order of the train side, every epoch; the held-out rows never
+    among them; each held-out row on one worker only; the same seed the same rows in the
+    same order, another seed another order."""
+    from eagle_data.reader import Samples
+    from eagle_data.training.draft_loop import train_items, validation_items
+
+    def ids(items) -> list[tuple]:
+        return [tuple(item[0].tolist()) for item in items]
+
+    world = 2
+    runs = {seed: [[(ids(items), epochs) for items, epochs in train_items(offline_config(hidden_out, seed), rank, world)]
+                   for rank in range(world)] for seed in (0, 0, 1)}
+    data = {tuple(r["input_ids"]): r for r in read(hidden_out, "data")}
+    validation = {s for s, r in data.items() if held_out([r["prompt_id"]], 0.3, 0)[0]}
+    assert validation and len(validation) < len(data)
+    for rank in range(world):
+        expected = Samples(str(hidden_out), holdout=("train", 0.3, 0), rank=rank, world_size=world, seed=0)
+        for epoch in range(2):
+            expected.set_epoch(epoch)
+            got = [row for batch, epochs in runs[0][rank] if epochs == [epoch] for row in batch]
+            assert got == [tuple(expected.sample(int(p))["input_ids"].tolist()) for p in expected.order]
+            assert not set(got) & validation
+    assert runs[0] == [[(ids(items), epochs) for items, epochs in train_items(offline_config(hidden_out, 0), rank,
+                                                                              world)] for rank in range(world)]
+    assert runs[1] != runs[0]
+    held = [row for rank in range(world) for batch in validation_items(offline_config(hidden_out), rank, world)
+            for row in ids(batch)]
+    assert sorted(held) == sorted(validation)  # each once, across the workers
+
+
+@pytest.mark.slow
+def test_a_draft_from_hidden_states_follows_the_schedule_and_is_validated_each_epoch(ray_local, hidden_out,
+                                                                                  deep_qwen3, tmp_path):
+    """`train.source: hidden_states` (no engine: OUT's features), 2 workers, 3 epochs, 30% of
+    the prompts held out: speculators' linear schedule (1% warmup, here 0 steps) over the
+    run's steps, one validation after each epoch's steps with speculators' full_acc_k, and
+    the draft saved."""
+    save = tmp_path / "draft"
+    settings = train_settings(hidden_out, deep_qwen3, save, data={"train_data_ratio": 0.7},
+                              optimizer={"lr": 0.01})
+    settings["train"].update(source="hidden_states", workers=2)
+    settings["train"]["speculators"]["seed"] = 0
+    config = tmp_path / "train.yaml"
+    config.write_text(yaml.safe_dump(settings))
+    done = subprocess.run([sys.executable, "-m", "ray_jobs.train_draft", "--config", str(config)], cwd=REPO,
+                          env={**attached(ray_local), "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "validation" not in r]
+    validations = [r for r in records if "validation" in r]
+    data = read(hidden_out, "data")
+    train_rows = sum(not held_out([r["prompt_id"]], 0.3, 0)[0] for r in data)
+    total = 3 * math.ceil(math.ceil(train_rows / 2) / 2)  # 3 epochs x each worker's rows, 2 a step
+    assert [s["step"] for s in steps] == list(range(1, total + 1))
+    assert [s["lr"] for s in steps] == pytest.approx([0.01 * (total - k) / total for k in range(total)])
+    assert [(v["epoch"], v["step"]) for v in validations] == [(e, round(total * (e + 1) / 3)) for e in range(3)]
+    for v in validations:
+        assert {"loss", "full_acc_0", "full_acc_1", "full_acc_2"} <= set(v["validation"])
+        assert all(math.isfinite(x) for x in v["validation"].values())
+    assert f"validation:  {len(data) - train_rows} rows held out" in done.stdout
+    assert (save / "final" / "model.safetensors").exists()
