@@ -49,6 +49,21 @@ def hidden_out(ray_local, deep_qwen3, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def dataset_answers_out(ray_local, deep_qwen3, tmp_path_factory) -> tuple[Path, Path]:
+    """(OUT, its dataset): an OUT of a dataset's own answers (prompt.answers=dataset), made
+    once: GSM8K-shaped rows (support.DATASET_ANSWERS_ROWS) read with source.fields, no engine
+    for the answers, then the hidden-states phase (transformers, 8-layer tiny Qwen3, float32)."""
+    from support import DATASET_ANSWERS_ROWS, dataset_answers_settings, write_jsonl
+    from eagle_data.job.phases.run import run
+
+    tmp = tmp_path_factory.mktemp("dataset-answers")
+    dataset = write_jsonl(tmp / "gsm8k-like.jsonl", DATASET_ANSWERS_ROWS)
+    out = tmp / "out"
+    run(dataset_answers_settings(out, deep_qwen3, dataset))
+    return out, dataset
+
+
 def pytest_collection_modifyitems(items):
     """The multi-node cluster tests late, then the benchmark smokes' tests last, so that the
     smokes (started with the session in the background at the lowest priority,

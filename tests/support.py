@@ -205,6 +205,25 @@ def job_config(out, model_dir, dataset=SAMPLE, preset: dict = {}, **overrides):
     return as_config(job_settings(out, model_dir, dataset, preset, **overrides))
 
 
+# GSM8K-shaped rows (question, worked answer, a level as the source) for an OUT of the dataset's
+# own answers (prompt.answers=dataset): the `dataset_answers_out` fixture (tests/conftest.py).
+_STEP = "Natalia sold 48/2 = <<48/2=24>>24 clips in May."
+DATASET_ANSWERS_ROWS = [
+    *({"question": f"Problem {i}: what is {i} + {i}?", "answer": f"{i} + {i} = <<{i}+{i}={2 * i}>>{2 * i}\n#### {2 * i}",
+       "level": "easy" if i % 2 else "hard"} for i in range(1, 7)),
+    {"question": "A long one: how many clips in May?", "answer": " ".join([_STEP] * 12) + "\n#### 24", "level": "hard"},
+    {"question": "Only a question, no answer.", "level": "easy"},  # no_answer
+    {"answer": "An answer to nothing."}]  # bad_schema: no question
+DATASET_ANSWERS_FIELDS = {"user": "question", "assistant": "answer", "source": "level"}
+
+
+def dataset_answers_settings(out, model, dataset, **overrides):
+    return job_config(out, model, dataset, **{
+        "source__fields": DATASET_ANSWERS_FIELDS, "prompt__answers": "dataset", "sampling__max_tokens": 40,
+        "output__rows_per_shard": 3, "engine__batch_size": 4, "hidden_states__enabled": True,
+        "hidden_states__dtype": "float32", "hidden_states__rows_per_shard": 4, **overrides})
+
+
 def write_out(root: Path, rows: list[dict], rows_per_shard: int, pad_id: int = 0) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq

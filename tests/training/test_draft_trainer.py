@@ -249,19 +249,23 @@ def test_the_offline_rows_are_the_readers_split_and_order_the_same_for_a_seed(hi
 
 
 @pytest.mark.slow
-def test_a_draft_from_hidden_states_follows_the_schedule_and_is_validated_each_epoch(ray_local, hidden_out,
-                                                                                  deep_qwen3, tmp_path):
-    """`train.source: hidden_states` (no engine: OUT's features), 2 workers, 3 epochs, 30% of
-    the prompts held out: speculators' linear schedule (1% warmup, here 0 steps) over the
-    run's steps, one validation after each epoch's steps with speculators' full_acc_k, and
-    the draft saved."""
+def test_a_draft_from_the_datasets_own_answers_hidden_states_follows_the_schedule_and_is_validated_each_epoch(
+        ray_local, dataset_answers_out, deep_qwen3, tmp_path):
+    """`train.source: hidden_states` (no engine: OUT's features) on an OUT of a dataset's own
+    answers (prompt.answers=dataset: the baseline's rows, which the trainer takes like any),
+    2 workers, 3 epochs, half the prompts held out: speculators' linear schedule (1% warmup,
+    here 0 steps) over the run's steps, one validation after each epoch's steps with
+    speculators' full_acc_k, and the draft saved."""
+    out, _ = dataset_answers_out
     save = tmp_path / "draft"
-    settings = train_settings(hidden_out, deep_qwen3, save, data={"train_data_ratio": 0.7},
-                              optimizer={"lr": 0.01})
+    settings = train_settings(out, deep_qwen3, save, data={"train_data_ratio": 0.5}, optimizer={"lr": 0.01})
     settings["train"].update(source="hidden_states", workers=2)
     settings["train"]["speculators"]["seed"] = 0
     config = tmp_path / "train.yaml"
     config.write_text(yaml.safe_dump(settings))
+    data = read(out, "data")
+    train_rows = sum(not held_out([r["prompt_id"]], 0.5, 0)[0] for r in data)
+    assert 0 < train_rows < len(data)  # both sides have rows (7 rows, seed 0)
     done = subprocess.run([sys.executable, "-m", "ray_jobs.train_draft", "--config", str(config)], cwd=REPO,
                           env={**attached(ray_local), "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
                           timeout=600)
@@ -269,8 +273,6 @@ def test_a_draft_from_hidden_states_follows_the_schedule_and_is_validated_each_e
     records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "validation" not in r]
     validations = [r for r in records if "validation" in r]
-    data = read(hidden_out, "data")
-    train_rows = sum(not held_out([r["prompt_id"]], 0.3, 0)[0] for r in data)
     total = 3 * math.ceil(math.ceil(train_rows / 2) / 2)  # 3 epochs x each worker's rows, 2 a step
     assert [s["step"] for s in steps] == list(range(1, total + 1))
     assert [s["lr"] for s in steps] == pytest.approx([0.01 * (total - k) / total for k in range(total)])

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from support import data_rows, hidden_features, job_config, read, write_jsonl
+from support import DATASET_ANSWERS_ROWS as ROWS, data_rows, dataset_answers_settings as settings, hidden_features, read
 from eagle_data.__main__ import main
 from eagle_data.errors import OutputMismatch
 from eagle_data.job.phases.run import run
@@ -20,34 +20,9 @@ from eagle_data.storage.folder import Output
 
 pytestmark = pytest.mark.slow
 
-STEP = "Natalia sold 48/2 = <<48/2=24>>24 clips in May."
-ROWS = [*({"question": f"Problem {i}: what is {i} + {i}?", "answer": f"{i} + {i} = <<{i}+{i}={2 * i}>>{2 * i}\n#### {2 * i}",
-           "level": "easy" if i % 2 else "hard"} for i in range(1, 7)),
-        {"question": "A long one: how many clips in May?", "answer": " ".join([STEP] * 12) + "\n#### 24", "level": "hard"},
-        {"question": "Only a question, no answer.", "level": "easy"},  # no_answer
-        {"answer": "An answer to nothing."}]  # bad_schema: no question
-FIELDS = {"user": "question", "assistant": "answer", "source": "level"}
-
-
-def settings(out, model, dataset, **overrides):
-    return job_config(out, model, dataset, **{
-        "source__fields": FIELDS, "prompt__answers": "dataset", "sampling__max_tokens": 40,
-        "output__rows_per_shard": 3, "engine__batch_size": 4, "hidden_states__enabled": True,
-        "hidden_states__dtype": "float32", "hidden_states__rows_per_shard": 4, **overrides})
-
-
-@pytest.fixture(scope="module")
-def dataset_out(ray_local, deep_qwen3, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("dataset-answers")
-    dataset = write_jsonl(tmp / "gsm8k-like.jsonl", ROWS)
-    out = tmp / "out"
-    run(settings(out, deep_qwen3, dataset))
-    return out, dataset
-
-
 def test_an_out_of_the_datasets_answers_is_taken_by_every_tool_the_reader_and_the_stream(
-        dataset_out, deep_qwen3, tmp_path, capsys):
-    out, dataset = dataset_out
+        dataset_answers_out, deep_qwen3, tmp_path, capsys):
+    out, dataset = dataset_answers_out
     manifest = Output.existing(str(out)).manifest
     # How the rows were made, in the manifest and in every data/ row; no engine was started.
     generate = manifest.phase("generate")
