@@ -216,13 +216,8 @@ def fit(cfg: Config, spec, d2t, t2d, plan: Plan) -> None:
     # Ray refuses a worker bundle of 0 CPUs; one byte of memory is a bundle that reserves nothing.
     resources = {"CPU": cfg.train.cpus_per_worker} if cfg.train.cpus_per_worker else {"memory": 1}
     resources.update({"GPU": 1} if gpu else {})
-    loop_config = {"args": dict(spec.flatten()), "d2t": d2t, "t2d": t2d, "batch_size": cfg.train.batch_size,
-                   "hidden_size": target_shape(cfg)[1], "stream_dtype": cfg.hidden_states.dtype,
-                   "save_path": save_path, "checkpoint_every": cfg.train.checkpoint_every,
-                   "source": plan.source, "out": out, "filters": plan.filters, "holdout": plan.holdout,
-                   "seed": spec.seed, "epochs": plan.epochs, "total_steps": plan.steps,
-                   "validation": bool(plan.validation_rows)}
-    trainer = TorchTrainer(train_loop, train_loop_config=loop_config, datasets=datasets or None,
+    trainer = TorchTrainer(train_loop, train_loop_config=loop_config(cfg, spec, d2t, t2d, plan),
+                           datasets=datasets or None,
                            dataset_config=DataConfig(datasets_to_split=["train"]) if datasets else None,
                            scaling_config=ScalingConfig(num_workers=workers, use_gpu=gpu,
                                                         resources_per_worker=resources),
@@ -233,6 +228,16 @@ def fit(cfg: Config, spec, d2t, t2d, plan: Plan) -> None:
         raise failure(e) from None
     if result.error:
         raise failure(result.error)
+
+
+def loop_config(cfg: Config, spec, d2t, t2d, plan: Plan) -> dict:
+    """What each Ray Train worker's draft_loop.train_loop is given."""
+    return {"args": dict(spec.flatten()), "d2t": d2t, "t2d": t2d, "batch_size": cfg.train.batch_size,
+            "hidden_size": target_shape(cfg)[1], "stream_dtype": cfg.hidden_states.dtype,
+            "save_path": spec.trainer.save_path, "checkpoint_every": cfg.train.checkpoint_every,
+            "source": plan.source, "out": cfg.output.path, "filters": plan.filters, "holdout": plan.holdout,
+            "seed": spec.seed, "epochs": plan.epochs, "total_steps": plan.steps,
+            "validation": bool(plan.validation_rows)}
 
 
 def in_a_thread(call):
