@@ -445,6 +445,33 @@ class TrainConfig(_Section):
                     "Validated by speculators when the trainer starts")
 
 
+class AcceptanceConfig(_Section):
+    """The acceptance job (ray_jobs/acceptance.py, docs/acceptance.md): the target with a
+    draft under vLLM's EAGLE-3 speculative decoding, greedy, over output.path's prompts."""
+
+    drafts: dict[str, str] = Field(
+        json_schema_extra=RUN_ONLY, default_factory=dict,
+        description="the drafts to measure, by name: each a folder in speculators' format (config.json and "
+                    "model.safetensors: the draft trainer's `final/` or `step-<N>/`), e.g. "
+                    "`{regenerated: /drafts/a/final}`; each measured over the same prompts")
+    num_speculative_tokens: Int = Field(
+        json_schema_extra=RUN_ONLY, default=3, ge=1,
+        description="k: the draft tokens proposed for each step of the target")
+    path: str | None = Field(
+        json_schema_extra=RUN_ONLY, default=None, pattern=r"^/",
+        description="an absolute folder for the report (report.json, per_prompt.jsonl, acceptance.png); made if "
+                    "missing; a report there is replaced only if this job wrote it")
+    compare_target: bool = Field(
+        json_schema_extra=RUN_ONLY, default=True,
+        description="also run the target alone over the prompts: every output with a draft must equal it (greedy "
+                    "speculative decoding is lossless), and the tokens/s without a draft are the baseline of the "
+                    "speed-up")
+    bootstrap: Int = Field(
+        json_schema_extra=RUN_ONLY, default=2000, ge=100,
+        description="resamples of the prompts for each 95% confidence interval (percentile bootstrap)")
+    seed: Int = Field(json_schema_extra=RUN_ONLY, default=0, description="seed of the bootstrap's resamples")
+
+
 class Config(_Section):
     source: SourceConfig = Field(
         default_factory=SourceConfig, description="the chat dataset and the seeded sample taken from it")
@@ -462,6 +489,10 @@ class Config(_Section):
     train: TrainConfig = Field(
         default_factory=TrainConfig,
         description="the draft trainer fed by the feature stream (ray_jobs/train_draft.py); not used by the job")
+    acceptance: AcceptanceConfig = Field(
+        default_factory=AcceptanceConfig,
+        description="the acceptance job: a draft's acceptance under the target (ray_jobs/acceptance.py); not used "
+                    "by the job")
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "Config":

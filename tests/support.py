@@ -156,6 +156,16 @@ def job_settings(out, model_dir, dataset=SAMPLE, preset: dict = {}, **overrides)
     }, {**preset, **overrides})
 
 
+def train_settings(out, model, save: Path, **speculators) -> dict:
+    """The cluster test's trainer on OUT: 1 CPU worker reserving no CPU, 2 rows a step,
+    speculators' eager loss and attention, 3 epochs."""
+    settings = job_settings(out, model, engine__batch_size=2, hidden_states__dtype="float32")
+    settings["train"] = {"workers": 1, "device": "cpu", "cpus_per_worker": 0, "batch_size": 2, "speculators": {
+        "trainer": {"epochs": 3, "save_path": str(save)}, "loss": {"loss_implementation": "eager"},
+        "draft": {"draft_vocab_size": 256, "draft_attn_impl": "eager"}, "optimizer": {"lr": 0.01}, **speculators}}
+    return settings
+
+
 def attached(ray_local) -> dict:
     """The environment for a job process that runs on the session's Ray instance instead of
     starting its own (a Ray start saved per run)."""

@@ -21,6 +21,7 @@ LAYERS = [
     ("eagle_data.job.stages.engines", 5),  # the engine stage: its backends and what they share
     ("eagle_data.job.phases.run", 8), ("eagle_data.job.phases", 7),
     ("eagle_data.training", 8),  # the stream and the draft trainer: they run the phase's engine stage
+    ("eagle_data.evaluation", 8),  # the acceptance job: the generate phase's engine stage with a draft
     ("eagle_data.job", 6),  # the other stages and what phases and stages share
     ("eagle_data.__main__", 9), ("ray_jobs", 9),
 ]

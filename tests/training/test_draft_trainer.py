@@ -18,22 +18,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from support import REPO, attached, job_settings, read
+from support import REPO, read, train_settings
 from eagle_data.errors import (DamagedModel, DraftStartFailed, NoTrainingResources, NotWritable, Stopped,
                                stop_on_signals)
 from eagle_data.storage.selection import held_out
 from eagle_data.training.draft_config import MARKER
 from eagle_data.training.draft_trainer import draft_vocabulary, failure, in_a_thread, wait_for_worker_resources
-
-
-def train_settings(out, model, save: Path, **speculators) -> dict:
-    """The cluster test's trainer on OUT: 1 CPU worker reserving no CPU, 2 rows a step,
-    speculators' eager loss and attention, 3 epochs."""
-    settings = job_settings(out, model, engine__batch_size=2, hidden_states__dtype="float32")
-    settings["train"] = {"workers": 1, "device": "cpu", "cpus_per_worker": 0, "batch_size": 2, "speculators": {
-        "trainer": {"epochs": 3, "save_path": str(save)}, "loss": {"loss_implementation": "eager"},
-        "draft": {"draft_vocab_size": 256, "draft_attn_impl": "eager"}, "optimizer": {"lr": 0.01}, **speculators}}
-    return settings
 
 
 def train_draft(settings: dict, tmp_path: Path, *overrides: str, capsys) -> tuple[int, str]:
@@ -250,26 +240,16 @@ def test_the_offline_rows_are_the_readers_split_and_order_the_same_for_a_seed(hi
 
 @pytest.mark.slow
 def test_a_draft_from_the_datasets_own_answers_hidden_states_follows_the_schedule_and_is_validated_each_epoch(
-        ray_local, dataset_answers_out, deep_qwen3, tmp_path):
+        trained_draft, dataset_answers_out):
     """`train.source: hidden_states` (no engine: OUT's features) on an OUT of a dataset's own
     answers (prompt.answers=dataset: the baseline's rows, which the trainer takes like any),
-    2 workers, 3 epochs, half the prompts held out: speculators' linear schedule (1% warmup,
-    here 0 steps) over the run's steps, one validation after each epoch's steps with
-    speculators' full_acc_k, and the draft saved."""
-    out, _ = dataset_answers_out
-    save = tmp_path / "draft"
-    settings = train_settings(out, deep_qwen3, save, data={"train_data_ratio": 0.5}, optimizer={"lr": 0.01})
-    settings["train"].update(source="hidden_states", workers=2)
-    settings["train"]["speculators"]["seed"] = 0
-    config = tmp_path / "train.yaml"
-    config.write_text(yaml.safe_dump(settings))
-    data = read(out, "data")
+    2 workers, 3 epochs, half the prompts held out (the `trained_draft` run): speculators'
+    linear schedule (1% warmup, here 0 steps) over the run's steps, one validation after
+    each epoch's steps with speculators' full_acc_k, and the draft saved."""
+    save, done = trained_draft
+    data = read(dataset_answers_out[0], "data")
     train_rows = sum(not held_out([r["prompt_id"]], 0.5, 0)[0] for r in data)
     assert 0 < train_rows < len(data)  # both sides have rows (7 rows, seed 0)
-    done = subprocess.run([sys.executable, "-m", "ray_jobs.train_draft", "--config", str(config)], cwd=REPO,
-                          env={**attached(ray_local), "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "validation" not in r]
     validations = [r for r in records if "validation" in r]

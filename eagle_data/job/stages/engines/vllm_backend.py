@@ -136,13 +136,13 @@ def processor_config(cfg: Config, extra_engine_kwargs: dict | None = None):
     )
 
 
-def vllm_stage(ds, cfg: Config):
+def vllm_stage(ds, cfg: Config, extra_engine_kwargs: dict | None = None):
     """The generate phase's engine stage: Ray's processor (its preprocess map, vLLM stage
     and postprocess map, as `Processor.__call__` applies them), except that the vLLM stage
     takes each block as one batch (batch_size=None): job/stages/feed.py sends blocks of one
     engine batch, and a stage holding a depth's last, smaller block back for more rows would
-    wait forever."""
-    processor = build_vllm_processor(cfg)
+    wait forever. `extra_engine_kwargs` go over the job's (the acceptance job's draft)."""
+    processor = build_vllm_processor(cfg, extra_engine_kwargs)
     ds = ds.map(processor.preprocess, **processor.preprocess_map_kwargs)
     for stage in processor.stages.values():
         kwargs = stage.get_dataset_map_batches_kwargs(batch_size=cfg.engine.batch_size,

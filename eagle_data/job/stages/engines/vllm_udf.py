@@ -21,7 +21,9 @@ def vllm_stage_udf(cpu_threads: int | None = None):
       hands them on as arrays (logprobs.py); Ray's per-token dicts make Ray Data pickle
       each row (docs/performance.md, section 8). A request that names a hidden-states file
       (the hidden-states pass) gets the file's states as columns, read back here on the
-      engine's node and removed (state_files.py).
+      engine's node and removed (state_files.py). A request marked for measuring (the
+      acceptance job's: `extra_args.measure`) gets its wall-clock span and, under
+      speculative decoding, vLLM's per-request counts as columns (`measurement`).
     - A request that fails with vLLM's `EngineGenerateError` (an unexpected error, with no
       message) is raised as what `engine_failure` makes of it: the engine's death, so that
       Ray restarts the replica and asks the row again, or the cause's text for failed/.
@@ -71,15 +73,16 @@ def vllm_stage_udf(cpu_threads: int | None = None):
             states_path = states_file(row.get("sampling_params"))
             if k:
                 row["sampling_params"] = {**row["sampling_params"], "flat_logprobs": True}
+            measured = measure(row.get("sampling_params"))
             request = await wrapper._prepare_llm_request(row)
-            started = time.perf_counter()
+            started, wall = time.perf_counter(), time.time()
             async with wrapper.semaphore:
                 try:
                     output = await wrapper._generate_async(request)
                 except EngineGenerateError as e:
                     raise await engine_failure(wrapper.engine, e) from e
             took = time.perf_counter() - started
-            extra = {}
+            extra = measurement(output.outputs[0], wall, time.time()) if measured else {}
             if k:
                 extra = flat_logprob_values(output.outputs[0], k)
                 output.outputs[0].logprobs = None  # Ray's per-token dicts are never built
@@ -124,6 +127,23 @@ async def engine_failure(engine, error: Exception, wait_s: float = 10.0) -> Exce
         if time.monotonic() >= deadline:
             return EngineGenerateError(reason)
         await asyncio.sleep(0.1)
+
+
+def measure(sampling_params: dict | None) -> bool:
+    """Whether a request asks for its measurement (the acceptance job's requests)."""
+    return bool(((sampling_params or {}).get("extra_args") or {}).get("measure"))
+
+
+def measurement(output, started: float, finished: float) -> dict:
+    """A measured request's columns: its wall-clock span in the engine (seconds since the
+    epoch: spans of one replica overlap, and the replica's tokens over its whole span are its
+    throughput) and, under speculative decoding, vLLM's count for each of the target's steps
+    of the draft tokens it accepted and proposed (`per_request_spec_decode_metrics:
+    detailed`); empty lists without a draft."""
+    metrics = getattr(output, "spec_decode_metrics", None)
+    return {"engine_started": started, "engine_finished": finished,
+            "spec_accepted": list(metrics.per_step_accepted) if metrics else [],
+            "spec_drafted": list(metrics.per_step_drafted) if metrics else []}
 
 
 def states_file(sampling_params: dict | None) -> str | None:
