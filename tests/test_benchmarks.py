@@ -14,8 +14,8 @@ import re
 
 import pytest
 
-from smokes import MARKS, SMOKE
-from support import REPO, vllm_unavailable
+from smokes import MARKS, NEEDS_PROMPT_SETS, SMOKE
+from support import REPO, prompt_sets_missing, vllm_unavailable
 
 
 def test_every_benchmark_has_a_smoke_size_and_its_figures_checked():
@@ -26,6 +26,8 @@ def test_every_benchmark_has_a_smoke_size_and_its_figures_checked():
 @pytest.mark.parametrize("script", [pytest.param(s, marks=MARKS.get(s, ())) for s in sorted(SMOKE)],
                          ids=lambda s: s.removesuffix(".py"))
 def test_benchmark_runs_at_smoke_size(script, smoke_runs):
+    if script in NEEDS_PROMPT_SETS and prompt_sets_missing():
+        pytest.skip(prompt_sets_missing())
     proc = smoke_runs[script].result()
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
@@ -94,6 +96,26 @@ def share(*values: float) -> None:
 
 
 # --- each script's figures (at its smoke size, tests/smokes.py) -----------------------------
+
+def acceptance_loop(output: str) -> None:
+    r = result(output)
+    assert r["sizes"] == {"train": 6, "test": 3, "mt_bench": 3, "max_tokens": 12, "steps": 2, "k": 3, "seed": 0}
+    assert set(r["seconds"]) == {"a_target_answers", "b_dataset_answers", "draft_regenerated", "draft_dataset",
+                                 "draft_untrained", "acceptance"}
+    sane(*r["seconds"].values(), r["total_seconds"])
+    assert set(r["tau"]) == {"regenerated", "dataset", "untrained"}
+    for name, taus in r["tau"].items():
+        assert all(math.isfinite(t) and 1 <= t <= 4 for t in taus.values()), taus  # k = 3: at most 4 a step
+        assert {"all", "gsm8k"} <= set(taus) and any(s.startswith("mt_bench/") for s in taus)
+        lo, hi = r["tau_95"][name]
+        assert lo <= taus["all"] <= hi
+        assert r["lossless"][name] == [6, 6]  # every output the target's own: 3 + 3 held-out prompts
+    assert r["tau"]["untrained"]["all"] == pytest.approx(1.0, abs=0.2)  # the floor: next to nothing accepted
+    difference, lo, hi = r["gain"]["all"]
+    assert lo <= difference <= hi and math.isfinite(lo) and math.isfinite(hi)
+    assert r["steps_trained"] == 2
+    sane(*r["tokens_per_s"].values())
+
 
 def driver_memory(output: str) -> None:
     runs = json_lines(output)
@@ -260,5 +282,5 @@ def vocab_count(output: str) -> None:
 
 
 FIGURES = {f.__name__ + ".py": f for f in (
-    driver_memory, engine_feeding, hidden_states_throughput, multi_turn_loads, one_pass, postprocess_throughput,
+    acceptance_loop, driver_memory, engine_feeding, hidden_states_throughput, multi_turn_loads, one_pass, postprocess_throughput,
     prompts_memory, reader_memory, resume_cost, server_vs_job, stream_balance, vocab_count)}

@@ -56,7 +56,7 @@ def test_the_job_measures_a_trained_draft_under_vllms_speculative_decoding_lossl
         assert all(d == 3 for d in r["spec_drafted"][:-1])
     assert sum(len(r["spec_accepted"]) for r in rows) == draft["steps"]
     assert (tmp_path / "report" / "acceptance.png").stat().st_size > 1000
-    assert f"trained  all" in done.stdout and f"lossless {prompts}/{prompts}" in done.stdout
+    assert "trained  all" in done.stdout and f"lossless {prompts}/{prompts}" in done.stdout
 
 
 @pytest.mark.slow

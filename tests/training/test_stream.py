@@ -10,7 +10,6 @@ import signal
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
