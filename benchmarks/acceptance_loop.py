@@ -91,11 +91,13 @@ def settings(args, out: Path, dataset: Path, fields: dict, **extra) -> dict:
 def train_settings(args, out: Path, save: Path, lr: float) -> dict:
     """One recipe for every draft: speculators' EAGLE-3 draft, adamw with its linear schedule,
     the same seed and steps, from OUT's hidden states; no validation split (the held-out
-    prompts are the acceptance job's)."""
+    prompts are the acceptance job's). At a learning rate of 0 (the untrained floor) one step
+    is all it takes: the draft's weights are its seeded start."""
     return {"workers": 1, "device": "cpu", "cpus_per_worker": 0, "batch_size": args.batch, "source": "hidden_states",
             "speculators": {
                 "seed": args.seed,
-                "trainer": {"epochs": 1000, "max_steps": args.steps, "save_path": str(save), "log_freq": 25},
+                "trainer": {"epochs": 1000, "max_steps": args.steps if lr else 1, "save_path": str(save),
+                            "log_freq": 25},
                 "draft": {"draft_vocab_size": args.draft_vocab, "draft_attn_impl": "eager"},
                 "loss": {"loss_implementation": "eager"},
                 "optimizer": {"optimizer": "adamw", "lr": lr},
