@@ -9,27 +9,16 @@ starts a local Ray instance otherwise.
 
 from __future__ import annotations
 
-import argparse
-import logging
-import os
-
-import eagle_data
 from eagle_data.config import load_config
 from eagle_data.errors import cli, exit_with, stop_on_signals
 from eagle_data.evaluation.acceptance import check, measure
 from eagle_data.job.ray_session import ray_job
+from ray_jobs import job_arguments, start_job_log
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ray_jobs.acceptance", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="YAML config (configs/*.yaml) with an `acceptance:` section")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key, e.g. --set acceptance.num_speculative_tokens=5 (repeatable)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("eagle_data").info("code: eagle-data %s from %s", eagle_data.__version__,
-                                         os.path.dirname(os.path.abspath(eagle_data.__file__)))
+    args = job_arguments("ray_jobs.acceptance", __doc__, "acceptance.num_speculative_tokens=5").parse_args(argv)
+    start_job_log()
     path = None  # acceptance.path once the config is read: what a full disk stopped writing
 
     def job() -> int:

@@ -6,23 +6,16 @@ running local cluster) and starts a local Ray instance otherwise.
 
 from __future__ import annotations
 
-import argparse
-import logging
-import os
-
-import eagle_data
 from eagle_data.config import load_config
 from eagle_data.errors import EmptyResult, cli, exit_with, stop_on_signals
 from eagle_data.job.phases import PHASES
 from eagle_data.job.phases.run import PHASE_CHOICES, run
 from eagle_data.job.ray_session import ray_job
+from ray_jobs import job_arguments, start_job_log
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ray_jobs.generate", description=__doc__)
-    parser.add_argument("--config", required=True, help="YAML config (configs/*.yaml)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key, e.g. --set source.sample=100 (repeatable)")
+    parser = job_arguments("ray_jobs.generate", __doc__, "source.sample=100")
     parser.add_argument("--phase", choices=PHASE_CHOICES, default="all",
                         help="all = prompts, generate, and hidden_states when hidden_states.enabled")
     parser.add_argument("--fresh", action="store_true",
@@ -37,10 +30,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="go on with the finished prompts phase although source.dataset's files changed "
                              "since it read them (otherwise refused, naming what changed)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    # Which copy of the project runs: under `ray job submit`, the working dir Ray unpacked.
-    logging.getLogger("eagle_data").info("code: eagle-data %s from %s", eagle_data.__version__,
-                                         os.path.dirname(os.path.abspath(eagle_data.__file__)))
+    start_job_log()
     out = None  # output.path once the config is read: what a full disk stopped writing
 
     def job() -> int:

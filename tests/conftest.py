@@ -71,23 +71,14 @@ def trained_draft(ray_local, dataset_answers_out, deep_qwen3, tmp_path_factory):
     engine), 2 CPU workers, 3 epochs, half the prompts held out, seed 0; a driver of its own
     on the session's Ray. Made once: its run is checked in tests/training/test_draft_trainer.py,
     its draft measured by the acceptance job's tests."""
-    import subprocess
-    import sys
-
-    import yaml
-
-    from support import REPO, attached, train_settings
+    from support import run_module, train_settings
 
     tmp = tmp_path_factory.mktemp("trained-draft")
     save = tmp / "draft"
     settings = train_settings(dataset_answers_out[0], deep_qwen3, save, data={"train_data_ratio": 0.5},
                               optimizer={"lr": 0.01}, seed=0)
     settings["train"].update(source="hidden_states", workers=2)
-    config = tmp / "train.yaml"
-    config.write_text(yaml.safe_dump(settings))
-    done = subprocess.run([sys.executable, "-m", "ray_jobs.train_draft", "--config", str(config)], cwd=REPO,
-                          env={**attached(ray_local), "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                          timeout=600)
+    done = run_module("ray_jobs.train_draft", settings, tmp, ray_local, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return save, done
 

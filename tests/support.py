@@ -208,6 +208,35 @@ def ray_processes(title: str, root: int | None = None) -> list[int]:
     return found
 
 
+def ray_processes_of(ray_tmpdir: str) -> list:
+    """The live processes of the Ray instance started with RAY_TMPDIR=ray_tmpdir: every one
+    of them (gcs_server, raylet, the agents, the workers, whatever its title) inherits the
+    driver's environment."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("RAY_TMPDIR") == ray_tmpdir and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+def run_module(module: str, config: dict, folder: Path, ray_local=None, timeout: float = 900) -> subprocess.CompletedProcess:
+    """`python -m <module> --config <config as YAML in folder>` as a user runs it (this
+    checkout's code), on the session's Ray instance when `ray_local` is given (a driver of
+    its own: its actors end with it); its finished process, whatever its exit code."""
+    import yaml
+
+    path = folder / f"{module.rsplit('.', 1)[-1]}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**(attached(ray_local) if ray_local else os.environ), "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", module, "--config", str(path)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def job_cli(config: Path, *args: str, cwd=REPO, env: dict | None = None):
     """`python -m ray_jobs.generate --config CONFIG ARGS` as a user runs it (this checkout's code)."""
     import subprocess

@@ -162,15 +162,6 @@ def test_a_wiring_bug_propagates_through_cli_with_its_traceback(capsys):
     assert "error: " not in result.stderr
 
 
-@pytest.fixture
-def own_signal_handlers():
-    """The test process's SIGINT and SIGTERM handlers, put back after the test."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    yield
-    for s, handler in saved.items():
-        signal.signal(s, handler)
-
-
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_stop_signal_exits_128_plus_its_number_with_one_line(capsys, own_signal_handlers, signum):
     from eagle_data.errors import stop_on_signals

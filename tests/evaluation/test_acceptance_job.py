@@ -5,13 +5,10 @@ the bundled sample's prompts rendered with the real Qwen3 chat template; and its
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-import yaml
 
-from support import REPO, attached, job_config, job_settings
+from support import job_config, job_settings, run_module
 from eagle_data.errors import ConfigError, ForeignFiles, MissingInput
 from eagle_data.evaluation.acceptance import check
 
@@ -33,11 +30,7 @@ def test_the_job_measures_a_trained_draft_under_vllms_speculative_decoding_lossl
     settings = job_settings(tmp_path / "prompts", deep_qwen3, source__sample=10, sampling__max_tokens=16, **VLLM)
     settings["acceptance"] = {"drafts": {"trained": str(save / "final")}, "path": str(tmp_path / "report"),
                               "bootstrap": 200}
-    config = tmp_path / "acceptance.yaml"
-    config.write_text(yaml.safe_dump(settings))
-    done = subprocess.run([sys.executable, "-m", "ray_jobs.acceptance", "--config", str(config)], cwd=REPO,
-                          env={**attached(ray_local), "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                          timeout=900)
+    done = run_module("ray_jobs.acceptance", settings, tmp_path, ray_local)
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     draft = report["drafts"]["trained"]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from support import REPO, read, train_settings
+from support import REPO, ray_processes_of, read, train_settings
 from eagle_data.errors import (DamagedModel, DraftStartFailed, NoTrainingResources, NotWritable, Stopped,
                                stop_on_signals)
 from eagle_data.storage.selection import held_out
@@ -137,19 +137,6 @@ def test_a_stop_signal_reaches_the_job_while_fit_runs_in_its_thread(own_signal_h
     assert in_a_thread(lambda: 42) == 42
     with pytest.raises(ZeroDivisionError):
         in_a_thread(lambda: 1 / 0)
-
-
-def ray_processes_of(ray_tmpdir: str) -> list:
-    import psutil
-
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get("RAY_TMPDIR") == ray_tmpdir and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return found
 
 
 @pytest.mark.slow

@@ -12,26 +12,11 @@ import sys
 import tempfile
 import time
 
-import psutil
 import pytest
 import yaml
 
-from support import REPO, job_settings, shards
+from support import REPO, job_settings, ray_processes_of, shards
 from eagle_data.tools.verify import verify
-
-
-def ray_processes_of(ray_tmpdir: str) -> list[psutil.Process]:
-    """The live processes of the Ray instance started with RAY_TMPDIR=ray_tmpdir: every one
-    of them (gcs_server, raylet, the agents, the workers, whatever its title) inherits the
-    driver's environment."""
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get("RAY_TMPDIR") == ray_tmpdir and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return found
 
 
 @pytest.fixture
