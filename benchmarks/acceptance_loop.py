@@ -3,7 +3,7 @@ one trained on the dataset's answers? (issue 58; the mission's premise.) A real 
 SmolLM2-135M-Instruct, on vLLM's CPU build; real prompts from ../shared/data/.
 
     .venv/bin/python benchmarks/acceptance_loop.py [--train 1000] [--test 200] [--mt-bench 80]
-        [--max-tokens 192] [--steps 600] [--draft-vocab 8192] [--lr 3e-4] [--k 3] [--seed 0]
+        [--max-tokens 192] [--steps 600] [--draft-vocab 8192] [--lr 1e-3] [--k 3] [--seed 0]
         [--temperature 0] [--work DIR] [--smoke]
 
 1. Prompts: a seeded sample of --train GSM8K training questions; held out, --test GSM8K test
@@ -127,7 +127,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="the target's regeneration temperature")
     parser.add_argument("--steps", type=int, default=600, help="optimizer steps of each draft")
     parser.add_argument("--batch", type=int, default=8, help="rows a step")
-    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--draft-vocab", type=int, default=8192)
     parser.add_argument("--k", type=int, default=3, help="draft tokens a step")
     parser.add_argument("--seed", type=int, default=0)

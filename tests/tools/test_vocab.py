@@ -418,3 +418,21 @@ def test_vocab_records_its_data_and_the_report_shows_it_only_while_data_is_uncha
     assert f"python -m eagle_data vocab {out}" in report["vocab_stale"]
     assert not (out / "report" / "vocab_coverage.png").exists()  # no figure of other rows
     assert "vocab/ was made from other data" in (out / "report.html").read_text()
+
+
+def test_the_tools_mapping_is_speculators_own_for_any_counts():
+    """`vocab` builds d2t/t2d with select_ids; the draft trainer with speculators' own
+    build_vocab_mappings_from_distribution. They must be one mapping: on counts with ties,
+    with fewer ids seen than the draft's size, and with every id seen."""
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    from eagle_data.tools.vocab import mappings, select_ids
+
+    rng = np.random.default_rng(0)
+    for vocab, draft, seen in ((50, 10, 30), (50, 10, 4), (1000, 300, 120), (40, 39, 40), (40, 39, 12)):
+        counts = np.zeros(vocab, dtype=np.int64)
+        ids = rng.choice(vocab, size=seen, replace=False)
+        counts[ids] = rng.integers(1, 4, size=seen)  # few values: many ties
+        d2t, t2d = mappings(select_ids(counts, draft), vocab)
+        theirs = build_vocab_mappings_from_distribution({int(i): int(counts[i]) for i in ids}, draft, vocab)
+        assert d2t.tolist() == theirs[0].tolist() and t2d.tolist() == theirs[1].tolist(), (vocab, draft, seen)
