@@ -178,8 +178,9 @@ def export(out_path: str, dest: str, fmt: str, finish_reason: Sequence[str] | No
     refuse_inside_out(out_path, dest, "export:")
     if not out.files:
         raise MissingInput(f"{out_path} has no data/ shards to export")
-    if fmt == "jsonl":  # every column: the log-probabilities too, when the OUT has them
-        columns = (*columns, *(c for c in LOGPROB_COLUMNS if c in out.dataset().schema.names))
+    if fmt == "jsonl":  # every column its shards hold: the log-probabilities too, when the OUT has them;
+        held = out.dataset().schema.names  # no answered_by in shards written before it
+        columns = (*(c for c in columns if c in held), *(c for c in LOGPROB_COLUMNS if c in held))
     finish_reason = finish_reason if finish_reason is not None else default_finish
     removed = filter_counts(out, finish_reason, source)
     fs, path = filesystem(dest)
