@@ -2,8 +2,8 @@
 (job/stages/engines/processes.py `die_with_this_process`, issue 55 case 7): here a plain
 process in the replica's place, with what vLLM's engine starts (a spawned process that
 starts another, as EngineCore starts its workers; one that ignores SIGTERM; a
-multiprocessing resource tracker), SIGKILLed. The vLLM replica itself:
-tests/vllm/test_engine_dies_with_driver.py."""
+multiprocessing resource tracker), SIGKILLed. The vLLM replica itself: tests/vllm/test_vllm_engine.py's faults run (its
+driver SIGKILLed, Ray kills the replica: every process below it must end)."""
 
 from __future__ import annotations
 

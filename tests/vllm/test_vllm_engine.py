@@ -333,10 +333,12 @@ def faulted_run(ray_local, tmp_path_factory, babble_qwen3) -> dict:
         while job.poll() is None and time.monotonic() < deadline and not faults.step():
             time.sleep(0.2 if faults.paused else 0.05)
         finished_early = job.poll() is not None
+        below_replica = started_by_replicas()
         if not finished_early:
             os.kill(job.pid, signal.SIGKILL)
         job.wait()
     _wait_engines_gone()
+    left_running = still_running(below_replica, 30)
 
     after_kill = {r["sample_id"] for r in read(out, "data")}
     # 2. The same job again finishes the rest, fed in batches.
@@ -345,7 +347,45 @@ def faulted_run(ray_local, tmp_path_factory, babble_qwen3) -> dict:
     rerun = subprocess.run(job_command(batched, tmp), cwd=REPO, env=job_env(attached(ray_local)),
                            capture_output=True, text=True, timeout=2400)
     return {"out": out, "bad": bad, "reference": reference, "finished_early": finished_early, "killed_log": (tmp / "killed-run.log").read_text(),
-            "after_kill": after_kill, "rerun": rerun}
+            "after_kill": after_kill, "rerun": rerun, "below_replica": below_replica, "left_running": left_running}
+
+
+def started_by_replicas() -> list:
+    """Every process below the job's vLLM replicas (VLLM::EngineCore, its ranks, the
+    resource tracker): once the replica is gone these are no longer below the raylet, so
+    _wait_engines_gone cannot see them."""
+    import psutil
+
+    found = []
+    for pid in ray_processes("MapWorker(MapBatches(VLLMEngine))"):
+        try:
+            for child in psutil.Process(pid).children(recursive=True):
+                child.title = child.name()  # read now: gone, it has none to read
+                found.append(child)
+        except psutil.Error:
+            pass
+    return found
+
+
+def still_running(processes: list, timeout_s: float) -> list[str]:
+    """Those of `processes` alive after up to `timeout_s` (killed then, never left to the
+    rest of the session)."""
+    import psutil
+
+    def alive(p) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    deadline = time.monotonic() + timeout_s
+    while any(alive(p) for p in processes) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = [f"{p.pid} {p.title}" for p in processes if alive(p)]
+    for p in processes:
+        if alive(p):
+            p.kill()
+    return left
 
 
 def test_faults_on_vllm(faulted_run):
@@ -355,6 +395,11 @@ def test_faults_on_vllm(faulted_run):
     assert 0 < len(run["after_kill"]) < len(prompts) - 1, \
         f"rows done at the driver kill: {len(run['after_kill'])} of {len(prompts)}"
     check_ok(run["rerun"])
+    # vLLM's processes end with their replica, however it ends (issue 55, case 7: they were
+    # left under pid 1 when a driver was SIGKILLed; engines/processes.py die_with_this_process)
+    names = " ".join(p.title for p in run["below_replica"])
+    assert "VLLM::EngineCor" in names and "VLLM::Worker" in names, names
+    assert run["left_running"] == [], f"the killed replica's processes still run 30 s after: {run['left_running']}"
 
     # 3. Nothing lost, nothing duplicated; vLLM's own error text for the row it rejected.
     verify_ok(out)
