@@ -121,3 +121,140 @@ def test_an_engine_that_cannot_start_is_a_one_line_error(ray_local, tmp_path, ti
     assert "Traceback" not in result.stderr, result.stderr[-5000:]
     assert last.startswith("error: the engine could not start: ValueError: Specified `attn_implementation=")
     assert last.endswith("(check engine.engine_kwargs.attn_implementation)")
+
+
+# VLLM_CPU_OMP_THREADS_BIND (issue 55, case 14): a value vLLM's CPU build cannot use stopped the
+# engine with `Failed core proc(s): {}` after its start, the cause only in the replica's log.
+BAD_BINDS = [
+    ("banana", 2, "it has 1 group of cores for 2 ranks"),  # the issue's case
+    ("banana", 1, r"group 1 \('banana'\): 'banana' is not a core id or a range of them"),
+    ("0", 2, "it has 1 group of cores for 2 ranks"),
+    ("0|1", 4, "it has 2 groups of cores for 4 ranks"),
+    ("0|", 2, r"group 2 \(''\): it is empty"),
+    ("", 1, r"group 1 \(''\): it is empty"),
+    ("0,,1|2", 2, r"group 1 \('0,,1'\): it holds an empty item"),
+    ("3-1|4", 2, r"group 1 \('3-1'\): the range '3-1' holds no core"),
+    ("1-2-3|4", 2, r"group 1 \('1-2-3'\): '1-2-3' is not a core id"),
+    ("0-1|x", 2, r"group 2 \('x'\): 'x' is not a core id"),
+    ("0 1", 1, r"group 1 \('0 1'\): '0 1' is not a core id"),
+]
+
+
+@pytest.mark.parametrize("value, tp, problem", BAD_BINDS)
+def test_a_threads_bind_vllm_cannot_use_is_refused_naming_it_before_any_work(monkeypatch, value, tp, problem):
+    """Any value, any tensor-parallel size: the error names the variable, its value, what is
+    wrong and the form it must have, at the job's start (check_engine_kwargs) and where any
+    vLLM pass builds its engine stage (processor_config: the acceptance job, the stream)."""
+    import re
+
+    from eagle_data.job.stages.engines import check_engine_kwargs
+    from eagle_data.job.stages.engines.vllm_backend import processor_config
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", value)
+    cfg = load_config(None, BASE + ["engine.device=cpu", f"engine.tensor_parallel_size={tp}"])
+    example = "`0|1` for 2 ranks on a core each" if tp == 2 else \
+        "`0-3` for 1 rank on 4 cores" if tp == 1 else "`0|1|2|3` for 4 ranks on a core each"
+    expected = (rf"^VLLM_CPU_OMP_THREADS_BIND={re.escape(repr(value))} cannot bind the engine's {tp} ranks? "
+                rf"\(tensor x pipeline parallel size\): {problem}.*It must be one group of cores per rank, "
+                rf"`\|`-separated, each core ids or ranges \({re.escape(example)}, ")
+    with pytest.raises(ConfigError, match=expected) as refused:
+        check_engine_kwargs(cfg)
+    assert "\n" not in str(refused.value)
+    with pytest.raises(ConfigError, match=expected):
+        processor_config(cfg)
+
+
+def test_a_threads_bind_counts_the_pipeline_stages_ranks_too(monkeypatch):
+    from eagle_data.job.stages.engines import check_engine_kwargs
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    cfg = load_config(None, BASE + ["engine.device=cpu", "engine.engine_kwargs.pipeline_parallel_size=2"])
+    with pytest.raises(ConfigError, match="cannot bind the engine's 2 ranks .*: it has 1 group of cores for 2 ranks"):
+        check_engine_kwargs(cfg)
+
+
+@pytest.mark.parametrize("value, tp", [("0|1", 2), ("0-3|4-7", 2), ("0,2-3|1", 2), (" 0 , 1 ", 1), ("auto", 2),
+                                       ("nobind", 4), ("0|1|2", 2)])
+def test_a_threads_bind_vllm_takes_is_left_to_it(monkeypatch, value, tp):
+    """vLLM's own forms pass: groups of ids and ranges (int() of each, as vLLM reads them),
+    `auto` (whose NUMA node per rank only vLLM checks, as it starts), `nobind`; groups after
+    the ranks' are not read by vLLM 0.29 (it takes the first ones)."""
+    from eagle_data.job.stages.engines import check_engine_kwargs
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", value)
+    check_engine_kwargs(load_config(None, BASE + ["engine.device=cpu", f"engine.tensor_parallel_size={tp}"]))
+
+
+def test_a_threads_bind_is_not_checked_where_vllm_does_not_read_it(monkeypatch):
+    """vLLM's GPU build does not read it, nor does the transformers backend."""
+    from eagle_data.job.stages.engines import check_engine_kwargs
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "banana")
+    check_engine_kwargs(load_config(None, BASE + ["engine.tensor_parallel_size=2"]))
+    check_engine_kwargs(load_config(None, BASE + ["engine.backend=transformers", "engine.device=cpu"]))
+
+
+def test_an_engine_start_failure_names_a_threads_bind_that_is_set(monkeypatch):
+    """What the check up front cannot see (vLLM's `auto` binding, a NUMA node per rank, on a
+    one-node machine) ends as vLLM's `Failed core proc(s): {}`: the settings to check name
+    the variable and its value; a cause that names it (a replica's own refusal) is its."""
+    from eagle_data.job.stages.engines import start_settings
+
+    cause = "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"
+    cfg = load_config(None, BASE + ["engine.device=cpu", "engine.tensor_parallel_size=2"])
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in start_settings(cfg, cause)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    assert ("engine.engine_kwargs, VLLM_CPU_OMP_THREADS_BIND='auto' (set in the environment: one group of cores "
+            "per rank, `|`-separated, e.g. `0|1` for 2 ranks; or unset); the engine replica's log") \
+        in start_settings(cfg, cause)
+    assert start_settings(cfg, "ValueError: VLLM_CPU_OMP_THREADS_BIND='0|99' cannot bind ...") == \
+        "VLLM_CPU_OMP_THREADS_BIND, set in the environment"
+
+
+def test_the_job_refuses_a_threads_bind_vllm_cannot_use_in_one_line(tmp_path):
+    """The issue's case as a user runs it: `VLLM_CPU_OMP_THREADS_BIND=banana` with tensor
+    parallel 2 on vLLM's CPU build: exit 2 and one `error:` line naming the variable, before
+    Ray or any engine starts (was: exit 2 after the engine's start, `the engine could not
+    start ... Failed core proc(s): {}`, the cause among 4 tracebacks in the replica's log)."""
+    import os
+
+    import yaml
+
+    from support import job_cli
+
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"path": str(tmp_path / "model")}, "output": {"path": str(tmp_path / "out")},
+        "engine": {"backend": "vllm", "device": "cpu", "tensor_parallel_size": 2}}))
+    result = job_cli(config, env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "banana"})
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "error: VLLM_CPU_OMP_THREADS_BIND='banana' cannot bind the engine's 2 ranks (tensor x pipeline parallel "
+        "size): it has 1 group of cores for 2 ranks. It must be one group of cores per rank, `|`-separated")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_replica_refuses_a_threads_bind_of_cores_it_may_not_use(monkeypatch):
+    """A value of the right form whose cores a replica's node does not have (`0|<one past
+    its last core>`) passes the driver's check, which cannot know the nodes; the replica
+    (vllm_udf.bind_cpu_threads, before vLLM starts) refuses it against the cores its process
+    may use (OpenMP would drop the core, and the rank run unbound), and the job's one line
+    then names the variable as the setting to check."""
+    import os
+
+    from eagle_data.job.stages.engines import start_settings
+    from eagle_data.job.stages.engines.vllm_udf import check_threads_bind
+
+    usable = os.sched_getaffinity(0)
+    outside = max(usable) + 1
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"0|{outside}")
+    check_threads_bind(2)  # the driver's check: the form only
+    with pytest.raises(ConfigError, match=rf"^VLLM_CPU_OMP_THREADS_BIND='0\|{outside}' binds cores \[{outside}\], "
+                                          r"which this engine replica may not use") as refused:
+        check_threads_bind(2, usable)
+    cfg = load_config(None, BASE + ["engine.device=cpu", "engine.tensor_parallel_size=2"])
+    assert start_settings(cfg, f"ConfigError: {refused.value}") == "VLLM_CPU_OMP_THREADS_BIND, set in the environment"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(usable))))
+    check_threads_bind(1, usable)

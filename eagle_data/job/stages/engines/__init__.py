@@ -17,6 +17,7 @@ no engine runs: dataset_answers.py gives the dataset's answers back in the same 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 from contextlib import contextmanager
@@ -36,9 +37,10 @@ log = logging.getLogger("eagle_data")
 def check_engine_kwargs(cfg: Config) -> None:
     """At start, before any work: refuse_owned against the configured backend's builder."""
     if cfg.engine.backend == "vllm":
-        from eagle_data.job.stages.engines.vllm_backend import typed_engine_kwargs
+        from eagle_data.job.stages.engines.vllm_backend import check_cpu_binding, typed_engine_kwargs
 
         refuse_owned(typed_engine_kwargs(cfg), cfg.engine.engine_kwargs)
+        check_cpu_binding(cfg)
     else:
         from eagle_data.job.stages.engines.transformers_backend import typed_from_pretrained
 
@@ -85,11 +87,18 @@ def start_failure(message: str) -> str | None:
 
 def start_settings(cfg: Config, cause: str) -> str:
     """The keys to check: the pass-through ones the cause names, else what reaches the engine."""
+    if "VLLM_CPU_OMP_THREADS_BIND" in cause:  # a replica's own refusal (vllm_udf.check_threads_bind)
+        return "VLLM_CPU_OMP_THREADS_BIND, set in the environment"
     named = [f"engine.engine_kwargs.{k}" for k in cfg.engine.engine_kwargs if str(k) in cause]
     if named:
         return ", ".join(named)
     if cfg.engine.backend == "vllm":
-        return ("model.path, engine.max_model_len, engine.tensor_parallel_size, engine.engine_kwargs; "
+        bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+        # vLLM's binding fails as `Failed core proc(s): {}`, naming nothing (`auto` on one NUMA node)
+        bound = (f", VLLM_CPU_OMP_THREADS_BIND={bind!r} (set in the environment: one group of cores per rank, "
+                 "`|`-separated, e.g. `0|1` for 2 ranks; or unset)") if bind is not None and cfg.engine.device == "cpu" \
+            else ""
+        return (f"model.path, engine.max_model_len, engine.tensor_parallel_size, engine.engine_kwargs{bound}; "
                 "the engine replica's log has vLLM's own messages")
     return "model.path, model.trust_remote_code, engine.engine_kwargs (transformers' from_pretrained)"
 

@@ -22,7 +22,7 @@ from eagle_data.config import Config
 from eagle_data.errors import NoReplicaResources
 from eagle_data.job.ray_internals import wait_for_nodes
 from eagle_data.job.stages.engines.kwargs import with_passed
-from eagle_data.job.stages.engines.vllm_udf import vllm_stage_udf
+from eagle_data.job.stages.engines.vllm_udf import check_threads_bind, vllm_stage_udf
 from eagle_data.model_files import resolve_model_path
 
 log = logging.getLogger(__name__)
@@ -106,10 +106,19 @@ def wait_for_replica_resources(cfg: Config, poll_s: float = 2.0) -> None:
         f"and after waiting {cfg.engine.resource_wait_s:g}s (engine.resource_wait_s) {hint}")
 
 
+def check_cpu_binding(cfg: Config) -> None:
+    """On CPU, a set VLLM_CPU_OMP_THREADS_BIND vLLM cannot use is refused before any work
+    (vllm_udf.check_threads_bind; each replica checks the cores on its node too)."""
+    if cfg.engine.device == "cpu":
+        check_threads_bind(cfg.engine.tensor_parallel_size * cfg.engine.engine_kwargs.get("pipeline_parallel_size", 1))
+
+
 def processor_config(cfg: Config, extra_engine_kwargs: dict | None = None):
     """Ray's processor config for cfg's engine; `extra_engine_kwargs` (a phase's own engine
     settings, e.g. the hidden-states pass) go over `engine_kwargs(cfg)`."""
     from ray.data.llm import vLLMEngineProcessorConfig
+
+    check_cpu_binding(cfg)  # every vLLM pass builds its stage here: the acceptance job's, the stream's
 
     kwargs = {**engine_kwargs(cfg), **(extra_engine_kwargs or {})}
     in_flight = cfg.engine.batch_size * cfg.engine.max_concurrent_batches

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import time
 
+from eagle_data.errors import ConfigError
 from eagle_data.job.stages.engines.logprobs import flat_logprob_values
 from eagle_data.job.stages.engines.processes import descendants, die_with_this_process, wait_for_exit, watchdogs
 from eagle_data.job.stages.engines.state_files import prepare, take
@@ -169,20 +170,90 @@ def threads_bind(cores: list[int], ranks: int, threads: int | None) -> str:
     return rank_cores(cores[:threads] if threads else cores, ranks)
 
 
+BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def bind_groups(value: str, ranks: int) -> list[list[int]]:
+    """The cores of each of the first `ranks` groups of a VLLM_CPU_OMP_THREADS_BIND value as
+    vLLM's CPU build reads it (groups `|`-separated, each comma-separated core ids or `a-b`
+    ranges, int() of each); ConfigError naming the variable, its value, what is wrong and
+    the form it must have. vLLM's own misreading of a value ends its engine with `Failed core
+    proc(s): {}` after its start, the cause only in the replica's log (issue 55, case 14)."""
+    groups = value.split("|")
+    problem = None
+    if len(groups) < ranks:
+        problem = f"it has {len(groups)} group{'s' if len(groups) != 1 else ''} of cores for {ranks} ranks"
+    cores: list[list[int]] = []
+    for n, group in enumerate(groups[:ranks] if problem is None else [], 1):
+        found = group_cores(group)
+        if isinstance(found, str):
+            problem = f"group {n} ({group!r}): {found}"
+            break
+        cores.append(found)
+    if problem is None:
+        return cores
+    example = ("`0-3` for 1 rank on 4 cores" if ranks == 1 else
+               f"`{'|'.join(map(str, range(ranks)))}` for {ranks} ranks on a core each")
+    raise ConfigError(
+        f"{BIND}={value!r} cannot bind the engine's {ranks} rank{'s' if ranks != 1 else ''} (tensor x pipeline "
+        f"parallel size): {problem}. It must be one group of cores per rank, `|`-separated, each core ids or "
+        f"ranges ({example}, `0,2-3|1` for 2 ranks), or `auto` (a NUMA node per rank) or `nobind`; or leave it "
+        f"unset (engine.cpu_threads binds the replica's cores)")
+
+
+def group_cores(group: str) -> list[int] | str:
+    """One group's cores, or what is wrong with it."""
+    if not group.strip():
+        return "it is empty"
+    cores = []
+    for item in group.split(","):
+        if not item.strip():
+            return "it holds an empty item"
+        ends = item.split("-")
+        try:
+            bounds = [int(e) for e in ends]
+        except ValueError:
+            return f"{item!r} is not a core id or a range of them"
+        if len(bounds) > 2:
+            return f"{item!r} is not a core id or a range of them"
+        if bounds[0] > bounds[-1] or min(bounds) < 0:
+            return f"the range {item!r} holds no core"
+        cores += range(bounds[0], bounds[-1] + 1)
+    return cores
+
+
+def check_threads_bind(ranks: int, usable: set[int] | None = None) -> None:
+    """A set VLLM_CPU_OMP_THREADS_BIND that vLLM's CPU build cannot use is refused
+    (bind_groups); with `usable` (in the replica: the cores its process may run on), one
+    naming a core outside them too (OpenMP would drop it, and the rank run unbound)."""
+    value = os.environ.get(BIND)
+    if value is None or value.strip() in ("auto", "nobind"):
+        return
+    groups = bind_groups(value, ranks)
+    outside = sorted({c for g in groups for c in g} - usable) if usable is not None else []
+    if outside:
+        raise ConfigError(f"{BIND}={value!r} binds cores {outside}, which this engine replica may not use "
+                          f"(it may use {sorted(usable)}, on its node): name cores of every node a replica may "
+                          f"run on, or leave it unset (engine.cpu_threads binds the replica's cores)")
+
+
 def bind_cpu_threads(ranks: int, threads: int | None) -> None:
     """On vLLM's CPU build, bind the engine's OpenMP threads to `threads` (None: all) of the
     cores this process may use, one contiguous share per rank, unless
-    VLLM_CPU_OMP_THREADS_BIND is set already (it is then vLLM's, as the user gave it).
+    VLLM_CPU_OMP_THREADS_BIND is set already (it is then vLLM's, as the user gave it, once
+    check_threads_bind has found it usable here).
     vLLM's own binding ("auto") binds a rank to the cores of one NUMA node each, less one
     core kept for its scheduler process: half of a 2-core machine, which on a real model
     halves the engine (docs/development.md, "vLLM on CPU: the settings"); with more than
     one rank on a one-node machine it refuses to start."""
-    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
-        return
     from vllm.platforms import current_platform
 
-    if current_platform.is_cpu():
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = threads_bind(sorted(os.sched_getaffinity(0)), ranks, threads)
+    if not current_platform.is_cpu():
+        return
+    if BIND in os.environ:
+        check_threads_bind(ranks, os.sched_getaffinity(0))
+        return
+    os.environ[BIND] = threads_bind(sorted(os.sched_getaffinity(0)), ranks, threads)
 
 
 def stop_output_handler(engine, timeout_s: float = 5) -> None:
