@@ -400,6 +400,21 @@ class HiddenStatesConfig(_Section):
         return self
 
 
+class StreamConfig(_Section):
+    """The feature stream (eagle_data/training/stream.py): the engine replicas' states handed
+    to Ray Train workers through the object store."""
+
+    max_bytes_in_flight: Int | None = Field(
+        json_schema_extra=RUN_ONLY, default=None, ge=1,
+        description="the bytes of rows the stream may have asked of the engines and not yet handed to a "
+                    "trainer (their states: tokens x layers x H x the dtype's bytes, plus their token ids), "
+                    "whatever the rows, epochs and the trainer's speed; null = a quarter of the smallest object "
+                    "store among the cluster's nodes. Raised, and said so in the log, to what the trainers' "
+                    "prefetch windows and Ray's equal split hold at least (less would stop the stream). Enforced "
+                    "while the trainers take rows with `stream_batches` (the draft trainer does); a consumer "
+                    "that does not (a driver's `iter_batches`, `materialize`) is not bounded")
+
+
 class TrainConfig(_Section):
     """The EAGLE-3 draft trainer fed by the feature stream (ray_jobs/train_draft.py): Ray Train
     workers training speculators' draft model (the optional `draft` extra)."""
@@ -430,8 +445,20 @@ class TrainConfig(_Section):
                     "cluster adds nodes) before failing with a message, instead of waiting forever")
     checkpoint_every: Int | None = Field(
         json_schema_extra=RUN_ONLY, default=None, ge=1,
-        description="also save the draft every this many steps, as `step-<N>/` beside `final/`; null = at the "
-                    "end only")
+        description="also save the draft every this many steps, as `step-<N>/` beside `final/` (with the "
+                    "optimizer's, the schedule's and the stream's place, `trainer_state.pt`), each reported to Ray "
+                    "Train as the run's latest checkpoint; null = at the end only")
+    max_failures: Int = Field(
+        json_schema_extra=RUN_ONLY, default=0, ge=-1,
+        description="how many times Ray Train starts the workers again after one is lost (a process killed, a "
+                    "node gone; -1: without end); a new worker group resumes from the latest `step-<N>/` "
+                    "(train.checkpoint_every), or from step 0 without one. Resuming needs `trainer.save_path` "
+                    "on storage every trainer node reads. 0: a lost worker fails the run")
+    worker_resources: dict[str, Finite] = Field(
+        json_schema_extra=RUN_ONLY, default_factory=dict,
+        description="custom resources each worker also reserves, to put the workers on the nodes that declare "
+                    "them (trainer nodes: `ray start --resources` or cluster.yaml's `resources`), e.g. "
+                    "`{eagle_trainer: 1}`; the engine replicas go where `engine.replica_resources` says")
     speculators: FreeForm = Field(
         json_schema_extra=RUN_ONLY, default_factory=dict,
         description="speculators 0.9.0's own training config (`speculators.train` TrainConfig, nested as in "
@@ -486,6 +513,9 @@ class Config(_Section):
     hidden_states: HiddenStatesConfig = Field(
         default_factory=HiddenStatesConfig,
         description="the hidden-states phase: the target's features at the EAGLE-3 layers, for offline training")
+    stream: StreamConfig = Field(
+        default_factory=StreamConfig,
+        description="the feature stream (eagle_data/training/stream.py): its bound on the bytes in flight")
     train: TrainConfig = Field(
         default_factory=TrainConfig,
         description="the draft trainer fed by the feature stream (ray_jobs/train_draft.py); not used by the job")
@@ -511,6 +541,10 @@ class Config(_Section):
         if builtin:
             raise ValueError(f"engine.replica_resources takes custom resources only, not {', '.join(builtin)} "
                              "(CPUs: engine.num_cpus; GPUs follow engine.tensor_parallel_size)")
+        builtin = sorted(set(self.train.worker_resources) & {"CPU", "GPU", "memory", "object_store_memory"})
+        if builtin:
+            raise ValueError(f"train.worker_resources takes custom resources only, not {', '.join(builtin)} "
+                             "(CPUs: train.cpus_per_worker; a GPU: train.device)")
         if self.engine.backend == "transformers" and self.engine.tensor_parallel_size != 1:
             raise ValueError("engine.tensor_parallel_size > 1 needs engine.backend=vllm")
         if self.prompt.answers == "dataset":

@@ -45,7 +45,8 @@ combinations checked:
 - `model.reasoning_start` and `model.reasoning_end` must differ;
 - `prompt.max_turns` needs `prompt.turns: all`;
 - `engine.replica_resources` takes custom resources only (not `CPU`, `GPU`, `memory`,
-  `object_store_memory`: CPUs are `engine.num_cpus`, GPUs follow `engine.tensor_parallel_size`);
+  `object_store_memory`: CPUs are `engine.num_cpus`, GPUs follow `engine.tensor_parallel_size`),
+  and so does `train.worker_resources`;
 - `engine.tensor_parallel_size > 1` needs `engine.backend: vllm`;
 - `source.per_source` needs `source.sample` or `source.per_source.max_rows`, its `weights`
   need `source.sample`, and must give some source a positive weight;

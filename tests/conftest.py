@@ -68,16 +68,16 @@ def dataset_answers_out(ray_local, deep_qwen3, tmp_path_factory) -> tuple[Path, 
 def trained_draft(ray_local, dataset_answers_out, deep_qwen3, tmp_path_factory):
     """(save_path, the trainer's finished process): `python -m ray_jobs.train_draft` as a user
     runs it, on dataset_answers_out's hidden_states/ (train.source: hidden_states, no
-    engine), 2 CPU workers, 3 epochs, half the prompts held out, seed 0; a driver of its own
-    on the session's Ray. Made once: its run is checked in tests/training/test_draft_trainer.py,
-    its draft measured by the acceptance job's tests."""
+    engine), 2 CPU workers, 3 epochs, half the prompts held out, seed 0, a checkpoint every 2
+    steps; a driver of its own on the session's Ray. Made once: its run is checked in
+    tests/training/test_draft_trainer.py, its draft measured by the acceptance job's tests."""
     from support import run_module, train_settings
 
     tmp = tmp_path_factory.mktemp("trained-draft")
     save = tmp / "draft"
     settings = train_settings(dataset_answers_out[0], deep_qwen3, save, data={"train_data_ratio": 0.5},
                               optimizer={"lr": 0.01}, seed=0)
-    settings["train"].update(source="hidden_states", workers=2)
+    settings["train"].update(source="hidden_states", workers=2, checkpoint_every=2)
     done = run_module("ray_jobs.train_draft", settings, tmp, ray_local, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return save, done

@@ -397,16 +397,21 @@ def states_gap(got: dict, want: dict) -> tuple[float, float]:
 
 
 def stream_train_loop(config: dict) -> None:
-    """Each worker: iterate its shard once (all epochs), pad each batch with `collate`,
-    and save what it got (sample_id, epoch, tensors) for the test to check."""
+    """Each worker: iterate its shard once (all epochs) with the stream's `stream_batches`,
+    pad each batch with `collate`, and save what it got (sample_id, epoch, tensors) and the
+    node it ran on for the test to check."""
+    import ray
     import ray.train
     import torch
 
     from eagle_data.training.batches import collate
+    from eagle_data.training.stream import stream_batches
 
     shard = ray.train.get_dataset_shard("train")
     got = []
-    for batch in shard.iter_batches(batch_size=3, batch_format="numpy"):
+    rank = ray.train.get_context().get_world_rank()
+    Path(config["save"], f"rank{rank}.json").write_text(json.dumps({"node": ray.get_runtime_context().get_node_id()}))
+    for batch in stream_batches(shard, config["report"], batch_size=config["batch_size"]):
         padded = collate(batch, pad_id=config["pad_id"], dtype=config["dtype"])
         for i, (sid, epoch) in enumerate(zip(padded["sample_id"], padded["epoch"])):
             n = int(padded["attention_mask"][i].sum())
@@ -414,7 +419,7 @@ def stream_train_loop(config: dict) -> None:
                         "loss_mask": padded["loss_mask"][i, :n].clone(),
                         "hidden_states": padded["hidden_states"][i, :n].clone(),
                         "padding_is_zero": bool((padded["hidden_states"][i, n:] == 0).all())})
-    torch.save(got, Path(config["save"]) / f"rank{ray.train.get_context().get_world_rank()}.pt")
+    torch.save(got, Path(config["save"]) / f"rank{rank}.pt")
 
 
 # The training workers reserve no CPU (a bundle needs some resource: one byte of memory): the
@@ -424,17 +429,20 @@ STREAM_NAMESPACE = "eagle-data-tests"  # the stream's report actor: ray.get_acto
 
 
 def stream_into_trainer(ray_local, out: Path, cfg, save: Path, report: str, workers: int = 2,
-                        max_failures: int = 0, **stream_args) -> tuple[list[list[dict]], dict]:
+                        max_failures: int = 0, batch_size: int = 3, env: dict | None = None,
+                        **stream_args) -> tuple[list[list[dict]], dict]:
     """As a user's training job: a driver process of its own, attached to the session's Ray
     (its actors, Ray Train's included, end with it), runs `eagle_data.training.stream.features(out,
     cfg, report=report, **stream_args)` into a TorchTrainer of `workers` workers running
     `stream_train_loop` (Ray Train restarting them up to `max_failures` times). What each
-    worker of the last attempt got, by rank, and the stream's report."""
+    worker of the last attempt got, by rank, and the stream's report. `env`: the driver's
+    environment (default: attached to the session's Ray)."""
     import torch
 
     run_job("stream", {"out": str(out), "config": cfg.model_dump(mode="json"), "save": str(save), "report": report,
-                       "workers": workers, "max_failures": max_failures, "stream": stream_args},
-            env={**attached(ray_local), "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}, timeout=900)
+                       "workers": workers, "max_failures": max_failures, "batch_size": batch_size,
+                       "stream": stream_args},
+            env={**(env or attached(ray_local)), "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}, timeout=900)
     ranks = [torch.load(save / f"rank{r}.pt") for r in range(workers)]
     return ranks, json.loads((save / "report.json").read_text(), object_hook=_int_epochs)
 
@@ -455,9 +463,11 @@ def _stream_job(job: dict) -> None:
     ray.init(namespace=STREAM_NAMESPACE, log_to_driver=False)
     cfg = Config.model_validate(job["config"])
     ds = features(job["out"], cfg, report=job["report"], **job["stream"])
-    config = {"pad_id": OutReader(job["out"]).pad_id, "dtype": cfg.hidden_states.dtype, "save": job["save"]}
+    config = {"pad_id": OutReader(job["out"]).pad_id, "dtype": cfg.hidden_states.dtype, "save": job["save"],
+              "report": job["report"], "batch_size": job["batch_size"]}
     TorchTrainer(stream_train_loop, train_loop_config=config, datasets={"train": ds},
-                 scaling_config=ScalingConfig(num_workers=job["workers"], resources_per_worker=NO_CPU),
+                 scaling_config=ScalingConfig(num_workers=job["workers"],
+                                              resources_per_worker={**NO_CPU, **cfg.train.worker_resources}),
                  run_config=RunConfig(storage_path=str(Path(job["save"]) / "ray-train"), name="stream",
                                       failure_config=FailureConfig(max_failures=job["max_failures"]))).fit()
     Path(job["save"], "report.json").write_text(json.dumps(stream_report(job["report"])))

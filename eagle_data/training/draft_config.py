@@ -41,7 +41,9 @@ INSTEAD = {  # why a refused key is not needed here, or what stands for it
     "generation": "the answers are OUT's, made by the generate phase",
     "trainer.checkpoint_freq": "train.checkpoint_every says when to save, in steps",
     "trainer.save_best": "every validation is in metrics.jsonl; train.checkpoint_every saves every N steps",
-    "trainer.no_resume_from_checkpoint": "a run starts from step 0 in a new trainer.save_path",
+    "trainer.no_resume_from_checkpoint": "a run starts from step 0 in a new trainer.save_path; a worker group "
+                                         "Ray Train starts again (train.max_failures) resumes from its latest "
+                                         "step-<N>/",
     "trainer.fsdp_shard": "its workers are DDP ranks (train.workers)",
     "logging": "it logs to metrics.jsonl in trainer.save_path and to the job log",
     "dry_run": "its checks run before anything starts",

@@ -15,6 +15,15 @@ metric sums of all workers added up (speculators' full_acc_k: the share of posit
 the draft's k-th step is right, all earlier ones right too), logged in metrics.jsonl and
 the job log. The rows of one epoch do not arrive together from the stream, so an epoch's
 end is the step count: the run's steps / trainer.epochs.
+
+Checkpoints (train.checkpoint_every): rank 0 writes `step-<N>/`, speculators' draft and
+`trainer_state.pt` (the optimizers', the schedules' and the step; on the stream, the places
+of each epoch's order that every worker had trained on by step N; on hidden_states/ the step
+says where each rank is), and every worker reports it to Ray Train (`ray.train.report`, a
+pointer to the folder). A worker group Ray Train starts again (train.max_failures) starts
+from the latest one: the model, the optimizers, the schedules, the step, metrics.jsonl cut
+back to it, and the stream's place (the places trained on are not asked again: what is
+left of every epoch, in the epochs' order, whatever the lost workers had prefetched).
 """
 
 from __future__ import annotations
@@ -25,17 +34,20 @@ import json
 import logging
 import math
 import os
+import shutil
+import tempfile
 import uuid
 from typing import Iterator
 
-from eagle_data.errors import DraftStartFailed
+from eagle_data.errors import DraftStartFailed, EagleDataError
 from eagle_data.training.batches import pack, stream_items
 
 log = logging.getLogger("eagle_data")
 
-# Batches fetched ahead of the step (Ray's default is one): benchmarks/stream_balance.py
-# measured a trainer slower than the engine waiting 3.5% of its time with 4.
-PREFETCH_BATCHES = 4
+# What a checkpoint holds besides speculators' draft (config.json, model.safetensors).
+TRAINER_STATE = "trainer_state.pt"
+# The draft's weights a checkpoint leaves out: the verifier's, which build_draft loads again.
+NOT_SAVED = ("verifier_",)
 
 
 def train_loop(config: dict) -> None:
@@ -45,6 +57,7 @@ def train_loop(config: dict) -> None:
 
     from ray.train.torch import get_device, prepare_model
 
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the worker's lines in the job log
     args = argparse.Namespace(**config["args"])
     torch.manual_seed(args.seed)
     draft = build_draft(args, config)
@@ -74,13 +87,17 @@ def train_loop(config: dict) -> None:
                 log.info("train: validation after epoch %d (step %d): %s", epoch, step,
                          ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
 
-    step = 0
+    restored = restore(ray.train.get_checkpoint(), draft, optimizers, schedulers, config, rank)
+    step = restored["step"] if restored else 0
+    validated.update(e for end, e in ends.items() if end <= step)  # done before the checkpoint was written
+    consumed = restored.get("consumed") if restored else None  # the stream's places trained on, all workers
+    trained: list[tuple[int, int]] = []  # this worker's places since the last checkpoint
     with open(os.path.join(save_path, "metrics.jsonl"), "a") if rank == 0 else contextlib.nullcontext() as file:
         def write(record: dict) -> None:
             file.write(json.dumps(record) + "\n")
             file.flush()
 
-        for items, epochs in train_items(config, rank, world):
+        for items, epochs, places in train_items(config, rank, world, step, consumed):
             packed = {k: v.to(device) if isinstance(v, torch.Tensor) else v
                       for k, v in pack(items, config["hidden_size"], dtype).items()}
             autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
@@ -96,14 +113,14 @@ def train_loop(config: dict) -> None:
             for scheduler in schedulers:
                 scheduler.step()
             step += 1
-            if rank == 0:
-                if step % args.log_freq == 0 or step == config["total_steps"]:
-                    write({"step": step, "epochs": epochs, "rows": len(items), "lr": lr,
-                           **scalars(metrics)})
-                if every and step % every == 0:
-                    save(draft, save_path, f"step-{step}")
+            trained.extend(places)
+            if rank == 0 and (step % args.log_freq == 0 or step == config["total_steps"]):
+                write({"step": step, "epochs": epochs, "rows": len(items), "lr": lr, **scalars(metrics)})
             if step in ends:
                 validate(step, ends[step])
+            if every and step % every == 0:  # after the epoch's validation: a restored run does not repeat it
+                consumed = checkpoint(draft, optimizers, schedulers, config, step, consumed, trained, rank, world)
+                trained = []
             if args.max_steps and step >= args.max_steps:
                 break
         # A run that stopped short of its last epoch's end (max_steps, rows that failed a check)
@@ -152,24 +169,34 @@ def optimizers_and_schedules(model, args, total_steps: int) -> tuple[list, list]
                         for opt in optimizers]
 
 
-def train_items(config: dict, rank: int, world: int) -> Iterator[tuple[list[tuple], list[int]]]:
-    """This worker's batches of rows (input_ids, loss_mask, hidden_states) and their epochs:
-    its stream shard (every epoch in one pass), or its rank's slice of OUT's hidden_states/,
-    epoch by epoch in the reader's (seed, epoch) order."""
+def train_items(config: dict, rank: int, world: int, start: int = 0,
+                consumed=None) -> Iterator[tuple[list[tuple], list[int], list[tuple[int, int]]]]:
+    """This worker's batches of rows (input_ids, loss_mask, hidden_states), their epochs and
+    their places ((epoch, position) in the stream's epoch order; none from hidden_states/):
+    its stream shard (every epoch in one pass; `consumed`, the places every worker had
+    trained on by a restored checkpoint, not asked again), or its rank's slice of OUT's
+    hidden_states/, epoch by epoch in the reader's (seed, epoch) order, from batch `start`
+    on (a restored checkpoint's step)."""
     if config["source"] == "stream":
         import ray.train
 
+        from eagle_data.training.stream import stream_batches
+
         shard = ray.train.get_dataset_shard("train")
-        for batch in shard.iter_batches(batch_size=config["batch_size"], batch_format="numpy",
-                                        prefetch_batches=PREFETCH_BATCHES):
-            yield stream_items(batch, config["stream_dtype"]), sorted({int(e) for e in batch["epoch"]})
+        for batch in stream_batches(shard, config["report"], batch_size=config["batch_size"], consumed=consumed):
+            yield (stream_items(batch, config["stream_dtype"]), sorted({int(e) for e in batch["epoch"]}),
+                   [(int(e), int(p)) for e, p in zip(batch["epoch"], batch["position"])])
         return
     samples = offline_samples(config, "train", rank, world)
     for epoch in range(config["epochs"]):
         samples.set_epoch(epoch)
         order = samples.order
-        for start in range(0, len(order), config["batch_size"]):
-            yield [reader_item(samples.sample(int(pos))) for pos in order[start:start + config["batch_size"]]], [epoch]
+        for start_row in range(0, len(order), config["batch_size"]):
+            if start > 0:
+                start -= 1
+                continue
+            yield ([reader_item(samples.sample(int(pos))) for pos in order[start_row:start_row + config["batch_size"]]],
+                   [epoch], [])
 
 
 def validation_items(config: dict, rank: int, world: int) -> Iterator[list[tuple]]:
@@ -248,11 +275,105 @@ def scalars(metrics: dict) -> dict:
     return normalize_counted_metrics({k: v.item() for k, v in metrics.items() if getattr(v, "numel", lambda: 0)() == 1})
 
 
-def save(draft, save_path: str, name: str) -> None:
-    """A speculators checkpoint folder (config.json, model.safetensors), written aside and
-    renamed into place: a kill leaves a hidden .tmp folder, never half a checkpoint."""
+def save(draft, save_path: str, name: str, state: dict | None = None) -> str:
+    """A speculators checkpoint folder (config.json, model.safetensors; with `state`, also
+    TRAINER_STATE), written aside and renamed into place: a kill leaves a hidden .tmp folder,
+    never half a checkpoint. A folder of that name from a lost attempt (written after the
+    checkpoint its successor restored) is replaced."""
+    import torch
+
     final = os.path.join(save_path, name)
     tmp = os.path.join(save_path, f".{name}.{uuid.uuid4().hex}.tmp")
     draft.save_pretrained(tmp)
+    if state is not None:
+        torch.save(state, os.path.join(tmp, TRAINER_STATE))
+    if os.path.isdir(final):
+        shutil.rmtree(final)
     os.rename(tmp, final)
     log.info("train: the draft saved to %s", final)
+    return final
+
+
+def checkpoint(draft, optimizers, schedulers, config: dict, step: int, consumed, trained: list, rank: int,
+               world: int):
+    """step-<N>/ with the trainer's state (rank 0), reported to Ray Train by every worker as
+    the run's latest checkpoint (a pointer to the folder: the draft is written once). On the
+    stream, the places every worker trained on since the last checkpoint are gathered into
+    `consumed` ([epochs, per_epoch] bools), which is returned."""
+    import numpy as np
+    import ray.train
+    import torch.distributed as dist
+
+    if config["source"] == "stream":
+        gathered = [None] * world
+        if world > 1:
+            dist.all_gather_object(gathered, trained)
+        else:
+            gathered = [trained]
+        if consumed is None:
+            consumed = np.zeros((config["epochs"], config["per_epoch"]), bool)
+        for places in gathered:
+            for epoch, position in places:
+                consumed[epoch, position] = True
+    with tempfile.TemporaryDirectory() as pointer:
+        if rank == 0:
+            folder = save(draft, config["save_path"], f"step-{step}", {
+                "step": step, "optimizers": [opt.state_dict() for opt in optimizers],
+                "schedulers": [s.state_dict() for s in schedulers], "consumed": consumed})
+            with open(os.path.join(pointer, "checkpoint.json"), "w") as f:
+                json.dump({"path": folder, "step": step}, f)
+        ray.train.report({"step": step},
+                         checkpoint=ray.train.Checkpoint.from_directory(pointer) if rank == 0 else None)
+    return consumed
+
+
+def restore(latest, draft, optimizers, schedulers, config: dict, rank: int) -> dict | None:
+    """The state of Ray Train's latest checkpoint (this run's, from a worker group that was
+    lost), loaded into the draft, the optimizers and the schedules; None on a first start.
+    Rank 0 cuts metrics.jsonl back to the checkpoint's step."""
+    import torch
+    from safetensors.torch import load_file
+
+    if latest is None:
+        metrics = os.path.join(config["save_path"], "metrics.jsonl")
+        if rank == 0 and os.path.exists(metrics) and os.path.getsize(metrics):
+            # A group Ray Train started again before any checkpoint of this run was reported (a new run's
+            # save_path starts empty): from step 0, without the lost group's steps.
+            log.info("train: a new group of workers starts from step 0 (no checkpoint reported yet)")
+            cut_metrics(config["save_path"], 0)
+        return None
+    with latest.as_directory() as pointer:
+        with open(os.path.join(pointer, "checkpoint.json")) as f:
+            folder = json.load(f)["path"]
+    try:
+        state = torch.load(os.path.join(folder, TRAINER_STATE), weights_only=False)
+        weights = load_file(os.path.join(folder, "model.safetensors"))
+    except OSError as e:
+        raise EagleDataError(f"train: the checkpoint to resume from, {folder}, cannot be read ({e}): "
+                             "trainer.save_path must be storage every trainer node reads") from None
+    missing, unexpected = draft.load_state_dict(weights, strict=False)
+    if unexpected or any(not k.startswith(NOT_SAVED) for k in missing):
+        raise EagleDataError(f"train: {folder} is not this draft's checkpoint (missing {missing}, unexpected "
+                             f"{unexpected})")
+    for opt, saved in zip(optimizers, state["optimizers"], strict=True):
+        opt.load_state_dict(saved)
+    for schedule, saved in zip(schedulers, state["schedulers"], strict=True):
+        schedule.load_state_dict(saved)
+    if rank == 0:
+        cut_metrics(config["save_path"], state["step"])
+        consumed = state["consumed"]
+        log.info("train: a new group of workers resumes from %s: step %d of %d%s", folder, state["step"],
+                 config["total_steps"], "" if consumed is None else
+                 f", {int(consumed.sum())} places of the stream's epochs trained on")
+    return state
+
+
+def cut_metrics(save_path: str, step: int) -> None:
+    """metrics.jsonl without the records of steps after `step` (the lost workers' steps
+    after the checkpoint, made again), written aside and renamed into place."""
+    path = os.path.join(save_path, "metrics.jsonl")
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)

@@ -46,7 +46,7 @@ from eagle_data.model_files import check_weights
 from eagle_data.tools.token_counts import count_tokens
 from eagle_data.training.draft_config import MARKER, save_path_leftovers
 from eagle_data.training.draft_loop import train_loop
-from eagle_data.training.stream import features, stream_report
+from eagle_data.training.stream import features, percent, size, stream_report
 
 log = logging.getLogger("eagle_data")
 
@@ -75,7 +75,8 @@ class Plan:
     steps that makes (every worker the same number)."""
 
     source: str
-    train_rows: int  # an epoch's rows (the stream pads them to a multiple of the workers, as the reader)
+    train_rows: int  # an epoch's rows
+    per_epoch: int  # and padded to a multiple of the workers, as the reader and the stream pad them
     validation_rows: int
     epochs: int
     steps: int
@@ -102,12 +103,13 @@ class Plan:
                               f"data.total_seq_len {spec.data.total_seq_len}, data.train_data_ratio "
                               f"{spec.data.train_data_ratio} holding out {sides['validation']})")
         workers, epochs = cfg.train.workers, spec.trainer.epochs
-        per_worker = padded_order(np.arange(sides["train"]), workers, False).size // workers  # an epoch's
+        per_epoch = padded_order(np.arange(sides["train"]), workers, False).size
+        per_worker = per_epoch // workers  # an epoch's
         steps = (epochs * math.ceil(per_worker / cfg.train.batch_size) if offline
                  else math.ceil(epochs * per_worker / cfg.train.batch_size))  # the stream: every epoch in one pass
         if spec.trainer.max_steps:
             steps = min(steps, spec.trainer.max_steps)
-        return cls(cfg.train.source, sides["train"], sides["validation"], epochs, steps, holdout,
+        return cls(cfg.train.source, sides["train"], per_epoch, sides["validation"], epochs, steps, holdout,
                    f"eagle-data-train-{uuid.uuid4().hex[:8]}", filters)
 
     def __str__(self) -> str:
@@ -199,7 +201,7 @@ def fit(cfg: Config, spec, d2t, t2d, plan: Plan) -> None:
     """A TorchTrainer of train.workers workers running draft_loop.train_loop: on the stream
     (the validation rows' states computed once, first, and given whole to every worker), or
     on OUT's hidden_states/, which each worker reads itself."""
-    from ray.train import DataConfig, RunConfig, ScalingConfig, TrainingFailedError
+    from ray.train import DataConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchTrainer
 
     save_path, workers, out = spec.trainer.save_path, cfg.train.workers, cfg.output.path
@@ -216,12 +218,14 @@ def fit(cfg: Config, spec, d2t, t2d, plan: Plan) -> None:
     # Ray refuses a worker bundle of 0 CPUs; one byte of memory is a bundle that reserves nothing.
     resources = {"CPU": cfg.train.cpus_per_worker} if cfg.train.cpus_per_worker else {"memory": 1}
     resources.update({"GPU": 1} if gpu else {})
+    resources.update(cfg.train.worker_resources)
     trainer = TorchTrainer(train_loop, train_loop_config=loop_config(cfg, spec, d2t, t2d, plan),
                            datasets=datasets or None,
                            dataset_config=DataConfig(datasets_to_split=["train"]) if datasets else None,
                            scaling_config=ScalingConfig(num_workers=workers, use_gpu=gpu,
                                                         resources_per_worker=resources),
-                           run_config=RunConfig(storage_path=os.path.join(save_path, "ray-train"), name="train"))
+                           run_config=RunConfig(storage_path=os.path.join(save_path, "ray-train"), name="train",
+                                                failure_config=FailureConfig(max_failures=cfg.train.max_failures)))
     try:
         result = in_a_thread(trainer.fit)
     except TrainingFailedError as e:
@@ -237,7 +241,7 @@ def loop_config(cfg: Config, spec, d2t, t2d, plan: Plan) -> dict:
             "save_path": spec.trainer.save_path, "checkpoint_every": cfg.train.checkpoint_every,
             "source": plan.source, "out": cfg.output.path, "filters": plan.filters, "holdout": plan.holdout,
             "seed": spec.seed, "epochs": plan.epochs, "total_steps": plan.steps,
-            "validation": bool(plan.validation_rows)}
+            "validation": bool(plan.validation_rows), "report": plan.report, "per_epoch": plan.per_epoch}
 
 
 def in_a_thread(call):
@@ -288,7 +292,12 @@ def summary(save_path: str, plan: Plan) -> str:
     if plan.source == "stream":
         stream = stream_report(plan.report)
         failed = sum(sum(e["failed"].values()) for e in stream["epochs"].values())
-        lines.append(f"  stream:      {stream['per_epoch']} samples an epoch, {failed} failed checks")
+        f = stream["figures"]
+        lines.append(f"  stream:      {stream['per_epoch']} samples an epoch, {failed} failed checks; "
+                     f"{f['rows_per_s']:.2f} rows/s, {f['tokens_per_s']:.0f} tokens/s, peak {size(f['peak_bytes_in_flight'])} "
+                     f"in flight (bound {size(f['bound_bytes'] or 0)}), engines busy {percent(f['engine_busy_share'])}, "
+                     f"trainers waited {percent(f['trainer_wait_share'])}; {f['trainer_groups']} trainer group"
+                     f"{'s' if f['trainer_groups'] != 1 else ''} (more than 1: Ray Train started its workers again)")
     else:
         lines.append(f"  rows:        {plan.train_rows} an epoch from hidden_states/")
     saved = sorted((d for d in os.listdir(save_path) if d.startswith("step-")), key=lambda d: int(d[5:]))

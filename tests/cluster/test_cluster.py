@@ -8,6 +8,7 @@ Every wait is bounded: a job that hangs fails its test instead of hanging CI."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import secrets
@@ -334,14 +335,18 @@ def test_config_error_fails_the_job_with_the_message(head, tiny_qwen3):
 
 @pytest.mark.cluster
 @pytest.mark.vllm
-def test_the_draft_trainer_submitted_trains_speculators_draft_from_the_stream_and_vllm_drafts_with_it(
+def test_the_draft_trainer_submitted_trains_speculators_draft_from_the_stream_resumes_after_a_lost_worker_and_vllm_drafts_with_it(
         head, hidden_out, deep_qwen3, tmp_path):
     """`ray job submit ... -- python -m ray_jobs.train_draft`: the feature stream of
     hidden_out's data/ (transformers engine, float32 states) for 3 epochs into 2 CPU Ray
-    Train workers training speculators' EAGLE-3 draft with its eager loss. The loss goes
-    down, the draft's vocabulary is the one `vocab --format speculators` writes for that OUT,
-    and vLLM takes the saved draft as its EAGLE-3 speculator: it proposes tokens, and the
-    answer is the target's own greedy answer."""
+    Train workers training speculators' EAGLE-3 draft with its eager loss, a checkpoint every
+    2 steps. A training worker SIGKILLed after step 3: Ray Train (train.max_failures 1)
+    starts a new worker group, which resumes from the latest checkpoint (model, optimizer,
+    schedule, step, the stream's place): metrics.jsonl goes on from that step, each step
+    once, the learning rate on its schedule, the run's steps what the config asked. The
+    loss goes down, the draft's vocabulary is the one `vocab --format speculators` writes
+    for that OUT, and vLLM takes the saved draft as its EAGLE-3 speculator: it proposes
+    tokens, and the answer is the target's own greedy answer."""
     import numpy as np
     import torch
     from safetensors.torch import load_file
@@ -352,7 +357,8 @@ def test_the_draft_trainer_submitted_trains_speculators_draft_from_the_stream_an
     save = tmp_path / "draft"
     cfg = job_config(hidden_out, deep_qwen3, engine__batch_size=2, hidden_states__dtype="float32")
     cfg = cfg.model_dump(mode="json")
-    cfg["train"] = {"workers": 2, "device": "cpu", "cpus_per_worker": 0, "batch_size": 2, "speculators": {
+    cfg["train"] = {"workers": 2, "device": "cpu", "cpus_per_worker": 0, "batch_size": 2, "checkpoint_every": 2,
+                    "max_failures": 1, "speculators": {
         "trainer": {"epochs": 3, "save_path": str(save)}, "loss": {"loss_implementation": "eager"},
         "draft": {"draft_vocab_size": 256, "draft_attn_impl": "eager"}, "data": {"hidden_states_dtype": "float32"},
         "optimizer": {"lr": 0.01}}}
@@ -360,9 +366,31 @@ def test_the_draft_trainer_submitted_trains_speculators_draft_from_the_stream_an
     config.write_text(yaml.safe_dump(cfg))
     client = head.client()
     job = client.submit_job(entrypoint=f"python -m ray_jobs.train_draft --config {config}", runtime_env=RUNTIME_ENV)
+
+    def steps_logged() -> int:
+        assert not client.get_job_status(job).is_terminal(), client.get_job_logs(job)[-5000:]
+        lines = (save / "metrics.jsonl").read_text().splitlines() if (save / "metrics.jsonl").exists() else []
+        return sum('"validation"' not in line for line in lines)
+
+    def committed() -> bool:  # Ray Train's controller registered a checkpoint (not only a worker reported it)
+        try:
+            snapshot = json.loads((save / "ray-train" / "train" / "checkpoint_manager_snapshot.json").read_text())
+        except (OSError, ValueError):  # not written yet, or being written
+            return False
+        return snapshot.get("latest_checkpoint_result") is not None
+
+    # Killed once a checkpoint is Ray Train's: a worker lost right after its report can take the report with it.
+    wait_for("step 3 and a checkpoint", lambda: steps_logged() >= 3 and committed(), JOB_TIMEOUT_S, 0.1)
+    [worker, *_] = [p for p in head.nodes[0].processes() if "RayTrainWorker" in " ".join(p.cmdline())]
+    worker.kill()  # SIGKILL
+    killed_after = steps_logged()
     info, logs = finished(client, job), client.get_job_logs(job)
+    (tmp_path / "job.log").write_text(logs)
     assert info.status == "SUCCEEDED", logs[-5000:]
     assert_ran_the_uploaded_copy(logs, head)
+    [resumed] = [int(n) for n in re.findall(r"a new group of workers resumes from \S+/step-(\d+): step \d+", logs)]
+    print(f"a training worker killed after step {killed_after}; the new group resumed from step {resumed}")
+    assert 2 <= resumed <= killed_after and resumed % 2 == 0
     # speculators' data.train_data_ratio (0.9) of the prompts train; the rest, held out, are validated.
     held = sum(held_out([r["prompt_id"]], 0.1, 42)[0] for r in read(hidden_out, "data"))  # speculators' seed 42
     per_epoch = 10 - held + (10 - held) % 2  # padded to the 2 workers
@@ -370,7 +398,12 @@ def test_the_draft_trainer_submitted_trains_speculators_draft_from_the_stream_an
 
     records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "validation" not in r]
-    assert sum(s["rows"] for s in steps) == 3 * per_epoch // 2  # rank 0's equal share, in steps of 2
+    total = math.ceil(3 * per_epoch // 2 / 2)  # rank 0's equal share of 3 epochs, 2 rows a step
+    assert [s["step"] for s in steps] == list(range(1, total + 1))  # each once: from the checkpoint, not step 0
+    assert sum(s["rows"] for s in steps) == 3 * per_epoch // 2
+    assert f"steps:       {total} of {total}" in logs
+    assert re.search(r"2 trainer groups", logs), logs[-3000:]  # the stream counted the lost group and the new
+    assert sorted(int(p.name[5:]) for p in save.glob("step-*")) == list(range(2, total + 1, 2))
     assert sorted({e for s in steps for e in s["epochs"]}) == [0, 1, 2]
     lrs = [s["lr"] for s in steps]  # speculators' linear schedule over the run's steps
     assert lrs[0] == 0.01 and all(a > b for a, b in zip(lrs, lrs[1:]))

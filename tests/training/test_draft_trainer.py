@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from support import REPO, ray_processes_of, read, train_settings
@@ -200,7 +201,7 @@ def test_the_offline_rows_are_the_readers_split_and_order_the_same_for_a_seed(hi
     """train.source: hidden_states: each worker's batches are its rank's slice of the
     reader's (seed, epoch) order of the train side, every epoch; the held-out rows never
     among them; each held-out row on one worker only; the same seed the same rows in the
-    same order, another seed another order."""
+    same order, another seed another order; resumed at step N, the batches from the N-th on."""
     from eagle_data.reader import Samples
     from eagle_data.training.draft_loop import train_items, validation_items
 
@@ -208,7 +209,8 @@ def test_the_offline_rows_are_the_readers_split_and_order_the_same_for_a_seed(hi
         return [tuple(item[0].tolist()) for item in items]
 
     world = 2
-    runs = {seed: [[(ids(items), epochs) for items, epochs in train_items(offline_config(hidden_out, seed), rank, world)]
+    runs = {seed: [[(ids(items), epochs) for items, epochs, _ in train_items(offline_config(hidden_out, seed), rank,
+                                                                              world)]
                    for rank in range(world)] for seed in (0, 0, 1)}
     data = {tuple(r["input_ids"]): r for r in read(hidden_out, "data")}
     validation = {s for s, r in data.items() if held_out([r["prompt_id"]], 0.3, 0)[0]}
@@ -220,9 +222,14 @@ def test_the_offline_rows_are_the_readers_split_and_order_the_same_for_a_seed(hi
             got = [row for batch, epochs in runs[0][rank] if epochs == [epoch] for row in batch]
             assert got == [tuple(expected.sample(int(p))["input_ids"].tolist()) for p in expected.order]
             assert not set(got) & validation
-    assert runs[0] == [[(ids(items), epochs) for items, epochs in train_items(offline_config(hidden_out, 0), rank,
-                                                                              world)] for rank in range(world)]
+    assert runs[0] == [[(ids(items), epochs) for items, epochs, _ in train_items(offline_config(hidden_out, 0), rank,
+                                                                                 world)] for rank in range(world)]
     assert runs[1] != runs[0]
+    # Resumed at a checkpoint's step: each rank's batches from that one on, across the epochs' turn.
+    for start in (1, len(runs[0][0]) // 2 + 1):
+        assert [[(ids(items), epochs) for items, epochs, _ in train_items(offline_config(hidden_out, 0), rank, world,
+                                                                          start)]
+                for rank in range(world)] == [batches[start:] for batches in runs[0]]
     held = [row for rank in range(world) for batch in validation_items(offline_config(hidden_out), rank, world)
             for row in ids(batch)]
     assert sorted(held) == sorted(validation)  # each once, across the workers
@@ -235,7 +242,8 @@ def test_a_draft_from_the_datasets_own_answers_hidden_states_follows_the_schedul
     answers (prompt.answers=dataset: the baseline's rows, which the trainer takes like any),
     2 workers, 3 epochs, half the prompts held out (the `trained_draft` run): speculators'
     linear schedule (1% warmup, here 0 steps) over the run's steps, one validation after
-    each epoch's steps with speculators' full_acc_k, and the draft saved."""
+    each epoch's steps with speculators' full_acc_k, the draft saved, and a checkpoint every
+    2 steps reported to Ray Train."""
     save, done = trained_draft
     data = read(dataset_answers_out[0], "data")
     train_rows = sum(not held_out([r["prompt_id"]], 0.5, 0)[0] for r in data)
@@ -252,3 +260,12 @@ def test_a_draft_from_the_datasets_own_answers_hidden_states_follows_the_schedul
         assert all(math.isfinite(x) for x in v["validation"].values())
     assert f"validation:  {len(data) - train_rows} rows held out" in done.stdout
     assert (save / "final" / "model.safetensors").exists()
+    # Every 2 steps a checkpoint: speculators' draft and the trainer's state, reported to Ray Train.
+    saved = sorted(int(p.name[5:]) for p in save.glob("step-*"))
+    assert saved == list(range(2, total + 1, 2))
+    state = torch.load(save / f"step-{saved[-1]}" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == saved[-1] and state["consumed"] is None  # hidden_states/: the step is the place
+    assert state["schedulers"][0]["last_epoch"] == saved[-1] and state["optimizers"][0]["state"]
+    reported = [json.loads(p.read_text()) for p in (save / "ray-train" / "train").glob("checkpoint_*/checkpoint.json")]
+    assert sorted(r["step"] for r in reported) == saved
+    assert {r["path"] for r in reported} == {str(save / f"step-{n}") for n in saved}

@@ -53,11 +53,14 @@ def test_epochs_into_a_torch_trainer_every_sample_once_per_epoch_equal_to_the_of
     """A training worker SIGKILLed mid-stream: Ray Train (FailureConfig(max_failures=1))
     starts a new worker group, whose shards run the stream again from epoch 0 (a new
     execution, a new engine replica). Then that replica SIGKILLed mid-stream: Ray Data
-    restarts it. The new group's workers still get every sample once per epoch."""
+    restarts it. The new group's workers still get every sample once per epoch. The stream
+    bounded to 1 byte in flight, which the gate raises to what the trainers' windows and the
+    equal split hold: it keeps to that bound, and the faults do not stop it."""
     from eagle_data.reader import OutReader
 
     epochs = 2
-    cfg = job_config(hidden_out, deep_qwen3, engine__batch_size=2, hidden_states__dtype="float32")
+    cfg = job_config(hidden_out, deep_qwen3, engine__batch_size=2, hidden_states__dtype="float32",
+                     stream__max_bytes_in_flight=1)
     offline = hidden_features(hidden_out)
     killed, done = {}, threading.Event()
     killer = threading.Thread(target=kill_a_worker_then_the_engine,
@@ -65,7 +68,7 @@ def test_epochs_into_a_torch_trainer_every_sample_once_per_epoch_equal_to_the_of
     killer.start()
     try:
         ranks, report = stream_into_trainer(ray_local, hidden_out, cfg, tmp_path, "stream-test", max_failures=1,
-                                            epochs=epochs, world_size=2, seed=7)
+                                            batch_size=1, epochs=epochs, world_size=2, seed=7)
     finally:
         done.set()
         killer.join()
@@ -89,3 +92,12 @@ def test_epochs_into_a_torch_trainer_every_sample_once_per_epoch_equal_to_the_of
     # Each place of each epoch's order counted once, though both attempts computed some.
     assert report["epochs"] == {e: {"ok": len(offline), "failed": {}} for e in range(epochs)}
     assert report["checked"] > epochs * len(offline), report["checked"]
+    figures = report["figures"]
+    print("stream figures:", figures)
+    assert figures["trainer_groups"] == 2  # the lost group's and the new one
+    assert figures["limit_bytes"] == 1 and figures["bound_bytes"] > 1
+    assert 0 < figures["peak_bytes_in_flight"] <= figures["bound_bytes"]
+    # The floor: 2 windows of (1 + 2) x 1 rows (prefetch 1: the most that fits), and 2 x 2 x 2 rows
+    # for the equal split; less than the 20 rows streamed, so chunks were held back.
+    assert figures["peak_rows_in_flight"] <= 14 and figures["held"] > 0
+    assert figures["rows_taken"] >= epochs * len(offline)

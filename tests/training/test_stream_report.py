@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 import time
 from collections import Counter
 
@@ -43,7 +44,9 @@ def test_the_report_counts_each_place_once_with_its_latest_reason(ray_local):
     try:
         def add(ok, failed):
             ray_local.get(report.add.remote(ok, failed))
-            return ray_local.get(report.summary.remote())
+            got = ray_local.get(report.summary.remote())
+            assert got.pop("figures")["rows_taken"] == 0  # no trainer took rows
+            return got
 
         got = add([(0, 0), (0, 1)], [(0, 2, "s2", "check: a"), (0, 3, "s3", "check: a")])
         assert got == {"per_epoch": 4, "checked": 4, "failures": [(0, "s2", "check: a"), (0, "s3", "check: a")],
@@ -76,6 +79,77 @@ def test_the_report_logs_each_epoch_once_when_all_its_places_are_in(caplog):
     assert done == ["stream r: epoch 0 done: 1 samples passed, 2 failed (1 x check: a; 1 x check: b)"]
     assert reasons(Counter({"check: b": 1, "check: a": 3})) == " (3 x check: a; 1 x check: b)"
     assert reasons(Counter()) == ""
+
+
+# --- the gate -----------------------------------------------------------------------------
+
+def gate(limit: int, world_size: int = 2, chunk: int = 2, max_row_bytes: int = 10):
+    """The class behind the actor, in this process, bounded to `limit` bytes."""
+    return StreamReport.__ray_actor_class__("g", 8, 2, 3600.0, {"limit": limit, "world_size": world_size,
+                                                                 "chunk": chunk, "replicas": 1,
+                                                                 "max_row_bytes": max_row_bytes})
+
+
+def test_the_gate_keeps_the_bytes_asked_and_not_taken_within_its_bound():
+    """Two trainers joined (windows of (1 + 2) x 1 rows each: the floor is 6 + 2 x 2 x 2 = 14
+    rows). A chunk is let through while the bytes in flight stay within the limit, or the rows
+    within the floor; otherwise admit answers None (ask again) until rows are taken or fail a
+    check, whose bytes leave the count then. Before a trainer joins there is no bound."""
+    g = gate(limit=100)
+    assert g.admit([(0, 0), (0, 1)], [60, 60], [6, 6], 0.0) == [False, False]  # no trainer yet: no bound
+    g.taken(0, [(0, 0), (0, 1)], 12, 0.0, 0.0)
+    assert g.inflight_bytes == 0
+    assert g.join(0, "w0", 1, 1) == {"prefetch_batches": 1, "bound": 110}  # 3 + 8 rows x 10 bytes > 100
+    assert g.join(1, "w1", 1, 1)["bound"] == 140
+    assert g.floor_rows() == 14
+    assert g.admit([(0, 2), (0, 3)], [50, 50], [5, 5], 0.0) == [False, False]
+    # 100 + 50 > 100, but 3 rows <= the floor's 14: in (what the trainers' windows may hold)
+    assert g.admit([(0, 4)], [50], [5], 0.0) == [False]
+    g.floor_rows = lambda: 3  # as if the trainers' windows were smaller: the limit decides
+    started = time.monotonic()
+    assert g.admit([(0, 5)], [10], [1], 0.2) is None  # no room: None once the wait is over
+    assert time.monotonic() - started >= 0.2
+    g.add([(0, 2)], [(0, 3, "s3", "check: a")])  # a failed row frees its bytes; a passed one holds them
+    assert (g.inflight_bytes, g.waiting) == (100, 1)
+    answer = {}
+    waiter = threading.Thread(target=lambda: answer.update(got=g.admit([(0, 5), (0, 6)], [30, 30], [3, 3], 10.0)))
+    waiter.start()
+    time.sleep(0.2)
+    assert "got" not in answer  # waits for room: 100 + 60 > 100
+    g.taken(1, [(0, 2), (0, 4)], 10, 0.5, 10.0)  # taken: 100 bytes leave; the waiting chunk is let through
+    waiter.join(5)
+    assert answer["got"] == [False, False] and g.inflight_bytes == 60
+    figures = g.figures()
+    assert figures["peak_bytes_in_flight"] == 150 and figures["rows_taken"] == 4
+    assert figures["trainer_wait_share"] == 0.05 and figures["bytes_in_flight"] == 60
+
+
+def test_a_new_trainer_group_starts_the_count_afresh_and_resumed_places_are_not_asked():
+    """Ray Train started its workers again: the rows the lost execution had in flight leave
+    the count (the new execution asks again). The places a restored trainer had trained on
+    (stream_batches' `consumed`) are left out of every chunk after."""
+    from eagle_data.training.stream import consumed_places
+
+    g = gate(limit=1000)
+    g.join(0, "w0", 2, None)
+    g.join(1, "w1", 2, None)
+    g.admit([(0, 0), (0, 1)], [100, 100], [5, 5], 0.0)
+    assert g.inflight_bytes == 200 and g.groups == 1
+    g.join(1, "w1-again", 2, None)  # rank 1 joins with another worker: a new group
+    assert (g.inflight_bytes, g.waiting, g.groups, list(g.consumers)) == (0, 0, 2, [1])
+    g.resume(consumed_places([(0, 0), (0, 3), (1, 7)], 2, 8))
+    assert g.admit([(0, 0), (0, 1)], [100, 100], [5, 5], 0.0) == [True, False]
+    assert g.admit([(1, 6), (1, 7)], [100, 100], [5, 5], 0.0) == [False, True]
+    assert g.inflight_bytes == 200 and sorted(g.inflight) == [(0, 1), (1, 6)]
+
+
+def test_the_prefetch_stream_batches_takes_is_what_fits_half_the_limit():
+    """Rows of up to 10 bytes, 2 trainers of batches of 4: the windows, 2 x (p + 2) x 4 rows,
+    take at most half the limit: p = 4 with room, fewer with less, 1 at least."""
+    assert gate(limit=10_000).join(0, "w", 4, None)["prefetch_batches"] == 4
+    assert gate(limit=800).join(0, "w", 4, None)["prefetch_batches"] == 3  # 2 x 5 x 4 x 10 = 400
+    assert gate(limit=10).join(0, "w", 4, None)["prefetch_batches"] == 1
+    assert gate(limit=10).join(0, "w", 4, 6)["prefetch_batches"] == 6  # asked for: as asked
 
 
 # --- the stream, with a stand-in engine ----------------------------------------------------
