@@ -430,21 +430,30 @@ STREAM_NAMESPACE = "eagle-data-tests"  # the stream's report actor: ray.get_acto
 
 def stream_into_trainer(ray_local, out: Path, cfg, save: Path, report: str, workers: int = 2,
                         max_failures: int = 0, batch_size: int = 3, env: dict | None = None,
-                        **stream_args) -> tuple[list[list[dict]], dict]:
+                        runtime_env: dict | None = None, **stream_args) -> tuple[list[list[dict]], dict]:
     """As a user's training job: a driver process of its own, attached to the session's Ray
     (its actors, Ray Train's included, end with it), runs `eagle_data.training.stream.features(out,
     cfg, report=report, **stream_args)` into a TorchTrainer of `workers` workers running
     `stream_train_loop` (Ray Train restarting them up to `max_failures` times). What each
     worker of the last attempt got, by rank, and the stream's report. `env`: the driver's
-    environment (default: attached to the session's Ray)."""
+    environment (default: attached to the session's Ray); `runtime_env`, its ray.init's. While
+    it runs, save/checked.txt holds the rows the stream's checks have seen (repeats included)."""
     import torch
 
     run_job("stream", {"out": str(out), "config": cfg.model_dump(mode="json"), "save": str(save), "report": report,
                        "workers": workers, "max_failures": max_failures, "batch_size": batch_size,
-                       "stream": stream_args},
+                       "runtime_env": runtime_env, "stream": stream_args},
             env={**(env or attached(ray_local)), "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}, timeout=900)
     ranks = [torch.load(save / f"rank{r}.pt") for r in range(workers)]
     return ranks, json.loads((save / "report.json").read_text(), object_hook=_int_epochs)
+
+
+def checked_rows(save: Path) -> int:
+    """The rows the stream of a stream_into_trainer run has checked so far (0 before it starts)."""
+    try:
+        return int((save / "checked.txt").read_text() or 0)
+    except (OSError, ValueError):
+        return 0
 
 
 def _int_epochs(d: dict) -> dict:
@@ -452,6 +461,9 @@ def _int_epochs(d: dict) -> dict:
 
 
 def _stream_job(job: dict) -> None:
+    import threading
+    import time
+
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -460,9 +472,20 @@ def _stream_job(job: dict) -> None:
     from eagle_data.reader import OutReader
     from eagle_data.training.stream import features, stream_report
 
-    ray.init(namespace=STREAM_NAMESPACE, log_to_driver=False)
+    ray.init(namespace=STREAM_NAMESPACE, log_to_driver=False, runtime_env=job["runtime_env"])
+    Path(job["save"], "job_id.txt").write_text(ray.get_runtime_context().get_job_id())
     cfg = Config.model_validate(job["config"])
     ds = features(job["out"], cfg, report=job["report"], **job["stream"])
+
+    def progress() -> None:  # for a test that kills a process once some rows, not all, are checked
+        while True:
+            checked = stream_report(job["report"])["checked"]
+            tmp = Path(job["save"], "checked.txt.tmp")
+            tmp.write_text(str(checked))
+            tmp.replace(Path(job["save"], "checked.txt"))
+            time.sleep(0.05)
+
+    threading.Thread(target=progress, daemon=True).start()
     config = {"pad_id": OutReader(job["out"]).pad_id, "dtype": cfg.hidden_states.dtype, "save": job["save"],
               "report": job["report"], "batch_size": job["batch_size"]}
     TorchTrainer(stream_train_loop, train_loop_config=config, datasets={"train": ds},

@@ -77,6 +77,9 @@ MAX_BLOCKS = 1000
 # CPU (Ray's default) would wait behind the engine replicas and training workers, which hold
 # every CPU of a small node, and starve the engine.
 READ_CPUS = 0.25
+# Read tasks at a time: each may wait for the gate; two, so that one's start-up (a task, the
+# samples' object, the gate's answer) overlaps the other's wait.
+READ_TASKS = 2
 SAMPLE_COLUMNS = ("sample_id", "epoch", "position", "input_ids", "loss_mask", "hidden_states",
                   "hidden_states_shape")
 # A row's bytes besides its states: input_ids and loss_mask (int64 a token each in the row's
@@ -132,9 +135,9 @@ def features(out: str, cfg: Config, *, epochs: int = 1, world_size: int = 1, see
     # which the engines and training workers hold); each read_chunk call reads one chunk.
     ds = ray.data.from_items([{"id": k} for k in range(epochs * chunks)],
                              override_num_blocks=min(epochs * chunks, MAX_BLOCKS))
-    # One read task at a time: each waits for the gate's room before it hands its chunk on.
+    # READ_TASKS read tasks at a time: each waits for the gate's room before it hands its chunk on.
     ds = ds.map_batches(read_chunk, batch_size=1, batch_format="pyarrow", num_cpus=READ_CPUS,
-                        compute=ray.data.TaskPoolStrategy(size=1), fn_kwargs=dict(
+                        compute=ray.data.TaskPoolStrategy(size=READ_TASKS), fn_kwargs=dict(
                             samples=ray.put(samples), world_size=world_size, drop_last=drop_last, chunk=chunk,
                             chunks=chunks, scratch=scratch, reporter=reporter, token_bytes=token_bytes))
     ds = (engine or apply_hidden_states_engine)(ds, cfg, ids, dtype, scratch)

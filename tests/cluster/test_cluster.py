@@ -19,15 +19,19 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import psutil
 import pytest
+import torch
 import yaml
 
 import readme
-from support import REPO, SAMPLE, job_config, read, speculative_generate
+from support import (REPO, SAMPLE, checked_rows, hidden_features, job_config, read, speculative_generate,
+                     stream_into_trainer)
 from eagle_data.storage.selection import held_out
 from eagle_data.tools.verify import verify
 
@@ -115,7 +119,7 @@ class RayCluster:
     """A head with the job server (ray[default]) on free ports, with its own temp dir and
     auth token; `add_worker` joins worker nodes with `ray start --address`."""
 
-    def __init__(self, num_cpus: int, env: dict | None = None):
+    def __init__(self, num_cpus: int, env: dict | None = None, resources: dict | None = None):
         self.root = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: unix socket paths live under it
         self.env = {k: v for k, v in os.environ.items() if k not in SCRUB}
         # The job's `python` is resolved from the raylet's PATH: this venv's.
@@ -130,7 +134,7 @@ class RayCluster:
         self.gcs_address = f"127.0.0.1:{port}"
         self.url = f"http://127.0.0.1:{dashboard}"
         try:
-            self._start("head", num_cpus, {}, ["--head", f"--port={port}", f"--dashboard-port={dashboard}",
+            self._start("head", num_cpus, resources or {}, ["--head", f"--port={port}", f"--dashboard-port={dashboard}",
                                                "--dashboard-host=127.0.0.1", "--include-dashboard=true"])
         except BaseException:
             shutil.rmtree(self.root, ignore_errors=True)
@@ -234,9 +238,11 @@ def generate_runs(out: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def head():
-    """One head for the module; the node-lost test, last, joins its two worker nodes to it
-    (fast health checks: a lost node is noticed in seconds)."""
-    cluster = RayCluster(num_cpus=2, env=FAST_HEALTH_CHECKS)
+    """One head for the module; the stream's test joins an engine node to it, the node-lost
+    test, last, its two worker nodes (fast health checks: a lost node is noticed in seconds).
+    The head declares `eagle_trainer`: it is the stream test's trainer node (a resource no
+    other test asks for)."""
+    cluster = RayCluster(num_cpus=2, env=FAST_HEALTH_CHECKS, resources={"eagle_trainer": 2})
     yield cluster
     cluster.stop()
 
@@ -434,6 +440,121 @@ def test_the_draft_trainer_submitted_trains_speculators_draft_from_the_stream_re
     assert drafted["ids"] == greedy[0, len(prompt):].tolist()
 
 
+def kill_a_worker_then_the_engine(save: Path, total: int, workers_of, replicas_of, killed: dict,
+                                  done: threading.Event) -> None:
+    """SIGKILL a training worker once some rows, not all, have been checked; then, once the
+    restarted stream's new engine replica has answered 4 rows, that replica's process.
+    `workers_of()`, `replicas_of()`: the pids of the training workers and engine replicas."""
+    while not done.is_set() and "engine" not in killed:
+        rows = checked_rows(save)
+        replicas = set(replicas_of())
+        if "worker" not in killed:
+            workers = workers_of()
+            if len(workers) == 2 and 4 <= rows < total:
+                os.kill(workers[0], signal.SIGKILL)
+                killed.update(worker=rows, replicas=replicas)
+        elif replicas - killed["replicas"]:
+            killed.setdefault("new_replica_at", rows)  # rows checked when the new replica was first seen
+            if killed["new_replica_at"] + 4 <= rows < killed["new_replica_at"] + total - 4:
+                os.kill(min(replicas - killed["replicas"]), signal.SIGKILL)
+                killed["engine"] = rows - killed["new_replica_at"]
+        time.sleep(0.05)
+
+
+def pids(node: RayNode, title: str) -> list[int]:
+    found = []
+    for p in node.processes():
+        with _quiet():
+            if title in " ".join(p.cmdline()):
+                found.append(p.pid)
+    return sorted(found)
+
+
+def actor_nodes(cluster: RayCluster, title: str, job_id: str) -> set[str]:
+    """The nodes (by name) every actor of the job whose class is `title` ran on, dead ones included."""
+    listed = cluster.cli("list", "actors", "--format", "json", "--detail", "--limit", "10000")
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    names = cluster.node_names()
+    return {names[a["node_id"]][0] for a in json.loads(listed.stdout)
+            if a.get("job_id") == job_id and title in (a.get("class_name") or "") + (a.get("repr_name") or "")}
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_the_stream_from_an_engine_node_to_a_trainer_node_every_sample_once_per_epoch_equal_to_the_offline_phase_across_faults(
+        head, hidden_out, deep_qwen3, tmp_path):
+    """Production's layout on the local cluster: the engine replica on an engine node (it
+    alone declares `eagle_engine`: engine.replica_resources), the 2 Ray Train workers on the
+    head, the trainer node (it alone declares `eagle_trainer`: train.worker_resources), with
+    the driver; the rows cross nodes through the object store. 2 epochs of
+    hidden_out's stream (transformers engine, float32 states), bounded to 1 byte in flight
+    (which the gate raises to its floor). A training worker SIGKILLed mid-stream: Ray Train
+    (FailureConfig(max_failures=1)) starts a new worker group, whose shards run the stream
+    again from epoch 0 (a new execution, a new engine replica). Then that replica SIGKILLed
+    mid-stream: Ray Data restarts it. The new group's workers still get every sample once
+    per epoch, each sample's tensors bit-equal to the offline phase's; every engine replica
+    ran on the engine node, every training worker on the trainer node; the stream kept to
+    its bound."""
+    from eagle_data.reader import OutReader
+
+    engines = head.add_worker(num_cpus=1, resources={"eagle_engine": 1})
+    trainers = head.nodes[0]
+    epochs = 2
+    cfg = job_config(hidden_out, deep_qwen3, engine__batch_size=2, hidden_states__dtype="float32",
+                     stream__max_bytes_in_flight=1, engine__replica_resources={"eagle_engine": 1},
+                     train__worker_resources={"eagle_trainer": 1})
+    offline = hidden_features(hidden_out)
+    killed, done = {}, threading.Event()
+    killer = threading.Thread(target=kill_a_worker_then_the_engine, args=(
+        tmp_path, epochs * len(offline), lambda: pids(trainers, "RayTrainWorker"),
+        lambda: pids(engines, "TransformersHiddenStates"), killed, done))
+    killer.start()
+    try:
+        # The driver on the head's machine, joined to the cluster; Ray's workers import this checkout.
+        ranks, report = stream_into_trainer(
+            None, hidden_out, cfg, tmp_path, "stream-test", max_failures=1, batch_size=1,
+            env={**head.env, "RAY_ADDRESS": head.gcs_address},
+            runtime_env={"env_vars": {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}}, epochs=epochs, world_size=2, seed=7)
+        job_id = (tmp_path / "job_id.txt").read_text()
+        assert actor_nodes(head, "TransformersHiddenStates", job_id) == {engines.name}  # the lost replica's too
+        assert actor_nodes(head, "RayTrainWorker", job_id) == {trainers.name}  # both groups' workers
+    finally:
+        done.set()
+        killer.join()
+        engines.stop()
+
+    assert "worker" in killed, "no training worker was killed mid-stream"
+    assert "engine" in killed, "the restarted stream's engine replica was never killed mid-stream"
+    print(f"killed a training worker after {killed['worker']} rows checked, then the restarted stream's engine "
+          f"replica after it had answered {killed['engine']}")
+    nodes = {json.loads((tmp_path / f"rank{r}.json").read_text())["node"] for r in range(2)}
+    assert {head.node_names()[n][0] for n in nodes} == {trainers.name}  # the last group's workers, from inside
+    assert [len(r) for r in ranks] == [epochs * len(offline) // 2] * 2  # 10 samples x 2 epochs, split equally
+    for epoch in range(epochs):
+        seen = Counter(item["sample_id"] for rank in ranks for item in rank if item["epoch"] == epoch)
+        assert seen == Counter(dict.fromkeys(offline, 1))
+    rows = {row["sample_id"]: row for row in OutReader(str(hidden_out)).dataset().to_table(
+        columns=["sample_id", "input_ids", "loss_mask"]).to_pylist()}
+    for item in (item for rank in ranks for item in rank):
+        sid = item["sample_id"]
+        assert item["input_ids"].tolist() == rows[sid]["input_ids"]
+        assert item["loss_mask"].tolist() == rows[sid]["loss_mask"]
+        assert torch.equal(item["hidden_states"], offline[sid]), sid  # bit-equal: same engine, same dtype
+        assert item["padding_is_zero"]
+    # Each place of each epoch's order counted once, though both attempts computed some.
+    assert report["epochs"] == {e: {"ok": len(offline), "failed": {}} for e in range(epochs)}
+    assert report["checked"] > epochs * len(offline), report["checked"]
+    figures = report["figures"]
+    print("stream figures:", figures)
+    assert figures["trainer_groups"] == 2  # the lost group's and the new one
+    assert figures["limit_bytes"] == 1 and figures["bound_bytes"] > 1
+    assert 0 < figures["peak_bytes_in_flight"] <= figures["bound_bytes"]
+    # The floor: 2 windows of (1 + 2) x 1 rows (prefetch 1: the most that fits), and 2 x 2 x 2 rows
+    # for the equal split; less than the 20 rows streamed, so chunks were held back.
+    assert figures["peak_rows_in_flight"] <= 14 and figures["held"] > 0
+    assert figures["rows_taken"] >= epochs * len(offline)
+
+
 @pytest.mark.cluster
 def test_one_replica_per_node_and_a_node_lost_mid_run(head, tiny_qwen3):
     """Head (no replica resource) + two workers declaring one replica each, standing in for
@@ -472,7 +593,8 @@ def test_one_replica_per_node_and_a_node_lost_mid_run(head, tiny_qwen3):
         assert_ran_the_uploaded_copy(logs, cluster)
         assert "replica(s) restarting" in logs, "the progress line never said the lost replica restarts"
         names = cluster.node_names()
-        assert sorted(names.values()) == [("head", "ALIVE"), (kept.name, "ALIVE"), (lost.name, "DEAD")]
+        ours = sorted(v for v in names.values() if v[0] in ("head", kept.name, lost.name))  # not earlier tests' nodes
+        assert ours == [("head", "ALIVE"), (kept.name, "ALIVE"), (lost.name, "DEAD")]
         # Both nodes the replicas ran on, in the run's record and in the job log.
         [run] = generate_runs(out)
         assert sorted(names[n][0] for n in run["replica_nodes"]) == [kept.name, lost.name]

@@ -14,6 +14,9 @@ from eagle_data.job.stages.engines.vllm_backend import build_vllm_processor, fee
 from eagle_data.job.stages.requests import Requests, engine_sampling
 
 KIMI = REPO / "configs" / "kimi-k2.5.yaml"
+# The Kimi config puts each replica on an engine node (engine.replica_resources {eagle_engine: 1},
+# which cluster.yaml's GPU nodes declare); the tests of Ray's own placement take it away.
+RAYS_PLACEMENT = "engine.replica_resources={}"
 
 
 @pytest.fixture
@@ -78,7 +81,9 @@ def test_replica_resources_go_into_each_replicas_placement(ray_local, kimi):
     """engine.replica_resources: on vLLM, the first bundle of a replica's placement group
     (TP 8: Ray's executor makes the group), or the engine actor's own resources (TP 1)."""
     cfg = load_config(KIMI, ["engine.replica_resources={eagle_replica: 1}"])
-    assert processor_config(kimi).placement_group_config is None  # Ray's default placement
+    assert processor_config(load_config(KIMI, [RAYS_PLACEMENT])).placement_group_config is None  # Ray's default
+    assert processor_config(kimi).placement_group_config["bundles"] == \
+        [{"CPU": 1, "GPU": 1, "eagle_engine": 1}] + [{"CPU": 1, "GPU": 1}] * 7  # the Kimi config's: an engine node
     group = processor_config(cfg).placement_group_config
     assert group["bundles"] == [{"CPU": 1, "GPU": 1, "eagle_replica": 1}] + [{"CPU": 1, "GPU": 1}] * 7
     stage = build_vllm_processor(cfg).get_stage_by_name("vLLMEngineStage")
@@ -93,12 +98,12 @@ def test_replica_resources_go_into_each_replicas_placement(ray_local, kimi):
 
 def test_cpu_device_asks_for_cpu_bundles_and_sets_the_kv_cache(kimi):
     cfg = load_config(KIMI, ["engine.device=cpu", "engine.tensor_parallel_size=1", "engine.num_cpus=3",
-                             "engine.cpu_kv_cache_gib=2"])
+                             "engine.cpu_kv_cache_gib=2", RAYS_PLACEMENT])
     pc = processor_config(cfg)
     assert pc.placement_group_config["bundles"] == [{"CPU": 3, "GPU": 0}]  # as Ray normalises it
     assert pc.engine_kwargs["kv_cache_memory_bytes"] == 2 * 2**30
     # gpu (the default) leaves Ray's GPU placement and vLLM's own KV cache sizing alone.
-    gpu = processor_config(kimi)
+    gpu = processor_config(load_config(KIMI, [RAYS_PLACEMENT]))
     assert not gpu.placement_group_config and "kv_cache_memory_bytes" not in gpu.engine_kwargs
 
 
@@ -108,7 +113,7 @@ def test_cpu_tensor_parallel_runs_its_ranks_as_vllm_processes_in_one_bundle(kimi
     Ray's default is left alone. Each rank's cores: rank_cores."""
     from eagle_data.job.stages.engines.vllm_udf import rank_cores
 
-    cpu = processor_config(load_config(KIMI, ["engine.device=cpu", "engine.num_cpus=8"]))
+    cpu = processor_config(load_config(KIMI, ["engine.device=cpu", "engine.num_cpus=8", RAYS_PLACEMENT]))
     assert cpu.engine_kwargs["distributed_executor_backend"] == "mp"
     assert cpu.placement_group_config["bundles"] == [{"CPU": 8, "GPU": 0}]
     assert "distributed_executor_backend" not in processor_config(kimi).engine_kwargs
@@ -155,7 +160,8 @@ def test_no_gpu_in_the_cluster_fails_after_the_wait_instead_of_hanging(ray_local
     with pytest.raises(NoReplicaResources, match=r"no GPU in the cluster; set engine.device=cpu") as e:
         wait_for_replica_resources(cfg, poll_s=0.2)
     assert "engine.resource_wait_s" in str(e.value) and time.monotonic() - started < 10
-    cpu = load_config(KIMI, ["engine.device=cpu", "engine.tensor_parallel_size=1", "engine.resource_wait_s=0"])
+    cpu = load_config(KIMI, ["engine.device=cpu", "engine.tensor_parallel_size=1", "engine.resource_wait_s=0",
+                             RAYS_PLACEMENT])
     wait_for_replica_resources(cpu)  # the local instance has the CPU one replica needs
 
 
