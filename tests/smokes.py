@@ -38,13 +38,15 @@ SMOKE = {
     "server_vs_job.py": (["--smoke"],
                          "| bare vLLM (LLM.generate) | job, default feeding | server C=2, tight timeout |"),
     "stream_balance.py": (["--smoke", "--steps", "2"], "| trainer step (x engine) |"),
+    "stream_scale.py": (["--smoke"], "| trainer step (x engine) |"),
     "vocab_count.py": (["--smoke"], "counts equal: True"),
 }
 
 
 # Each smoke run of a whole job, or of 20 s or more, is `slow`; vLLM's is `vllm`.
 VLLM = {"acceptance_loop.py", "hidden_states_throughput.py", "server_vs_job.py", "multi_turn_loads.py", "one_pass.py"}
-SLOW = {"driver_memory.py", "prompts_memory.py", "engine_feeding.py", "postprocess_throughput.py", "stream_balance.py"}
+SLOW = {"driver_memory.py", "prompts_memory.py", "engine_feeding.py", "postprocess_throughput.py", "stream_balance.py",
+        "stream_scale.py"}
 MARKS = {**{s: pytest.mark.slow for s in SLOW}, **{s: pytest.mark.vllm for s in VLLM}}
 
 TEST = "test_benchmark_runs_at_smoke_size"

@@ -274,6 +274,31 @@ def stream_balance(output: str) -> None:
     share(float(calibration.group(2)) / 100)
 
 
+def stream_scale(output: str) -> None:
+    steps, memory = tables(output)
+    [row] = steps  # --smoke: --steps 2
+    assert number(row["trainer step (x engine)"]) == 2 and number(row["rows"]) == 12
+    sane(number(row["wall s"]), number(row["engine ms a row (median batch)"]))
+    share(number(row["trainer waits (share of its time)"]) / 100,
+          number(row["engine idles (share of its window)"]) / 100,
+          *(x / 100 for x in numbers(row["the stream's own: engines busy, trainers waited"])))
+    assert [number(row["rows"]) for row in memory] == [4, 12]
+    for row in memory:  # MiB; nothing is spilled
+        assert number(row["spilled to disk"]) == 0
+        sane(number(row["bound"]), number(row["object store peak"]), number(row["driver peak RSS"]),
+             number(row["split coordinator peak RSS"]), number(row["training worker peak RSS (max)"]),
+             number(row["worker's own (RssAnon)"]), number(row["worker's own between steps"]))
+        in_flight, rows = numbers(row["peak in flight (the stream's count)"])
+        assert 0 < in_flight <= number(row["bound"]) and 0 < rows <= number(row["rows"])
+        sane(number(row["worker's shared (RssShmem)"]), zero=True)
+    r = result(output)
+    assert r["runs"]["2.0"]["rows"] == 12 and r["baseline"]["rows"] == 4
+    assert r["runs"]["2.0"]["spilled"] == r["baseline"]["spilled"] == 0
+    ratios = re.search(r"object store peak x(\S+), peak in flight x(\S+), driver x(\S+)", output)
+    assert ratios, "no ratios line"
+    sane(*(float(x.rstrip(",")) for x in ratios.groups()))
+
+
 def vocab_count(output: str) -> None:
     r = json_lines(output)[-1]
     assert r["rows"] == 2000 and r["counts_equal"] is True
@@ -289,4 +314,4 @@ def vocab_count(output: str) -> None:
 
 FIGURES = {f.__name__ + ".py": f for f in (
     acceptance_loop, driver_memory, engine_feeding, hidden_states_throughput, multi_turn_loads, one_pass, postprocess_throughput,
-    prompts_memory, reader_memory, resume_cost, server_vs_job, stream_balance, vocab_count)}
+    prompts_memory, reader_memory, resume_cost, server_vs_job, stream_balance, stream_scale, vocab_count)}
