@@ -20,7 +20,6 @@ import sys
 import textwrap
 import threading
 import time
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -224,74 +223,60 @@ def _signal(pids: list[int], sig: int) -> None:
             pass
 
 
-ANSWERED = "Elapsed time for batch"  # Ray's vLLM stage logs this line per answered batch
-# How long a paused replica waits for its answered rows to reach data/: 3 s in a traced run.
-# A pause can also land after the replica logged its batch but before the batch left it
-# (Ray's stage logs first); then no row comes until it resumes.
-PAUSE_S = 8
+def published_engine_stats(leave_out=()) -> dict[str, dict]:
+    """Every engine replica's counters in Ray's key-value store, by key (job/actor), any
+    job's (stats.publish_engine_stats: a replica publishes at the end of its constructor,
+    then every PUBLISH_EVERY_S), but those in `leave_out`."""
+    from ray.experimental import internal_kv
+
+    from eagle_data.job.stages.engines.stats import ENGINE_STATS_NAMESPACE
+
+    found = {}
+    for key in internal_kv._internal_kv_list("", namespace=ENGINE_STATS_NAMESPACE):
+        key = key.decode() if isinstance(key, bytes) else key
+        if key not in leave_out and (value := internal_kv._internal_kv_get(key, namespace=ENGINE_STATS_NAMESPACE)):
+            found[key] = json.loads(value)
+    return found
 
 
-def answers_logged(pid: int) -> int:
-    """The batches a replica has answered, from the log files its own stdout and stderr
-    write to: the job's log gets them later, through Ray's log forwarding, which let a
-    restarted replica answer every remaining row before the test saw its first answer."""
-    count = 0
-    for fd in (1, 2):
-        try:
-            with open(os.readlink(f"/proc/{pid}/fd/{fd}"), errors="replace") as log:
-                count += log.read().count(ANSWERED)
-        except OSError:  # the process is gone, or its output is not a file
-            pass
-    return count
+def engine_cores(replica: int) -> list[int]:
+    """vLLM's EngineCore processes below a replica's actor process; none once it is gone."""
+    import psutil
+
+    try:
+        return ray_processes("VLLM::EngineCore", root=replica)
+    except psutil.Error:
+        return []
 
 
 class Faults:
     """Kill the driver while answered rows are reaching data/ and rows are still to do. On
     2 CPUs the tiny model answers all 32 rows in seconds, faster than the first answers
-    travel through postprocess to a shard; so once the replica has answered a batch it is
-    paused (SIGSTOP) until rows reach data/, then the driver is killed, the paused replica
-    with it. The first pause waits for a replica's second answer: the replica logs a batch
-    as answered before it hands the batch on, and a pause right after its first answer held
-    that answer back (PAUSE_S lost in the run looked at). A pause that sees no new row in PAUSE_S
-    resumes the replica and pauses it again at its next answer."""
+    travel through postprocess to a shard; so once the replica's published counters show
+    generated tokens, its engine (vLLM's EngineCore process, the replica's child) is stopped
+    (SIGSTOP): it answers nothing more, and every row it answered still leaves the replica,
+    whose actor runs on. Once data/ holds a shard the driver is killed. What it waits on are
+    events the job emits: the replica's counters in Ray's key-value store
+    (stats.EngineStats, published every PUBLISH_EVERY_S), then a shard in data/; no log line,
+    no fixed pause (the replica was paused after its log said a batch was answered, and let
+    go on after 8 s without a row: its actor held back an answer it had logged)."""
 
     def __init__(self, out):
         self.out = out
-        self.paused: list[int] = []
-        self.answered_before: dict[int, int] = {}  # per replica pid: answers before the current wait (1 before the first)
-        self.rows_before = 0  # rows in data/ before the pause
-        self.paused_at = 0.0
-        self.replicas: list[int] = []
-        self.replicas_seen_at = 0.0
+        self.stale = set(published_engine_stats())  # the replicas of earlier jobs
+        self.seen: dict[str, dict] = {}  # what this job's replicas published last
+        self.stopped: list[int] = []  # the EngineCore stopped
 
     def step(self) -> bool:
         """One look; True once the driver should be killed."""
-        if not self.paused:
-            pids = self.live_replicas()
-            if any(answers_logged(pid) > self.answered_before.get(pid, 1) for pid in pids):
-                _signal(pids, signal.SIGSTOP)
-                self.paused, self.paused_at = pids, time.monotonic()
-                self.rows_before = self.rows()
-            return False
-        if self.rows() > self.rows_before:  # answered rows arrived while the replica is paused
-            return True  # the driver goes, the paused replica with it
-        if time.monotonic() - self.paused_at < PAUSE_S:
-            return False
-        _signal(self.paused, signal.SIGCONT)
-        self.answered_before.update({pid: answers_logged(pid) for pid in self.paused})
-        self.paused = []
+        if self.stopped:
+            return bool(shards(self.out, "data"))
+        self.seen.update(published_engine_stats(leave_out=self.stale))
+        if any(stats.get("generated_tokens") for stats in self.seen.values()):
+            self.stopped = [core for replica in ray_processes("MapWorker(MapBatches(VLLMEngine))")
+                            for core in engine_cores(replica)]
+            _signal(self.stopped, signal.SIGSTOP)
         return False
-
-    def live_replicas(self) -> list[int]:
-        """The replica processes, looked up at most every half second (a look walks the
-        session raylet's process tree; the answers are counted every 50 ms)."""
-        if time.monotonic() - self.replicas_seen_at > 0.5:
-            self.replicas = ray_processes("MapWorker(MapBatches(VLLMEngine))")
-            self.replicas_seen_at = time.monotonic()
-        return self.replicas
-
-    def rows(self) -> int:
-        return len(read(self.out, "data")) if shards(self.out, "data") else 0
 
 
 LOGPROBS = 5  # the faulted run also keeps the top-5 log-probabilities, checked for exactness
@@ -302,7 +287,7 @@ def faulted_run(ray_local, tmp_path_factory, babble_qwen3) -> dict:
     """The job on 32 samples with its faults; what happened, for the tests to check.
 
     One row per batch, one batch in flight, one sequence slot: rows are answered one at a
-    time, and a paused replica holds the rest back, so the driver's kill lands with rows
+    time, and a stopped engine holds the rest back, so the driver's kill lands with rows
     still to do (Faults). Both runs join the session's Ray instance (a Ray start saved): when the
     first run's driver is killed, Ray kills its job's actors and their engines. Batches
     of one row also give the row vLLM rejects a batch of its own (all rows failed, its
@@ -331,12 +316,13 @@ def faulted_run(ray_local, tmp_path_factory, babble_qwen3) -> dict:
                                stdout=job_log, stderr=subprocess.STDOUT)
         faults, deadline = Faults(out), time.monotonic() + 2400
         while job.poll() is None and time.monotonic() < deadline and not faults.step():
-            time.sleep(0.2 if faults.paused else 0.05)
+            time.sleep(0.05)
         finished_early = job.poll() is not None
         below_replica = started_by_replicas()
         if not finished_early:
             os.kill(job.pid, signal.SIGKILL)
         job.wait()
+        _signal(faults.stopped, signal.SIGCONT)  # to end with its replica, as a running engine does
     _wait_engines_gone()
     left_running = still_running(below_replica, 30)
 
@@ -347,7 +333,8 @@ def faulted_run(ray_local, tmp_path_factory, babble_qwen3) -> dict:
     rerun = subprocess.run(job_command(batched, tmp), cwd=REPO, env=job_env(attached(ray_local)),
                            capture_output=True, text=True, timeout=2400)
     return {"out": out, "bad": bad, "reference": reference, "finished_early": finished_early, "killed_log": (tmp / "killed-run.log").read_text(),
-            "after_kill": after_kill, "rerun": rerun, "below_replica": below_replica, "left_running": left_running}
+            "after_kill": after_kill, "rerun": rerun, "below_replica": below_replica, "left_running": left_running,
+            "stopped": faults.stopped, "replicas": faults.seen}
 
 
 def started_by_replicas() -> list:
@@ -391,7 +378,8 @@ def still_running(processes: list, timeout_s: float) -> list[str]:
 def test_faults_on_vllm(faulted_run):
     run = faulted_run
     out, prompts = run["out"], read(run["out"], "prompts")
-    assert not run["finished_early"], "the job finished before it could be killed:\n" + run["killed_log"][-4000:]
+    assert not run["finished_early"], (f"the job finished before it could be killed (engine stopped: {run['stopped']}, "
+                                       f"its replicas published {run['replicas']}):\n" + run["killed_log"][-4000:])
     assert 0 < len(run["after_kill"]) < len(prompts) - 1, \
         f"rows done at the driver kill: {len(run['after_kill'])} of {len(prompts)}"
     check_ok(run["rerun"])
@@ -532,56 +520,33 @@ def test_multi_turn_on_deepseek_r1_template(ray_local, tmp_path, babble_r1, capf
 
 # --- tensor parallel 2: production's layout (one replica, several ranks) ----------------
 
-UP = re.compile(r"([1-9]\d*) replica\(s\) up")
 IN_ENGINE = re.compile(r"([1-9]\d*) replica\(s\) up, ([1-9]\d*) rows in the engine")
-ENGINE_UP = "init engine (profile, create kv cache, warmup model)"  # vLLM's engine core, near its start's end
-ACTOR_NAME = ":actor_name:"  # Ray writes it to an actor's log as its constructor starts, and once it has returned
-
-
-def constructed(log: Path) -> bool:
-    """Whether the replica's actor that writes `log` has returned from its constructor: Ray's
-    actor-name line after vLLM's engine said it was up."""
-    text = log.read_text(errors="replace")
-    return ENGINE_UP in text and ACTOR_NAME in text[text.index(ENGINE_UP):]
-
-
-def actor_log(pid: int) -> Path | None:
-    """The log file of the Ray actor whose process is `pid` or an ancestor of it (vLLM's
-    engine core and ranks write to the actor's stdout), in this session's Ray logs."""
-    import psutil
-    import ray
-
-    logs = Path(ray._private.worker._global_node.get_logs_dir_path())
-    try:
-        proc = psutil.Process(pid)
-        while proc is not None and not proc.cmdline()[0].startswith("ray::"):
-            proc = proc.parent()
-    except (psutil.Error, IndexError):
-        return None
-    found = list(logs.glob(f"worker-*-{proc.pid}.out")) if proc is not None else []
-    return found[0] if found else None
 
 
 class RankKiller(threading.Thread):
-    """Stop tensor-parallel rank 1 as soon as the replica's actor is constructed (`constructed`:
-    the replica takes rows only after it, and its engine needs rank 1 until then).
-    The engine stalls at its next step, and the rows the job sends stay in it. Once the job's
-    progress line counts rows in the engine, kill the rank: vLLM's executor sees it die and
-    fails the engine, Ray's stage exits the replica's actor, and Ray restarts it and retries
-    its batches. The stop comes from the actor's log, or from the progress line if that says
-    the replica is up first: the engine answers this run's rows in a few seconds, and loaded
-    machines answered them all before a progress line said so. If no row reaches the stopped
-    engine in `patience` seconds, the rank is let go on and the test fails. Records every
-    rank-1 process it saw with its replica's log file, so a restart shows as a second
-    replica, and what went wrong in it."""
+    """Stop tensor-parallel rank 1 as soon as its replica is constructed, and kill it once
+    rows are in its engine. A replica publishes its counters in Ray's key-value store from
+    the end of its constructor on (stats.EngineStats.attach, its last step but a few
+    attribute sets): it takes rows only after that, and its engine needs rank 1 until then
+    (profile, KV cache, warm-up). Stopped, rank 1 stalls the engine at its next step, and
+    the rows the job sends stay in it. Once the job's progress record counts rows in the
+    engine (Ray Data's operator state, logged by the job in this process: the stalled
+    engine publishes no counters), the rank is killed: vLLM's executor sees it die and fails
+    the engine, Ray's stage exits the replica's actor, and Ray restarts it and retries its
+    batches. The stop no longer waits on a log line (Ray's actor-name line in the replica's
+    log file, or the progress line saying the replica is up, which loaded machines printed
+    too late). If no row reaches the stopped engine in `patience` seconds, the rank is let
+    go on and the test fails. Records every rank-1 process it saw, so a restart shows as a
+    second one."""
 
     def __init__(self, progress: "Lines", patience: float = 300.0):
         super().__init__(daemon=True)
         self.progress, self.patience = progress, patience
         self.stale: set[int] = set()
-        self.logs: dict[int, str | None] = {}  # per rank 1 seen: its actor's log file, None where none was found
+        self.stale_replicas: set[str] = set()
+        self.ranks_seen: list[int] = []  # every rank 1 seen, in order: a restart adds one
+        self.published: dict[str, dict] = {}  # what this run's replica published last
         self.stopped: int | None = None
-        self.stopped_on = ""  # what said the replica was up: its actor's log, or a progress line
         self.stopped_at = (0, 0.0)
         self.killed: int | None = None
         self.gave_up = False
@@ -597,16 +562,14 @@ class RankKiller(threading.Thread):
 
     def watch(self) -> None:
         self.stale = set(self.ranks())  # an earlier engine's, still alive: none expected
+        self.stale_replicas = set(published_engine_stats())  # earlier jobs' replicas
         while not self.done.is_set() and self.stopped is None:
+            self.published = published_engine_stats(leave_out=self.stale_replicas)
             ranks = self.ranks()
-            self.look(ranks)
-            for rank in ranks:
-                if self.logs[rank] and constructed(Path(self.logs[rank])):
-                    self.stop(rank, "its actor's log")
-                    break
-            lines = [line for line in self.progress.lines[-20:] if line.startswith("progress:")]
-            if self.stopped is None and ranks and lines and UP.search(lines[-1]):
-                self.stop(ranks[0], "a progress line")
+            if self.published and ranks:
+                _signal([ranks[0]], signal.SIGSTOP)
+                self.stopped = ranks[0]
+                self.stopped_at = len(self.progress.lines), time.monotonic()  # progress lines before the stop, its time
             time.sleep(0.05)
         seen, since = self.stopped_at
         while not self.done.is_set() and self.killed is None and not self.gave_up:
@@ -618,23 +581,14 @@ class RankKiller(threading.Thread):
                 self.gave_up = True
             time.sleep(0.2)
         while not self.done.is_set():  # the restarted replica's rank 1
-            self.look(self.ranks())
+            self.ranks()
             time.sleep(0.2)
 
     def ranks(self) -> list[int]:
-        return [rank for rank in ray_processes("VLLM::Worker_TP1") if rank not in self.stale]
-
-    def look(self, ranks: list[int]) -> None:
-        """Record these rank-1 processes and their actors' log files."""
-        for rank in ranks:
-            if self.logs.get(rank) is None:
-                log = actor_log(rank)
-                self.logs[rank] = str(log) if log else None
-
-    def stop(self, rank: int, on: str) -> None:
-        _signal([rank], signal.SIGSTOP)
-        self.stopped, self.stopped_on = rank, on
-        self.stopped_at = len(self.progress.lines), time.monotonic()  # progress lines before the stop, its time
+        """The rank-1 processes alive (an earlier engine's left out), recorded."""
+        ranks = [rank for rank in ray_processes("VLLM::Worker_TP1") if rank not in self.stale]
+        self.ranks_seen += [rank for rank in ranks if rank not in self.ranks_seen]
+        return ranks
 
 
 class Lines(logging.Handler):
@@ -695,9 +649,10 @@ def test_tensor_parallel_2_rows_are_what_vllm_generates_at_tensor_parallel_1(tp2
     out, killer = tp2_run["out"], tp2_run["killer"]
     assert "replica(s) of {'CPU': 1.0}, tensor parallel 2" in tp2_run["log"], tp2_run["log"][-3000:]
     assert not killer.error, killer.error
-    assert killer.stopped is not None, f"rank 1 was never stopped; rank-1 processes and their actors' logs: {killer.logs}"
+    assert killer.stopped is not None, (f"rank 1 was never stopped; rank-1 processes: {killer.ranks_seen}, "
+                                        f"the replica published {killer.published or 'nothing'}")
     assert killer.killed is not None, f"rank 1 was stopped, and no row reached its engine in {killer.patience:.0f} s"
-    assert len(killer.logs) >= 2, f"no rank 1 after the kill: the replica was not restarted ({killer.logs})"
+    assert len(killer.ranks_seen) >= 2, f"no rank 1 after the kill: the replica was not restarted ({killer.ranks_seen})"
     verify_ok(out)
     rows = sorted(read(out, "data"), key=lambda r: r["sample_id"])
     prompts = {p["sample_id"]: p for p in read(out, "prompts")}
@@ -712,8 +667,8 @@ def test_tensor_parallel_2_rows_are_what_vllm_generates_at_tensor_parallel_1(tp2
     for row, req, ref in zip(rows, requests, reference):
         assert list(row["input_ids"]) == req["prompt"] + ref["token_ids"], (row["sample_id"], row["variant"])
         assert row["finish_reason"] == ref["finish_reason"], row["sample_id"]
-    print(f"\ntensor parallel 2: rank 1 stopped on {killer.stopped_on}, killed, the replica restarted "
-          f"(rank-1 processes of earlier engines alive: {sorted(killer.stale)}); {len(rows)} rows "
+    print(f"\ntensor parallel 2: rank 1 stopped once its replica published its counters, killed, the replica "
+          f"restarted (rank-1 processes: {killer.ranks_seen}); {len(rows)} rows "
           f"({sum(r['variant'] == 'greedy' for r in rows)} greedy) equal vllm.LLM.generate's at tensor parallel 1")
 
 

@@ -1,5 +1,6 @@
 """The vLLM backend is a thin layer over ray.data.llm: build the processor from the
-production config (vLLM is not installed here) and check what it would run."""
+production config (no engine starts: Ray's stage builds its replicas only when a dataset
+runs through it) and check that what it would run is what the config says."""
 
 from __future__ import annotations
 
@@ -42,17 +43,19 @@ def test_processor_from_kimi_config(ray_local, kimi):
     # Chat template, tokenize and detokenize are ours: only the engine stage remains.
     assert processor.list_stage_names() == ["vLLMEngineStage"]
     stage = processor.get_stage_by_name("vLLMEngineStage")
-    kwargs = stage.fn_constructor_kwargs
-    assert kwargs["model"] == "moonshotai/Kimi-K2.5"
-    assert kwargs["engine_kwargs"]["tensor_parallel_size"] == 8
-    assert kwargs["engine_kwargs"]["max_model_len"] == 16384
-    assert kwargs["engine_kwargs"]["trust_remote_code"] is True
-    assert kwargs["engine_kwargs"]["max_num_seqs"] == 512  # passed through
-    assert kwargs["should_continue_on_error"] is True
-    assert kwargs["batch_size"] == 32 and kwargs["max_concurrent_batches"] == 96
+    kwargs, engine = stage.fn_constructor_kwargs, kimi.engine
+    # The config's settings reach the stage, each where Ray's stage reads it (values from the
+    # config, not restated: a change to the production config is not a test failure).
+    assert kwargs["model"] == kimi.model.path
+    assert kwargs["engine_kwargs"]["tensor_parallel_size"] == engine.tensor_parallel_size > 1
+    assert kwargs["engine_kwargs"]["max_model_len"] == engine.max_model_len
+    assert kwargs["engine_kwargs"]["trust_remote_code"] is kimi.model.trust_remote_code is True
+    assert {k: kwargs["engine_kwargs"][k] for k in engine.engine_kwargs} == engine.engine_kwargs  # passed through
+    assert kwargs["should_continue_on_error"] is True  # a row vLLM rejects fails alone
+    assert (kwargs["batch_size"], kwargs["max_concurrent_batches"]) == (engine.batch_size, engine.max_concurrent_batches)
     compute = stage.map_batches_kwargs["compute"]
-    assert (compute.min_size, compute.max_size) == (1, 1)  # replicas, fixed pool
-    assert stage.map_batches_kwargs["max_concurrency"] == 96
+    assert (compute.min_size, compute.max_size) == (engine.replicas, engine.replicas)  # a fixed pool
+    assert stage.map_batches_kwargs["max_concurrency"] == engine.max_concurrent_batches
 
     # Our engine input satisfies the stage's contract.
     batch = pa.Table.from_pylist([{"sample_id": "abcdef0123", "source": "s", "variant": "default",
@@ -63,7 +66,7 @@ def test_processor_from_kimi_config(ray_local, kimi):
     assert required == {"sampling_params"} and required <= set(rows[0])
     assert "tokenized_prompt" in stage.get_optional_input_keys() and "tokenized_prompt" in rows[0]
     params = rows[0]["sampling_params"]
-    assert params["max_tokens"] == 8192 and params["stop_token_ids"] == [163586]
+    assert params["max_tokens"] == kimi.sampling.max_tokens and params["stop_token_ids"] == [163586]
     assert params["detokenize"] is False
 
 
