@@ -2,8 +2,8 @@
 one trained on the dataset's answers? (issue 58; the mission's premise.) A real chat model,
 SmolLM2-135M-Instruct, on vLLM's CPU build; real prompts from ../shared/data/.
 
-    .venv/bin/python benchmarks/acceptance_loop.py [--train 1000] [--test 200] [--mt-bench 80]
-        [--max-tokens 192] [--steps 600] [--draft-vocab 8192] [--lr 1e-3] [--k 3] [--seed 0]
+    .venv/bin/python benchmarks/acceptance_loop.py [--train 1000] [--test 100] [--mt-bench 40]
+        [--max-tokens 192] [--steps 150] [--batch 4] [--draft-vocab 8192] [--lr 1e-3] [--k 3] [--seed 0]
         [--temperature 0] [--work DIR] [--smoke]
 
 1. Prompts: a seeded sample of --train GSM8K training questions; held out, --test GSM8K test
@@ -121,12 +121,12 @@ def job(args: list[str], log: Path) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--train", type=int, default=1000, help="GSM8K training questions")
-    parser.add_argument("--test", type=int, default=200, help="held-out GSM8K test questions")
-    parser.add_argument("--mt-bench", type=int, default=80, help="held-out MT-bench first turns (of 80)")
+    parser.add_argument("--test", type=int, default=100, help="held-out GSM8K test questions")
+    parser.add_argument("--mt-bench", type=int, default=40, help="held-out MT-bench first turns (of 80)")
     parser.add_argument("--max-tokens", type=int, default=192, help="answer length, at most")
     parser.add_argument("--temperature", type=float, default=0.0, help="the target's regeneration temperature")
-    parser.add_argument("--steps", type=int, default=600, help="optimizer steps of each draft")
-    parser.add_argument("--batch", type=int, default=8, help="rows a step")
+    parser.add_argument("--steps", type=int, default=150, help="optimizer steps of each draft")
+    parser.add_argument("--batch", type=int, default=4, help="rows a step")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--draft-vocab", type=int, default=8192)
     parser.add_argument("--k", type=int, default=3, help="draft tokens a step")
