@@ -253,7 +253,10 @@ def head():
 # runs the uploaded copy's whole job (a vLLM model load is 30-60 s here; vLLM itself runs
 # in tests/vllm, the README's job commands and the vLLM benchmark smokes, on a Ray
 # instance the job's driver joins).
+# The Kimi config's replicas go to engine nodes (engine.replica_resources: {eagle_engine: 1}),
+# which this cluster's nodes do not declare: without the override its engine actor waits forever.
 README_SUBMIT_HERE = ["engine.backend=transformers", "engine.device=cpu", "engine.engine_kwargs={}",
+                      "engine.replica_resources={}",
                       "engine.tensor_parallel_size=1", "engine.max_model_len=1024", "engine.batch_size=2",
                       "engine.resource_wait_s=60", "source.sample=6", "sampling.max_tokens=16",
                       "output.rows_per_shard=2", "output.log_every_s=2"]
