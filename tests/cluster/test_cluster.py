@@ -390,7 +390,7 @@ def test_the_draft_trainer_submitted_trains_speculators_draft_from_the_stream_re
 
     # Killed once a checkpoint is Ray Train's: a worker lost right after its report can take the report with it.
     wait_for("step 3 and a checkpoint", lambda: steps_logged() >= 3 and committed(), JOB_TIMEOUT_S, 0.1)
-    [worker, *_] = [p for p in head.nodes[0].processes() if "RayTrainWorker" in " ".join(p.cmdline())]
+    [worker, *_] = [p for p in head.nodes[0].processes() if "RayTrainWorker" in command_line(p)]
     worker.kill()  # SIGKILL
     killed_after = steps_logged()
     info, logs = finished(client, job), client.get_job_logs(job)
@@ -643,3 +643,11 @@ def test_cluster_yaml_installs_the_project_as_the_production_doc_says():
     assert install[0].startswith("python3 -m pip install"), install
     for command in install:
         assert command in production, f"cluster.yaml's {command!r} is not what docs/production.md says"
+
+
+def command_line(p: psutil.Process) -> str:
+    """Its command line; "" for one that has exited meanwhile (a zombie's raises)."""
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""

@@ -26,7 +26,7 @@ install (about 1.5 GB, torch most of it) and a run of the trainer's code in it. 
 a Ray instance and Ray Train's workers on this install would add a Ray start and a worker
 process (the trainer's cluster test runs them, in the tests' venv); here the workers' own loop
 (draft_loop.train_loop) runs one step in the venv's python, after importing everything it and
-Ray Train's TorchTrainer import, with Ray Train's worker context (rank, dataset shard,
+Ray Train's TorchTrainer import, with Ray Train's worker context (rank, dataset shard, checkpoint, report, the stream's gate,
 prepare_model, device) stood in for.
 """
 
@@ -107,11 +107,11 @@ if not failed:
     config = loop_config(cfg, spec, d2t, t2d, Plan.of(cfg, spec))
     layers, hidden = len(layer_ids(cfg, target_shape(cfg)[0])), config["hidden_size"]
     rng = np.random.default_rng(0)
-    rows = [{"sample_id": f"s{i}", "epoch": 0, "input_ids": rng.integers(0, vocab_size, n).tolist(),
+    rows = [{"sample_id": f"s{i}", "epoch": 0, "position": i, "input_ids": rng.integers(0, vocab_size, n).tolist(),
              "loss_mask": [0] * 3 + [1] * (n - 3),
              "hidden_states": rng.standard_normal((n, layers, hidden), dtype=np.float32).tobytes(),
              "hidden_states_shape": [n, layers, hidden]} for i, n in enumerate([9, 7])]
-    schema = pa.schema([("sample_id", pa.string()), ("epoch", pa.int64()), ("input_ids", pa.list_(pa.int64())),
+    schema = pa.schema([("sample_id", pa.string()), ("epoch", pa.int64()), ("position", pa.int64()), ("input_ids", pa.list_(pa.int64())),
                         ("loss_mask", pa.list_(pa.int64())), ("hidden_states", pa.large_binary()),
                         ("hidden_states_shape", pa.list_(pa.int64()))])
     batch = BlockAccessor.for_block(pa.Table.from_pylist(rows, schema=schema)).to_batch_format("numpy")
@@ -124,6 +124,10 @@ if not failed:
     ray.train.get_context = lambda: types.SimpleNamespace(get_world_rank=lambda: 0, get_world_size=lambda: 1)
     ray.train.torch.prepare_model = lambda model: model  # one worker: no DDP wrapper
     ray.train.torch.get_device = lambda: torch.device("cpu")
+    ray.train.get_checkpoint = lambda: None  # a first run: nothing to resume from
+    ray.train.report = lambda metrics, checkpoint=None: None  # no controller to report to
+    import eagle_data.training.stream as stream  # the stream's gate is a Ray actor of a running stream: its batches as they are
+    stream.stream_batches = lambda shard, name, *, batch_size, **kwargs: shard.iter_batches(batch_size=batch_size)
     train_loop(config)
     with open(os.path.join(config["save_path"], "metrics.jsonl")) as f:
         result["metrics"] = [json.loads(line) for line in f]
