@@ -30,9 +30,11 @@ worker, so that the workers together take k x e a row (e = --engine-s).
 2. Memory: the largest k's run at --rows[1] and the same at --rows[0] (the baseline, in the
    same run): the object store's peak use and what was spilled to disk (Ray's memory
    summary every 0.5 s; spilled: the run's own, the instance's count before and after), the
-   stream's own peak of bytes in flight against its bound, the peak RSS of the driver, of
-   the stream's split coordinator and of each training worker (whole, own (RssAnon), own with
-   no batch in hand (between steps: what it keeps), and the object-store pages it maps
+   stream's own peak of bytes (and rows) in flight against its bound (its limit, or what the
+   trainers' windows and the split hold where that is more: the gate's floor), the chunks
+   its gate held back a full second for want of room (its `held`), the peak RSS of the
+   driver, of the stream's split coordinator and of each training worker (whole, own
+   (RssAnon), own with no batch in hand (between steps: what it keeps), and the object-store pages it maps
    (RssShmem: the store's memory, not the worker's)). Flat means the 10x run's peaks near the
    baseline's: printed as ratios.
 """
@@ -233,10 +235,11 @@ def main() -> None:
     parser.add_argument("--store-gib", type=float, default=2.0, help="the Ray instance's object store")
     parser.add_argument("--max-bytes", type=int, default=0,
                         help="stream.max_bytes_in_flight; 0: its default, a quarter of the object store")
-    parser.add_argument("--smoke", action="store_true", help="4 and 12 rows of 64 tokens, 0.05 s a row, 1 GiB store")
+    parser.add_argument("--smoke", action="store_true", help="4 and 48 rows of 64 tokens, 0.05 s a row, 1 GiB store "
+                        "(tests/smokes.py adds --max-bytes 120000000: the gate holds the 48 rows' ~180 MB)")
     args = parser.parse_args()
     if args.smoke:
-        args.rows, args.tokens, args.engine_s, args.store_gib, args.steps = [4, 12], 64, 0.05, 1.0, [2.0]
+        args.rows, args.tokens, args.engine_s, args.store_gib, args.steps = [4, 48], 64, 0.05, 1.0, [2.0]
 
     import ray.cloudpickle
 
@@ -280,14 +283,15 @@ def main() -> None:
               f"{r['engine']['median_s_per_row'] * 1000:.0f} | {wait:.1%} | {r['engine']['idle_share']:.1%} | "
               f"{percent(s['engine_busy_share'])}, {percent(s['trainer_wait_share'])} | {target} |")
 
-    print("\n| rows | bound | peak in flight (the stream's count) | object store peak | spilled to disk | "
-          "driver peak RSS | split coordinator peak RSS | training worker peak RSS (max) | worker's own "
-          "(RssAnon) | worker's own between steps | worker's shared (RssShmem) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| rows | bound (its limit) | peak in flight (the stream's count) | chunks held >= 1 s (no room) | "
+          "object store peak | spilled to disk | driver peak RSS | split coordinator peak RSS | training worker "
+          "peak RSS (max) | worker's own (RssAnon) | worker's own between steps | worker's shared (RssShmem) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     largest = runs[max(args.steps)]
     for n, r in ((small, baseline), (large, largest)):
         s = r["stream"]
-        print(f"| {n} | {mib(s['bound_bytes'])} | {mib(s['peak_bytes_in_flight'])} ({s['peak_rows_in_flight']} rows) | "
+        print(f"| {n} | {mib(s['bound_bytes'])} ({mib(s['limit_bytes'])}) | {mib(s['peak_bytes_in_flight'])} "
+              f"({s['peak_rows_in_flight']} rows) | {s['held']} | "
               f"{mib(r['store'])} | {mib(r['spilled'])} | {mib(r['driver_rss'])} | {mib(r['coordinator_rss'])} | "
               f"{mib(max(t['rss'] for t in r['trainers']))} | {mib(max(t['anon'] for t in r['trainers']))} | "
               f"{mib(max(t['between'] for t in r['trainers']))} | {mib(max(t['shmem'] for t in r['trainers']))} |")
