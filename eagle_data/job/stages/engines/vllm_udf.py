@@ -180,18 +180,18 @@ def bind_groups(value: str, ranks: int) -> list[list[int]]:
     the form it must have. vLLM's own misreading of a value ends its engine with `Failed core
     proc(s): {}` after its start, the cause only in the replica's log (issue 55, case 14)."""
     groups = value.split("|")
-    problem = None
     if len(groups) < ranks:
-        problem = f"it has {len(groups)} group{'s' if len(groups) != 1 else ''} of cores for {ranks} ranks"
-    cores: list[list[int]] = []
-    for n, group in enumerate(groups[:ranks] if problem is None else [], 1):
-        found = group_cores(group)
+        refuse_bind(value, ranks, f"it has {len(groups)} group{'s' if len(groups) != 1 else ''} of cores "
+                                  f"for {ranks} ranks")
+    cores = [group_cores(group) for group in groups[:ranks]]
+    for n, (group, found) in enumerate(zip(groups, cores), 1):
         if isinstance(found, str):
-            problem = f"group {n} ({group!r}): {found}"
-            break
-        cores.append(found)
-    if problem is None:
-        return cores
+            refuse_bind(value, ranks, f"group {n} ({group!r}): {found}")
+    return cores
+
+
+def refuse_bind(value: str, ranks: int, problem: str) -> None:
+    """ConfigError: the value, what is wrong with it, and the form it must have."""
     example = ("`0-3` for 1 rank on 4 cores" if ranks == 1 else
                f"`{'|'.join(map(str, range(ranks)))}` for {ranks} ranks on a core each")
     raise ConfigError(
@@ -216,7 +216,7 @@ def group_cores(group: str) -> list[int] | str:
             return f"{item!r} is not a core id or a range of them"
         if len(bounds) > 2:
             return f"{item!r} is not a core id or a range of them"
-        if bounds[0] > bounds[-1] or min(bounds) < 0:
+        if bounds[0] > bounds[-1]:  # ("-1" is no int: a negative id is refused above)
             return f"the range {item!r} holds no core"
         cores += range(bounds[0], bounds[-1] + 1)
     return cores
