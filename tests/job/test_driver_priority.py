@@ -27,8 +27,18 @@ late = []
 later = threading.Thread(target=lambda: late.append(os.getpriority(os.PRIO_PROCESS, 0)))
 later.start()
 later.join()
+
+
+def niceness(tid):  # None for a thread that ended while listed: `later`, joined, can still be exiting
+    try:
+        return os.getpriority(os.PRIO_PROCESS, int(tid))
+    except ProcessLookupError:
+        return None
+
+
+listed = {t: niceness(t) for t in os.listdir("/proc/self/task")}
 print(json.dumps({"before": before, "after": after, "late": late[0], "lowered": threads[0].native_id,
-                  "threads": {t: os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")}}))
+                  "threads": {t: n for t, n in listed.items() if n is not None}}))
 stop.set()
 """
 
