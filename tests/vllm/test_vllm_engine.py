@@ -253,16 +253,20 @@ class Faults:
     """Kill the driver while answered rows are reaching data/ and rows are still to do. On
     2 CPUs the tiny model answers all 32 rows in seconds, faster than the first answers
     travel through postprocess to a shard; so once the replica's published counters show
-    generated tokens, its engine (vLLM's EngineCore process, the replica's child) is stopped
-    (SIGSTOP): it answers nothing more, and every row it answered still leaves the replica,
-    whose actor runs on. Once data/ holds a shard the driver is killed. What it waits on are
-    events the job emits: the replica's counters in Ray's key-value store
-    (stats.EngineStats, published every PUBLISH_EVERY_S), then a shard in data/; no log line,
-    no fixed pause (the replica was paused after its log said a batch was answered, and let
-    go on after 8 s without a row: its actor held back an answer it had logged)."""
+    more generated tokens than one answer can have (`max_tokens`: with one sequence slot,
+    the first answer is then whole and in the replica), its engine (vLLM's EngineCore
+    process, the replica's child) is stopped (SIGSTOP): it answers nothing more, and every
+    row it answered still leaves the replica, whose actor runs on. Once data/ holds a shard
+    the driver is killed. What it waits on are events the job emits: the replica's counters
+    in Ray's key-value store (stats.EngineStats, published every PUBLISH_EVERY_S), then a
+    shard in data/; no log line, no fixed pause (the replica was paused after its log said a
+    batch was answered, and let go on after 8 s without a row: its actor held back an answer
+    it had logged). Stopped at the first generated token, as it was, the engine could hold
+    the only answer under way: no row ever reached data/ and the test waited out its 40
+    minutes (a full run of 2026-12-06)."""
 
-    def __init__(self, out):
-        self.out = out
+    def __init__(self, out, max_tokens: int):
+        self.out, self.max_tokens = out, max_tokens
         self.stale = set(published_engine_stats())  # the replicas of earlier jobs
         self.seen: dict[str, dict] = {}  # what this job's replicas published last
         self.stopped: list[int] = []  # the EngineCore stopped
@@ -272,7 +276,7 @@ class Faults:
         if self.stopped:
             return bool(shards(self.out, "data"))
         self.seen.update(published_engine_stats(leave_out=self.stale))
-        if any(stats.get("generated_tokens") for stats in self.seen.values()):
+        if any(stats.get("generated_tokens", 0) > self.max_tokens for stats in self.seen.values()):
             self.stopped = [core for replica in ray_processes("MapWorker(MapBatches(VLLMEngine))")
                             for core in engine_cores(replica)]
             _signal(self.stopped, signal.SIGSTOP)
@@ -314,7 +318,7 @@ def faulted_run(ray_local, tmp_path_factory, babble_qwen3) -> dict:
     with open(tmp / "killed-run.log", "w") as job_log:
         job = subprocess.Popen(job_command(settings, tmp), cwd=REPO, env=job_env(attached(ray_local)),
                                stdout=job_log, stderr=subprocess.STDOUT)
-        faults, deadline = Faults(out), time.monotonic() + 2400
+        faults, deadline = Faults(out, settings["sampling"]["max_tokens"]), time.monotonic() + 900
         while job.poll() is None and time.monotonic() < deadline and not faults.step():
             time.sleep(0.05)
         finished_early = job.poll() is not None
