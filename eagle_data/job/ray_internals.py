@@ -142,6 +142,20 @@ def init_ray() -> None:
     if services.canonicalize_bootstrap_address(None) is not None:
         ray.init()  # joins it
         return
+    try:
+        start_local_ray()
+    except Exception as e:  # Ray waits a fixed 30 s for its raylet, which a loaded machine can miss
+        if "timed out during startup" not in str(e):
+            raise
+        log.warning("the local Ray instance did not start in Ray's time (%s): starting it again", e)
+        ray.shutdown()  # what the first start left running
+        start_local_ray()
+
+
+def start_local_ray() -> None:
+    """A local instance whose workers are told its address (init_ray)."""
+    from ray._private import services
+
     with socket.socket() as s:  # a free port now; the GCS binds it a moment later
         s.bind(("", 0))
         port = s.getsockname()[1]
