@@ -35,15 +35,19 @@ def start_ray(**local) -> str:
     if address:
         ray.init(address=address, log_to_driver=False)
         return f"attached to the running instance at {address} (RAY_ADDRESS)"
-    for attempt in (1, 2):
-        try:
-            ray.init(include_dashboard=False, log_to_driver=False, **local)
-            break
-        except Exception as e:  # Ray waits 30 s for its raylet, which a loaded machine can miss
-            if attempt == 2 or "timed out during startup" not in str(e):
-                raise
-            ray.shutdown()
+    own_ray(**local)
     return "a local instance of its own"
+
+
+def own_ray(**local) -> None:
+    """A local Ray instance of the benchmark's own, started with `local`: tried again where it
+    misses Ray's fixed wait for its raylet, as a job's own start is (beside the test suite a
+    smoke run's start is on a loaded machine)."""
+    import ray
+
+    from eagle_data.job.ray_internals import start_in_rays_time
+
+    start_in_rays_time(lambda: ray.init(include_dashboard=False, log_to_driver=False, **local))
 
 
 def one_engine_thread() -> int:

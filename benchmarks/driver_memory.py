@@ -44,7 +44,7 @@ import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 
-from _workload import qwen3_dir, write_chat_rows  # noqa: E402
+from _workload import own_ray, qwen3_dir, write_chat_rows  # noqa: E402
 
 MAX_TOKENS = 2048
 
@@ -171,7 +171,7 @@ def child(n: int, mean_tokens: float, take_census: bool = False, batch_size: int
             "output.log_every_s=3600", f"engine.batch_size={batch_size}"])
         stage = sim_stage_factory(slots=256, token_s=2e-6, measure_s=1e9, events=str(tmp / "events.jsonl"),
                                   special=special, mean_tokens=mean_tokens)
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        own_ray(num_cpus=2)
         for name in ("ray", "ray.data"):
             logging.getLogger(name).setLevel(logging.WARNING)
         sampler.sample()

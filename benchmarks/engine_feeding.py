@@ -63,7 +63,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
-from _workload import MAX_TOKENS, MEAN_TOKENS, length_of, qwen3_dir, write_chat_rows  # noqa: E402
+from _workload import MAX_TOKENS, MEAN_TOKENS, length_of, own_ray, qwen3_dir, write_chat_rows  # noqa: E402
 
 VOCAB_TEXT = 151643  # Qwen3: ids below this are ordinary text tokens
 
@@ -293,7 +293,7 @@ def main() -> None:
         base = [f"source.dataset={tmp / 'rows.jsonl'}", f"model.path={tok}", "engine.backend=transformers",
                 "engine.max_model_len=16384", f"sampling.max_tokens={MAX_TOKENS}",
                 "output.rows_per_shard=200", "output.log_every_s=3600"]
-        ray.init(num_cpus=args.ray_cpus, include_dashboard=False, log_to_driver=False)
+        own_ray(num_cpus=args.ray_cpus)
         for name in ("ray", "ray.data"):
             logging.getLogger(name).setLevel(logging.WARNING)
         warnings.filterwarnings("ignore", category=DeprecationWarning)

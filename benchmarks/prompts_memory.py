@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _workload import english_text, qwen3_dir  # noqa: E402
+from _workload import english_text, own_ray, qwen3_dir  # noqa: E402
 
 SEED = 0
 SOURCES = ["theblackcat102/evol-codealpaca-v1", "WizardLM/WizardLM_evol_instruct_V2_196k", "meta-math/MetaMathQA",
@@ -208,7 +208,7 @@ def child(dataset: str, n: int, sample: int | None, tokenizer: str) -> None:
         if sample is not None:
             overrides.append(f"source.sample={sample}")
         cfg = load_config(None, overrides)
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        own_ray(num_cpus=2)
         start_rss = status_mib("VmRSS")
         with Peaks() as peaks:
             start, cpu = time.perf_counter(), time.process_time()

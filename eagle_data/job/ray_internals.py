@@ -24,6 +24,7 @@ import os
 import socket
 import time
 import weakref
+from collections.abc import Callable
 
 import pyarrow.fs as pafs
 import ray
@@ -142,14 +143,23 @@ def init_ray() -> None:
     if services.canonicalize_bootstrap_address(None) is not None:
         ray.init()  # joins it
         return
-    try:
-        start_local_ray()
-    except Exception as e:  # Ray waits a fixed 30 s for its raylet, which a loaded machine can miss
-        if "timed out during startup" not in str(e):
-            raise
-        log.warning("the local Ray instance did not start in Ray's time (%s): starting it again", e)
-        ray.shutdown()  # what the first start left running
-        start_local_ray()
+    start_in_rays_time(start_local_ray)
+
+
+def start_in_rays_time(start: Callable[[], object], tries: int = 3) -> None:
+    """start(), a local Ray start, tried up to `tries` times where it misses Ray's fixed 30 s
+    wait for its raylet (a loaded machine can: the draft trainer's own start and a benchmark's
+    missed it beside the test suite), after shutting down what the failed one left running.
+    Any other failure is raised at once."""
+    for attempt in range(1, tries + 1):
+        try:
+            start()
+            return
+        except Exception as e:
+            if attempt == tries or "timed out during startup" not in str(e):
+                raise
+            log.warning("the local Ray instance did not start in Ray's time (%s): starting it again", e)
+            ray.shutdown()
 
 
 def start_local_ray() -> None:

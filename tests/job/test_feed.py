@@ -101,33 +101,3 @@ def test_the_queue_actor_is_gone_after_close(ray_local):
     feed.close()
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(actor.qsize.remote(), timeout=30)
-
-
-def test_a_local_ray_start_that_misses_rays_startup_wait_is_tried_once_more(monkeypatch, caplog):
-    """Ray waits a fixed 30 s for a new local instance's raylet; on a loaded machine a job's
-    own start missed it (the draft trainer's, beside the test suite): the start is tried once
-    more, what the first left running shut down first. Any other failure is the job's."""
-    from ray._private import services
-
-    from eagle_data.job import ray_internals
-
-    calls = []
-
-    def start(fails_with):
-        def start_local_ray():
-            calls.append("start")
-            if len(calls) == 1 and fails_with:
-                raise Exception(fails_with)
-        return start_local_ray
-
-    monkeypatch.setattr(services, "canonicalize_bootstrap_address", lambda address: None)
-    monkeypatch.setattr(ray_internals.ray, "shutdown", lambda: calls.append("shutdown"))
-    monkeypatch.setattr(ray_internals, "start_local_ray", start("The current node timed out during startup."))
-    ray_internals.init_ray()
-    assert calls == ["start", "shutdown", "start"]
-    assert "did not start in Ray's time" in caplog.text
-    calls.clear()
-    monkeypatch.setattr(ray_internals, "start_local_ray", start("address already in use"))
-    with pytest.raises(Exception, match="address already in use"):
-        ray_internals.init_ray()
-    assert calls == ["start"]
