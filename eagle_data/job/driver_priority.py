@@ -18,8 +18,8 @@ import os
 import ray
 
 
-def _niceness() -> int:
-    return os.getpriority(os.PRIO_PROCESS, 0)
+def _niceness(pid: int = 0) -> int:
+    return os.getpriority(os.PRIO_PROCESS, pid)
 
 
 def workers_niceness(timeout_s: float = 60) -> int | None:
@@ -33,18 +33,20 @@ def workers_niceness(timeout_s: float = 60) -> int | None:
         return None
 
 
-def lower_to(niceness: int) -> tuple[int, int]:
-    """Every thread of this process (Linux sets niceness per thread) to at least `niceness`;
-    threads started later inherit their starter's. Returns the main thread's (before, after)."""
-    before = _niceness()
-    tasks = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]
+def lower_to(niceness: int, pid: int = 0) -> tuple[int, int]:
+    """Every thread of process `pid` (0: this one; Linux sets niceness per thread) to at
+    least `niceness`; threads started later inherit their starter's. Returns the main
+    thread's (before, after)."""
+    before = _niceness(pid)
+    folder = f"/proc/{pid or 'self'}/task"
+    tasks = os.listdir(folder) if os.path.isdir(folder) else [str(pid)]
     for tid in map(int, tasks):
         try:
             if os.getpriority(os.PRIO_PROCESS, tid) < niceness:
                 os.setpriority(os.PRIO_PROCESS, tid, niceness)
         except ProcessLookupError:  # the thread ended meanwhile
             pass
-    return before, _niceness()
+    return before, _niceness(pid)
 
 
 def step_below_engine() -> tuple[int, int]:

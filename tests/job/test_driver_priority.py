@@ -90,3 +90,23 @@ def test_the_workers_niceness_is_read_from_a_worker(ray_local):
 
     # conftest.py starts the session's Ray workers at 0 (RAY_worker_niceness): Ray's default is 15.
     assert workers_niceness() == int(os.environ["RAY_worker_niceness"]) == 0
+
+
+def test_another_process_steps_down_every_thread_of_it():
+    """lower_to(n, pid): what a benchmark smoke does to its Ray instance's processes once it
+    is up (benchmarks/_workload.step_down)."""
+    from eagle_data.job.driver_priority import lower_to
+
+    own = niceness_under_nice(0, below=15)
+    child = subprocess.Popen([sys.executable, "-c", "import threading, time\n"
+                              "[threading.Thread(target=time.sleep, args=(60,), daemon=True).start() for _ in range(3)]\n"
+                              "print('up', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "up\n"
+        assert lower_to(15, child.pid) == (own, 15)
+        threads = {int(t): os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{child.pid}/task")}
+        assert len(threads) >= 4 and set(threads.values()) == {15}, threads
+        assert os.getpriority(os.PRIO_PROCESS, 0) == own  # this process as it was
+    finally:
+        child.kill()
+        child.wait()
