@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -175,7 +176,7 @@ def test_a_trainer_stopped_mid_training_exits_128_plus_the_signal_and_leaves_no_
         text = log.read_text()
         assert code == 128 + signum, text[-3000:]
         assert text.splitlines()[-1] == f"error: stopped by {signal.Signals(signum).name}"
-        assert "Traceback" not in text, text
+        assert not tracebacks_but_rays_overload_warnings(text), text
         lines = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
         steps = [s["step"] for s in lines if "validation" not in s]  # (an epoch's validation: its last step's)
         assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 2
@@ -187,6 +188,27 @@ def test_a_trainer_stopped_mid_training_exits_128_plus_the_signal_and_leaves_no_
         for p in ray_processes_of(ray_tmpdir):
             p.kill()
         shutil.rmtree(ray_tmpdir, ignore_errors=True)
+
+
+def tracebacks_but_rays_overload_warnings(log: str) -> int:
+    """The tracebacks in a job's log, but those of Ray Train's warning that a resource request
+    to its autoscaling coordinator timed out, which it says is "safe to ignore" where it is
+    transient on an overloaded machine (its logger prints the traceback right after the
+    message): beside the suite's load it was printed once, Ray's and not the stop's."""
+    lines = log.splitlines()
+    return sum(line.rstrip().endswith("Traceback (most recent call last):")
+               and not (i and re.search(r"Failed to (send|cancel) resource request for", lines[i - 1]))
+               for i, line in enumerate(lines))
+
+
+def test_only_rays_overload_warning_tracebacks_are_left_out():
+    ray_warning = ("(TrainController pid=7) Failed to send resource request for abc. If this only happens "
+                   "transiently during network partition or CPU being overloaded, it's safe to ignore this error.\n"
+                   "(TrainController pid=7) Traceback (most recent call last):\n(TrainController pid=7) ...\n")
+    ours = "Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: x\n"
+    assert tracebacks_but_rays_overload_warnings(ray_warning) == 0
+    assert tracebacks_but_rays_overload_warnings(ours) == 1
+    assert tracebacks_but_rays_overload_warnings(ray_warning + ours + ray_warning) == 1
 
 
 def offline_config(out, seed: int = 0, batch_size: int = 2) -> dict:
