@@ -434,7 +434,8 @@ def print_breakdown(runs: dict[str, list[dict]]) -> None:
                 per = 1000 if kind.endswith("tokens") else None
                 present = [(sum(v[0] for k, v in r["cpu"].items()
                                 if k != "sampler thread" and not k.startswith("thread: "))
-                            * (per / r["tokens"] if per else 1), set()) for r in rs]
+                            * (per / r["tokens"] if per else 1), set()) for r in rs
+                           if r["tokens"] or not per]  # a server whose every row timed out made none
             else:
                 present = [r["cpu"][kind] for r in rs if kind in r["cpu"]]
             nice = ",".join(map(str, sorted(set().union(*(p[1] for p in present)))))

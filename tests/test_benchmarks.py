@@ -247,8 +247,10 @@ def server_vs_job(output: str) -> None:
         assert ok + lost == 6 and (ok == 6 or row["run"].startswith("server"))  # the server may time out
         exact, asked = numbers(row["exact rows"])[:2]  # "ids 6/6 ..." against bare vLLM's
         assert asked == ok and 0 <= exact <= asked
-        sane(number(row["generated tokens"]), number(row["seconds"]), number(row["tokens/s"]), number(row["load s"]))
-        sane(number(row[next(k for k in row if k.startswith("vs "))]))
+        sane(number(row["seconds"]), number(row["load s"]))
+        # A loaded machine can make the tight timeout lose every row of the server's (CI, 2026-12-06).
+        sane(number(row["generated tokens"]), number(row["tokens/s"]), number(row[next(k for k in row if k.startswith("vs "))]),
+             zero=row["run"].startswith("server") and ok == 0)
     assert runs[0]["generated tokens"] == runs[1]["generated tokens"]  # the job asked what bare vLLM was
     for row in breakdown:
         for cell in list(row.values())[1:]:
