@@ -169,6 +169,7 @@ def wait_for_worker_resources(cfg: Config) -> None:
     cluster cannot hold train.workers workers (an autoscaling cluster gets train.resource_wait_s)."""
     need = {"GPU": 1} if cfg.train.device == "gpu" else {}
     need.update({"CPU": cfg.train.cpus_per_worker} if cfg.train.cpus_per_worker else {})
+    need.update(cfg.train.worker_resources)
 
     def room(res: dict) -> float:
         return min((math.floor(res.get(k, 0) / v) for k, v in need.items()), default=math.inf)
@@ -177,9 +178,16 @@ def wait_for_worker_resources(cfg: Config) -> None:
                                  cfg.train.resource_wait_s)
     if fits:
         return
-    hint = ("there is no GPU in the cluster; set train.device=cpu to train on CPUs"
-            if "GPU" in need and not any(res.get("GPU", 0) for res in nodes)
-            else "lower train.workers / train.cpus_per_worker or add nodes")
+    undeclared = [k for k in cfg.train.worker_resources if not any(res.get(k, 0) > 0 for res in nodes)]
+    if "GPU" in need and not any(res.get("GPU", 0) for res in nodes):
+        hint = "there is no GPU in the cluster; set train.device=cpu to train on CPUs"
+    elif undeclared:
+        hint = (f"no node declares {', '.join(map(repr, undeclared))} (train.worker_resources): declare it on the "
+                f"trainer nodes (`resources: {{{undeclared[0]}: 8}}` as cluster.yaml's trainer node type does, or "
+                f"`ray start --resources '{{\"{undeclared[0]}\": 8}}'`), or set train.worker_resources={{}} to let "
+                f"Ray place the workers")
+    else:
+        hint = "lower train.workers / train.cpus_per_worker or add nodes"
     raise NoTrainingResources(
         f"train.workers={cfg.train.workers} with train.device={cfg.train.device} need {need} each, and after waiting "
         f"{cfg.train.resource_wait_s:g}s (train.resource_wait_s) the cluster has room for "

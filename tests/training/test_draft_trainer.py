@@ -99,7 +99,14 @@ def test_workers_the_cluster_cannot_hold_fail_with_a_message_after_the_wait(ray_
                       train__resource_wait_s=0)
     with pytest.raises(NoTrainingResources, match=r"room for 1: lower train.workers"):
         wait_for_worker_resources(cpus)  # the session's instance has 2 CPUs: room for one such worker
-    wait_for_worker_resources(cpus.model_copy(update={"train": cpus.train.model_copy(update={"workers": 1})}))
+    one = cpus.model_copy(update={"train": cpus.train.model_copy(update={"workers": 1})})
+    wait_for_worker_resources(one)
+    # The Kimi config's workers go to trainer nodes (train.worker_resources), which a cluster not
+    # made by cluster.yaml lacks: Ray Train's start waited for them without end.
+    on_trainer_nodes = one.model_copy(update={"train": one.train.model_copy(update={"worker_resources": {"eagle_trainer": 1}})})
+    with pytest.raises(NoTrainingResources, match=r"need \{'CPU': 2.0, 'eagle_trainer': 1\} each, .* room for 0: no node "
+                                                  r"declares 'eagle_trainer' \(train.worker_resources\)"):
+        wait_for_worker_resources(on_trainer_nodes)
 
 
 def test_a_project_error_raised_in_a_worker_is_the_runs_error(ray_local):

@@ -163,9 +163,12 @@ def test_no_gpu_in_the_cluster_fails_after_the_wait_instead_of_hanging(ray_local
     with pytest.raises(NoReplicaResources, match=r"no GPU in the cluster; set engine.device=cpu") as e:
         wait_for_replica_resources(cfg, poll_s=0.2)
     assert "engine.resource_wait_s" in str(e.value) and time.monotonic() - started < 10
-    cpu = load_config(KIMI, ["engine.device=cpu", "engine.tensor_parallel_size=1", "engine.resource_wait_s=0",
-                             RAYS_PLACEMENT])
-    wait_for_replica_resources(cpu)  # the local instance has the CPU one replica needs
+    cpu = ["engine.device=cpu", "engine.tensor_parallel_size=1", "engine.resource_wait_s=0"]
+    # The Kimi config's replicas go to engine nodes, which a cluster not made by cluster.yaml lacks.
+    with pytest.raises(NoReplicaResources, match=r"no node declares 'eagle_engine' \(engine.replica_resources\): "
+                                                 r"declare it on the engine nodes \(`resources: \{eagle_engine: 1\}`"):
+        wait_for_replica_resources(load_config(KIMI, cpu))
+    wait_for_replica_resources(load_config(KIMI, [*cpu, RAYS_PLACEMENT]))  # the local instance has the CPU one needs
 
 
 @pytest.mark.vllm
