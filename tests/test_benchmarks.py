@@ -300,13 +300,18 @@ def stream_scale(output: str) -> None:
     # (2 workers' windows and the split, 20 rows of at most 96 tokens: <= 110 MB), so the bound is
     # the limit itself, never raised; the 48 rows (~180 MB) pass it, so the gate held rows back:
     # the peak in flight is within the limit, within a chunk (2 rows) of it (a chunk is held only
-    # where its bytes would pass the limit), and below the rows streamed.
+    # where its bytes would pass the limit), and below the rows streamed. The gate is reached only
+    # where the engine runs ahead of the trainer (its step a sleep; the engine's rows go through Ray
+    # Data and the gate, which a loaded machine slows): where the trainer waited 10% of its time or more (45% beside a fresh clone's
+    # suite, 2026-12-06; under 1% alone), the peak is only checked to be within the limit.
     args = SMOKE["stream_scale.py"][0]
     limit = int(args[args.index("--max-bytes") + 1])
     longest_row = 96 * (4 * 7168 * 2 + 16) + 256  # stream.py: tokens x (states + TOKEN_BYTES) + ROW_BYTES
     large, baseline = r["runs"]["2.0"]["stream"], r["baseline"]["stream"]
     assert large["limit_bytes"] == large["bound_bytes"] == baseline["bound_bytes"] == limit, (large, baseline)
-    assert limit - 2 * longest_row < large["peak_bytes_in_flight"] <= limit, large
+    assert large["peak_bytes_in_flight"] <= limit, large
+    if r["runs"]["2.0"]["trainer_wait"] < 0.10:
+        assert limit - 2 * longest_row < large["peak_bytes_in_flight"], large
     assert large["peak_rows_in_flight"] < 48, large
     assert baseline["peak_bytes_in_flight"] <= limit and baseline["peak_rows_in_flight"] <= 4, baseline
     ratios = re.search(r"object store peak x(\S+), peak in flight x(\S+), driver x(\S+)", output)
