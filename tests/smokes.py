@@ -68,8 +68,8 @@ NICENESS = 19
 # benchmarks/_workload.own_ray alone, and run at the tests' niceness until it is up, then step
 # down to NICENESS with it (_workload.SMOKE_NICENESS). Under `nice` a start got so little of the
 # cores that it missed Ray's fixed 30 s wait for the raylet (CI, 2026-12-06).
-STEP_DOWN_ONCE_RAY_IS_UP = {"acceptance_loop.py", "driver_memory.py", "engine_feeding.py", "prompts_memory.py",
-                            "stream_balance.py", "stream_scale.py"}
+STEP_DOWN_ONCE_RAY_IS_UP = {"acceptance_loop.py", "driver_memory.py", "engine_feeding.py", "hidden_states_throughput.py",
+                            "prompts_memory.py", "stream_balance.py", "stream_scale.py"}
 # Beside the tests a smoke gets only the cores they leave: the whole run's length, not its own.
 SMOKE_TIMEOUT_S = 3600
 
