@@ -23,6 +23,12 @@ sys.path.insert(0, str(REPO))
 
 MIN_TOKENS, MAX_TOKENS, MEAN_TOKENS, SIGMA = 16, 8192, 1300, 1.0
 
+# The test suite's smoke runs (tests/smokes.py) start a script whose Ray starts are all
+# own_ray's at the tests' niceness and name here the one to take once its Ray is up. Started
+# under `nice -n 19`, Ray's raylet and gcs got so little of the cores the tests kept busy that
+# the raylet missed Ray's fixed 30 s wait (CI, 2026-12-06), whatever the retries.
+SMOKE_NICENESS = "EAGLE_DATA_SMOKE_NICENESS"
+
 
 def start_ray(**local) -> str:
     """Ray for a benchmark: the running instance at RAY_ADDRESS when that is set (the test
@@ -50,13 +56,6 @@ def own_ray(**local) -> None:
     start_in_rays_time(lambda: ray.init(include_dashboard=False, log_to_driver=False, **local))
     if niceness := os.environ.get(SMOKE_NICENESS):
         step_down(int(niceness))
-
-
-# The test suite's smoke runs (tests/smokes.py) start a script whose Ray starts are all
-# own_ray's at the tests' niceness and name here the one to take once its Ray is up. Started
-# under `nice -n 19`, Ray's raylet and gcs got so little of the cores the tests kept busy that
-# the raylet missed Ray's fixed 30 s wait (CI, 2026-12-06), whatever the retries.
-SMOKE_NICENESS = "EAGLE_DATA_SMOKE_NICENESS"
 
 
 def step_down(niceness: int) -> None:

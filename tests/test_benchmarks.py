@@ -302,8 +302,9 @@ def stream_scale(output: str) -> None:
     # the peak in flight is within the limit, within a chunk (2 rows) of it (a chunk is held only
     # where its bytes would pass the limit), and below the rows streamed. The gate is reached only
     # where the engine runs ahead of the trainer (its step a sleep; the engine's rows go through Ray
-    # Data and the gate, which a loaded machine slows): where the trainer waited 10% of its time or more (45% beside a fresh clone's
-    # suite, 2026-12-06; under 1% alone), the peak is only checked to be within the limit.
+    # Data and the gate, which a loaded machine slows): where the trainer waited 10% of its time or
+    # more (45% beside a fresh clone's suite, 2026-12-06; under 1% alone), the peak is only checked
+    # to be within the limit.
     args = SMOKE["stream_scale.py"][0]
     limit = int(args[args.index("--max-bytes") + 1])
     longest_row = 96 * (4 * 7168 * 2 + 16) + 256  # stream.py: tokens x (states + TOKEN_BYTES) + ROW_BYTES

@@ -181,6 +181,19 @@ def start_local_ray() -> None:
                     ray.get_runtime_context().gcs_address, address)
 
 
+def undeclared_hint(resources: dict, nodes: list[dict], setting: str, role: str, per_node: int) -> str | None:
+    """What to do about the custom `resources` (a config's `setting`) that no node in `nodes`
+    declares, or None when every one is declared: declare them on the `role` nodes, or drop
+    the setting and let Ray place them."""
+    undeclared = [k for k in resources if not any(res.get(k, 0) > 0 for res in nodes)]
+    if not undeclared:
+        return None
+    name = undeclared[0]
+    return (f"no node declares {', '.join(map(repr, undeclared))} ({setting}): declare it on the {role} nodes "
+            f"(`resources: {{{name}: {per_node}}}` as cluster.yaml's {role} nodes do, or "
+            f"`ray start --resources '{{\"{name}\": {per_node}}}'`), or set {setting}={{}} to let Ray place them")
+
+
 def wait_for_nodes(fits, wait_s: float, poll_s: float = 2.0) -> tuple[bool, list[dict]]:
     """Whether `fits(nodes)` (each alive node's resources) became true within `wait_s`
     seconds (an autoscaling cluster adds nodes meanwhile), and the nodes last seen."""

@@ -40,7 +40,7 @@ import numpy as np
 from eagle_data.config import Config
 from eagle_data.errors import ConfigError, EagleDataError, EmptyResult, NotWritable, NoTrainingResources, user_error
 from eagle_data.job.phases.hidden_states import layer_ids, target_shape
-from eagle_data.job.ray_internals import wait_for_nodes
+from eagle_data.job.ray_internals import undeclared_hint, wait_for_nodes
 from eagle_data.job.ray_session import start_ray
 from eagle_data.model_files import check_weights
 from eagle_data.tools.token_counts import count_tokens
@@ -178,16 +178,11 @@ def wait_for_worker_resources(cfg: Config) -> None:
                                  cfg.train.resource_wait_s)
     if fits:
         return
-    undeclared = [k for k in cfg.train.worker_resources if not any(res.get(k, 0) > 0 for res in nodes)]
     if "GPU" in need and not any(res.get("GPU", 0) for res in nodes):
         hint = "there is no GPU in the cluster; set train.device=cpu to train on CPUs"
-    elif undeclared:
-        hint = (f"no node declares {', '.join(map(repr, undeclared))} (train.worker_resources): declare it on the "
-                f"trainer nodes (`resources: {{{undeclared[0]}: 8}}` as cluster.yaml's trainer node type does, or "
-                f"`ray start --resources '{{\"{undeclared[0]}\": 8}}'`), or set train.worker_resources={{}} to let "
-                f"Ray place the workers")
     else:
-        hint = "lower train.workers / train.cpus_per_worker or add nodes"
+        hint = (undeclared_hint(cfg.train.worker_resources, nodes, "train.worker_resources", "trainer", 8)
+                or "lower train.workers / train.cpus_per_worker or add nodes")
     raise NoTrainingResources(
         f"train.workers={cfg.train.workers} with train.device={cfg.train.device} need {need} each, and after waiting "
         f"{cfg.train.resource_wait_s:g}s (train.resource_wait_s) the cluster has room for "

@@ -102,7 +102,7 @@ def test_workers_the_cluster_cannot_hold_fail_with_a_message_after_the_wait(ray_
     one = cpus.model_copy(update={"train": cpus.train.model_copy(update={"workers": 1})})
     wait_for_worker_resources(one)
     # The Kimi config's workers go to trainer nodes (train.worker_resources), which a cluster not
-    # made by cluster.yaml lacks: Ray Train's start waited for them without end.
+    # made by cluster.yaml lacks: the wait left them out and passed, leaving them to Ray Train.
     on_trainer_nodes = one.model_copy(update={"train": one.train.model_copy(update={"worker_resources": {"eagle_trainer": 1}})})
     with pytest.raises(NoTrainingResources, match=r"need \{'CPU': 2.0, 'eagle_trainer': 1\} each, .* room for 0: no node "
                                                   r"declares 'eagle_trainer' \(train.worker_resources\)"):

@@ -20,7 +20,7 @@ from typing import Any
 
 from eagle_data.config import Config
 from eagle_data.errors import NoReplicaResources
-from eagle_data.job.ray_internals import wait_for_nodes
+from eagle_data.job.ray_internals import undeclared_hint, wait_for_nodes
 from eagle_data.job.stages.engines.kwargs import with_passed
 from eagle_data.job.stages.engines.vllm_udf import check_threads_bind, vllm_stage_udf
 from eagle_data.model_files import resolve_model_path
@@ -98,16 +98,11 @@ def wait_for_replica_resources(cfg: Config, poll_s: float = 2.0) -> None:
     if fits:
         return
     has_gpu = any(res.get("GPU", 0) > 0 for res in nodes)
-    undeclared = [k for k in cfg.engine.replica_resources if not any(res.get(k, 0) > 0 for res in nodes)]
     if "GPU" in need and not has_gpu:
         hint = "there is no GPU in the cluster; set engine.device=cpu to run vLLM on CPUs (vLLM's CPU build, `make setup`)"
-    elif undeclared:
-        hint = (f"no node declares {', '.join(map(repr, undeclared))} (engine.replica_resources): declare it on "
-                f"the engine nodes (`resources: {{{undeclared[0]}: 1}}` as cluster.yaml's GPU node types do, or "
-                f"`ray start --resources '{{\"{undeclared[0]}\": 1}}'`), or set engine.replica_resources={{}} to "
-                f"let Ray place the replicas")
     else:
-        hint = "no node has that much; lower engine.tensor_parallel_size / engine.num_cpus or add nodes"
+        hint = (undeclared_hint(cfg.engine.replica_resources, nodes, "engine.replica_resources", "engine", 1)
+                or "no node has that much; lower engine.tensor_parallel_size / engine.num_cpus or add nodes")
     raise NoReplicaResources(
         f"engine.backend=vllm with engine.device={cfg.engine.device}: one replica needs {need} on one node, "
         f"and after waiting {cfg.engine.resource_wait_s:g}s (engine.resource_wait_s) {hint}")
