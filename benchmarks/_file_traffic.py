@@ -9,7 +9,8 @@ is not taken for a new one.
 A file removed before its size could be taken counts the size `fallback(path)` gives (the
 caller knows what it held) and is reported in `estimated`. Folders made while watching are
 watched from the moment they are seen, and the files they already hold that were not seen
-before are taken as written then.
+before are taken as written then; a file read in such a folder before it is seen is missed,
+so a caller that counts reads makes the folders they happen in before watching.
 """
 
 from __future__ import annotations

@@ -380,8 +380,11 @@ def main() -> None:
         events = tmp / "events.jsonl"
         baseline_out = shared / "out-scratch-on-out"
         floor_out = shared / "out-floor"
+        # The folder the phase publishes into, made before any watch starts: a watch only sees a file
+        # read in a folder it already watches (the status reads the shard right after publishing it).
+        (out / "hidden_states").mkdir()
         for copy in (baseline_out, floor_out):
-            shutil.copytree(out, copy)  # before the phase: data/ only
+            shutil.copytree(out, copy)  # before the phase: data/ and an empty hidden_states/
         lengths = {r["sample_id"]: len(r["input_ids"]) for r in rows}
 
         def row_bytes(path: str) -> int:  # a per-row file removed before its size was seen
