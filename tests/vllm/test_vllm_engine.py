@@ -544,15 +544,20 @@ class RankKiller(threading.Thread):
     it comes before the engine has answered rows of a dozen tokens (a second or so: the
     likeliest cause of this test's one failure in a full run, whose message CI's output left
     out). If no row reaches the stopped engine in `patience` seconds, the rank is let go on
-    and the test fails. Records every rank-1 process it saw, so a restart shows as a
-    second one."""
+    and the test fails. Records every rank-1 process it saw, and every engine core that
+    started after the kill: the restarted replica's. That, not a second rank 1, shows the
+    restart: a rank takes its name (VLLM::Worker_TP1) late in the engine's start, a few
+    seconds before the rows are done, which a loaded machine's walk of the processes missed
+    (CI, 2026-12-06); the engine core has its name from the start of the engine's load."""
 
     def __init__(self, progress: "Lines", patience: float = 300.0):
         super().__init__(daemon=True)
         self.progress, self.patience = progress, patience
         self.stale: set[int] = set()
         self.stale_replicas: set[str] = set()
-        self.ranks_seen: list[int] = []  # every rank 1 seen, in order: a restart adds one
+        self.ranks_seen: list[int] = []  # every rank 1 seen, in order
+        self.cores_before: set[int] = set()  # the engine cores alive at the kill
+        self.cores_after: list[int] = []  # the engine cores started since: the restarted replica's
         self.published: dict[str, dict] = {}  # what this run's replica published last
         self.stopped: int | None = None
         self.stopped_at = (0, 0.0)
@@ -583,14 +588,17 @@ class RankKiller(threading.Thread):
         seen, since = self.stopped_at
         while not self.done.is_set() and self.killed is None and not self.gave_up:
             if any(IN_ENGINE.search(line) for line in self.progress.lines[seen:] if line.startswith("progress:")):
+                self.cores_before = set(ray_processes("VLLM::EngineCore"))
                 _signal([self.stopped], signal.SIGKILL)
                 self.killed = self.stopped
             elif time.monotonic() - since > self.patience:
                 _signal([self.stopped], signal.SIGCONT)
                 self.gave_up = True
             time.sleep(0.2)
-        while not self.done.is_set():  # the restarted replica's rank 1
+        while not self.done.is_set():  # the restarted replica's engine
             self.ranks()
+            self.cores_after += [core for core in ray_processes("VLLM::EngineCore")
+                                 if core not in self.cores_before and core not in self.cores_after]
             time.sleep(0.2)
 
     def ranks(self) -> list[int]:
@@ -661,7 +669,8 @@ def test_tensor_parallel_2_rows_are_what_vllm_generates_at_tensor_parallel_1(tp2
     assert killer.stopped is not None, (f"rank 1 was never stopped; rank-1 processes: {killer.ranks_seen}, "
                                         f"the replica published {killer.published or 'nothing'}")
     assert killer.killed is not None, f"rank 1 was stopped, and no row reached its engine in {killer.patience:.0f} s"
-    assert len(killer.ranks_seen) >= 2, f"no rank 1 after the kill: the replica was not restarted ({killer.ranks_seen})"
+    assert killer.cores_after, f"no engine core started after the kill: the replica was not restarted " \
+                               f"(rank-1 processes: {killer.ranks_seen})"
     verify_ok(out)
     rows = sorted(read(out, "data"), key=lambda r: r["sample_id"])
     prompts = {p["sample_id"]: p for p in read(out, "prompts")}
@@ -677,7 +686,7 @@ def test_tensor_parallel_2_rows_are_what_vllm_generates_at_tensor_parallel_1(tp2
         assert list(row["input_ids"]) == req["prompt"] + ref["token_ids"], (row["sample_id"], row["variant"])
         assert row["finish_reason"] == ref["finish_reason"], row["sample_id"]
     print(f"\ntensor parallel 2: rank 1 stopped once its replica published its counters, killed, the replica "
-          f"restarted (rank-1 processes: {killer.ranks_seen}); {len(rows)} rows "
+          f"restarted (rank-1 processes: {killer.ranks_seen}, engine cores since: {killer.cores_after}); {len(rows)} rows "
           f"({sum(r['variant'] == 'greedy' for r in rows)} greedy) equal vllm.LLM.generate's at tensor parallel 1")
 
 
