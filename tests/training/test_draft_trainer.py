@@ -169,8 +169,9 @@ def test_a_trainer_stopped_mid_training_exits_128_plus_the_signal_and_leaves_no_
     log = tmp_path / "log.txt"
     try:
         with open(log, "w") as out:
+            # A process group of its own (Ctrl-C reaches it whole), in the tests' session (tests/smokes.py)
             job = subprocess.Popen([sys.executable, "-m", "ray_jobs.train_draft", "--config", str(config)], cwd=REPO,
-                                   env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                   env=env, stdout=out, stderr=subprocess.STDOUT, process_group=0)
             deadline = time.monotonic() + 300
             while job.poll() is None and time.monotonic() < deadline:
                 if (save / "metrics.jsonl").exists() and len((save / "metrics.jsonl").read_text().splitlines()) >= 2:

@@ -61,8 +61,9 @@ def test_a_stopped_job_exits_128_plus_the_signal_with_one_line_and_leaves_no_ray
     env.update(PYTHONPATH=str(REPO), RAY_TMPDIR=ray_tmpdir)
     log = tmp_path / "stderr.txt"  # a file, not a pipe: nothing reads it while the job runs
     with open(log, "w") as stderr_file:
+        # A process group of its own (Ctrl-C reaches it whole), in the tests' session (tests/smokes.py)
         job = subprocess.Popen([sys.executable, "-m", "ray_jobs.generate", "--config", str(config)], cwd=REPO, env=env,
-                               stdout=subprocess.DEVNULL, stderr=stderr_file, start_new_session=True)
+                               stdout=subprocess.DEVNULL, stderr=stderr_file, process_group=0)
     try:
         deadline = time.monotonic() + 180
         while not shards(out, "data") and job.poll() is None:
