@@ -544,18 +544,18 @@ class RankKiller(threading.Thread):
     it comes before the engine has answered rows of a dozen tokens (a second or so: the
     likeliest cause of this test's one failure in a full run, whose message CI's output left
     out). If no row reaches the stopped engine in `patience` seconds, the rank is let go on
-    and the test fails. Records every rank-1 process it saw, and every engine core that
-    started after the kill: the restarted replica's. That, not a second rank 1, shows the
-    restart: a rank takes its name (VLLM::Worker_TP1) late in the engine's start, a few
-    seconds before the rows are done, which a loaded machine's walk of the processes missed
-    (CI, 2026-12-06); the engine core has its name from the start of the engine's load."""
+    and the test fails. After the kill it records every engine core that started since: the
+    restarted replica's. That, not a second rank 1, shows the restart: a rank takes its name
+    (VLLM::Worker_TP1) late in the engine's start, a few seconds before the rows are done,
+    which a loaded machine's walks of the processes missed (a fresh-clone full run,
+    2026-12-06); the engine core has its name from the start of the engine's load."""
 
     def __init__(self, progress: "Lines", patience: float = 300.0):
         super().__init__(daemon=True)
         self.progress, self.patience = progress, patience
         self.stale: set[int] = set()
         self.stale_replicas: set[str] = set()
-        self.ranks_seen: list[int] = []  # every rank 1 seen, in order
+        self.ranks_seen: list[int] = []  # every rank 1 seen before the kill
         self.cores_before: set[int] = set()  # the engine cores alive at the kill
         self.cores_after: list[int] = []  # the engine cores started since: the restarted replica's
         self.published: dict[str, dict] = {}  # what this run's replica published last
@@ -596,7 +596,6 @@ class RankKiller(threading.Thread):
                 self.gave_up = True
             time.sleep(0.2)
         while not self.done.is_set():  # the restarted replica's engine
-            self.ranks()
             self.cores_after += [core for core in ray_processes("VLLM::EngineCore")
                                  if core not in self.cores_before and core not in self.cores_after]
             time.sleep(0.2)
