@@ -65,10 +65,8 @@ NEEDS_PROMPT_SETS = {"acceptance_loop.py"}
 # and the smokes take what the tests leave: waits on Ray, on a subprocess, on one thread.
 # Niceness weighs only within a session: Linux shares the cores between sessions first
 # (sched_autogroup), so a process a test starts in a session of its own takes half the cores
-# at most beside the smokes, whatever their niceness (the trainer's two signal tests beside
-# two smokes: 259 s in sessions of their own, where each trainer's Ray start missed Ray's 30 s
-# wait twice; 117 s in the tests' session). The tests start theirs in a process group of
-# their own instead.
+# at most beside the smokes, whatever their niceness (docs/development.md). The tests start
+# theirs in a process group of their own instead.
 NICENESS = 19
 # Except for their Ray start: these scripts start their Ray instances with
 # benchmarks/_workload.own_ray alone, and run at the tests' niceness until it is up, then step
