@@ -120,6 +120,40 @@ def test_a_template_without_reasoning_ids_are_the_templates_and_the_mask_is_the_
             assert tokenizer.decode(row["input_ids"][n:]) == ANSWER + "<|im_end|>"
 
 
+# Reasoning markers anywhere but a leading <think>...</think> block: each once cut the text
+# before the first </think> off the answer, and a target without reasoning tokens trained on
+# what followed it, without a word.
+MISPLACED = [(f"Sure. <think>{THOUGHT}</think> {ANSWER}", "'<think>' at character 6"),
+             (f"Sure. {THOUGHT}</think> {ANSWER}", "'</think>' at character 34"),
+             (f"<think>{THOUGHT} {ANSWER}", "'<think>' at character 0"),
+             (f"<think>{THOUGHT}</think> {ANSWER} <think>More.</think>", "'<think>' at character 72"),
+             (f"<think>{THOUGHT}<think>again</think> {ANSWER}", "'<think>' at character 35")]
+
+
+@pytest.mark.parametrize("target", ["qwen-2.5", "qwen-3"])
+def test_inline_reasoning_is_read_only_at_the_start_and_a_marker_elsewhere_skips_the_row(tmp_path, target):
+    """docs/formats.md: inline reasoning is a <think>...</think> block at the start of the
+    answer's text. Qwen2.5 has no reasoning tokens (like SmolLM2: the markers are plain text
+    to it, and its template drops the reasoning); Qwen3 has them. On both, a marker anywhere
+    else skips the row naming the marker and where it is, never cuts the text before it; a
+    leading block (after whitespace) is the reasoning, and the row trains on the rest."""
+    tokenizer_dir = extract_tokenizer(target, tmp_path / target)
+    cfg = config(tmp_path, tokenizer_dir)
+    rows = [chat({"content": text}) for text, _ in MISPLACED]
+    rows += [chat({"content": f"<think>{THOUGHT}</think> {ANSWER}", "reasoning_content": THOUGHT}),
+             chat({"content": f"\n <think>\n{THOUGHT}\n</think>\n\n{ANSWER}"})]
+    prompts, data = answered(cfg, rows)
+    assert [(p["reason"], p["detail"]) for p in prompts[:-1]] == [
+        ("misplaced_reasoning", f"the answer (messages[1]) has {where}: inline reasoning is read only from a "
+                                "'<think>'...'</think>' block at the start of its text")
+        for _, where in MISPLACED] + [
+        ("misplaced_reasoning", "the answer (messages[1]) has '<think>' at character 0: its reasoning is the turn's "
+                                "reasoning field, and its text holds no reasoning markers")]
+    assert prompts[-1]["reason"] == "", prompts[-1]["detail"]
+    [row] = data
+    assert row["response"] == ANSWER and row["reasoning"] == ("" if target == "qwen-2.5" else THOUGHT)
+
+
 def test_an_answer_longer_than_max_tokens_is_cut_there_as_the_engine_cuts(tmp_path, qwen3_tokenizer_dir):
     long = " ".join(["word"] * 40)
     cfg = config(tmp_path, qwen3_tokenizer_dir, sampling__max_tokens=10)

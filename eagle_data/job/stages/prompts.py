@@ -196,9 +196,11 @@ def conversation_messages(turns: list[Turn], role_key: str) -> tuple[list[dict],
 def answer_of(turns: list[Turn], markers: tuple[str, str]) -> tuple[str, str]:
     """prompt.answers=dataset: (reasoning, text) of the dataset's answer to the first user
     turn, the assistant turn right after it. Its reasoning is the turn's `reasoning_content`
-    (or `reasoning`) field, or inline: the text up to the end-of-reasoning marker (after a
-    start marker, if any; `markers` = model.reasoning_start, model.reasoning_end). No such
-    turn, or an empty one: Skip no_answer."""
+    (or `reasoning`) field, or inline: a start ... end marker block at the start of its text
+    (`markers` = model.reasoning_start, model.reasoning_end; leading whitespace aside). No
+    such turn, or an empty one: Skip no_answer. A marker anywhere else: Skip
+    misplaced_reasoning (the text before it is never cut off, whatever the tokenizer makes
+    of the markers)."""
     first = next(i for i, t in enumerate(turns) if t.role == "user")
     after = turns[first + 1] if first + 1 < len(turns) else None
     if after is None or after.role != "assistant":
@@ -208,14 +210,31 @@ def answer_of(turns: list[Turn], markers: tuple[str, str]) -> tuple[str, str]:
     if reasoning is not None and not isinstance(reasoning, str):
         raise Skip("bad_schema", f"{after.where}'s reasoning is a {type(reasoning).__name__}, not a string")
     start, end = markers
-    if reasoning is None and end in text:  # inline: [<think>] reasoning </think> text
-        head, _, text = text.partition(end)
-        head = head.strip()
-        reasoning, text = (head[len(start):] if head.startswith(start) else head).strip(), text.lstrip("\n")
+    opens, closes = len(text) - len(text.lstrip()), -1
+    if reasoning is None and start and end and text.startswith(start, opens):
+        closes = text.find(end, opens + len(start))
+    block = {(start, opens), (end, closes)} if closes >= 0 else set()  # the inline reasoning's markers
+    stray = min(((i, m) for m in (start, end) if m for i in occurrences(text, m) if (m, i) not in block), default=None)
+    if stray is not None:
+        why = ("its reasoning is the turn's reasoning field, and its text holds no reasoning markers"
+               if reasoning is not None else
+               f"inline reasoning is read only from a {start!r}...{end!r} block at the start of its text")
+        raise Skip("misplaced_reasoning", f"the answer ({after.where}) has {stray[1]!r} at character {stray[0]}: {why}")
+    if block:
+        reasoning, text = text[opens + len(start):closes].strip(), text[closes + len(end):].lstrip("\n")
     reasoning = reasoning or ""
     if not text.strip() and not reasoning.strip():
         raise Skip("no_answer", f"the answer ({after.where}) is empty")
     return reasoning, text
+
+
+def occurrences(text: str, marker: str) -> list[int]:
+    """Where `marker` starts in `text`, each place (overlapping ones too)."""
+    found, at = [], text.find(marker)
+    while at >= 0:
+        found.append(at)
+        at = text.find(marker, at + 1)
+    return found
 
 
 def sample_id_of(messages: list[dict]) -> str:
