@@ -640,21 +640,27 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     except DuplicateKey as e:
         raise ConfigError(f"--set {text!r}: duplicate key {e.key!r} in the value") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"--set {text!r}: value is not valid YAML ({e})") from e
+        raise ConfigError(f"--set {text!r}: {key.strip()}: {_yaml_problem(e, raw, one_line=True)}") from None
     return key.strip().split("."), value
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """The config of a YAML file (or none) and `--set` overrides. Every error is one line
+    (a job's `error:` line) naming each key at fault, what is wrong and where it was set."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
-            data = load_yaml(Path(path).read_text()) or {}
+            text = Path(path).read_text()
+            data = load_yaml(text) or {}
         except DuplicateKey as e:
             raise ConfigError(f"config {path}: {e}: YAML would keep only the last one; merge them") from None
-        except (OSError, yaml.YAMLError) as e:
-            raise ConfigError(f"cannot read config {path}: {e}") from e
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config {path}: {_yaml_problem(e, text, one_line=False)}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read config {path}: {e}") from None
         if not isinstance(data, dict):
-            raise ConfigError(f"config {path}: top level must be a mapping of sections")
+            raise ConfigError(f"config {path}: top level must be a mapping of sections, not a {type(data).__name__}")
+    given: dict[tuple, str] = {}  # the keys each --set gave -> its text
     for text in overrides:
         keys, value = parse_override(text)
         node = data
@@ -664,23 +670,50 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
                 raise ConfigError(f"--set {text!r}: {'.'.join(keys[: i + 1])} is not a section")
             node = child
         node[keys[-1]] = value
+        given[tuple(keys)] = text
     try:
         return Config.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_describe(e, path)) from None
+        raise ConfigError(_describe(e, path, given)) from None
 
 
-def _describe(error: ValidationError, path: Any) -> str:
-    lines = [f"invalid config{f' {path}' if path else ''}:"]
+def _yaml_problem(error: yaml.YAMLError, text: str, one_line: bool) -> str:
+    """A YAML syntax error in one line: where (the line's text too), what, and what it was in."""
+    mark = getattr(error, "problem_mark", None)
+    if mark is None:
+        return "not valid YAML: " + " ".join(str(error).split())
+    lines = text.splitlines()
+
+    def at(mark) -> str:
+        if one_line:
+            return f"column {mark.column + 1}"
+        line = lines[mark.line].strip() if mark.line < len(lines) else ""
+        return f"line {mark.line + 1}, column {mark.column + 1}" + (f" ({line[:80]!r})" if line else "")
+
+    said = f"not valid YAML at {at(mark)}: {error.problem}"
+    if error.context:
+        said += f" ({error.context}{f' from {at(error.context_mark)}' if error.context_mark else ''})"
+    return said
+
+
+def _describe(error: ValidationError, path: Any, given: dict[tuple, str]) -> str:
+    """Every error of a validation on one line: `key: what is wrong (got value)`, and the
+    --set that gave the key, if one did."""
+    said = []
     for err in error.errors():
-        key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        loc = tuple(str(p) for p in err["loc"])
+        key = ".".join(loc)
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
         elif err["type"] == "missing":
             msg = "required key is missing"
         else:
-            msg = err["msg"].removeprefix("Value error, ")
+            msg = " ".join(err["msg"].removeprefix("Value error, ").split())
             if "input" in err and err["type"] != "value_error":
-                msg += f" (got {err['input']!r})"
-        lines.append(f"  {key}: {msg}")
-    return "\n".join(lines)
+                got = repr(err["input"])
+                msg += f" (got {got if len(got) <= 100 else got[:100] + '...'})"
+        # A check across keys names them in its message: the section it ran on would say less.
+        entry = msg if not key or msg.startswith(key) else f"{key}: {msg}"
+        setter = max((k for k in given if loc[:len(k)] == k), key=len, default=None)
+        said.append(entry if setter is None else f"{entry}, from --set {given[setter]!r}")
+    return f"invalid config{f' {path}' if path else ''}: " + "; ".join(said)

@@ -51,6 +51,55 @@ def test_missing_required_key_and_bad_set_syntax():
         load_config(None, BASE + ["model.path.x=1"])
 
 
+BAD_VALUES = "model: {path: /m}\noutput: {path: /o}\nsampling:\n  max_tokens: lots\n  temprature: 1\n"
+
+
+def test_a_config_error_is_one_line_naming_the_key_and_what_is_wrong(tmp_path):
+    """The `error:` line is all a user may see (a job log's last line, a `ray job` status):
+    it names each key, what is wrong with its value, and where it was set (the file, a
+    --set); a YAML syntax error its line, column and the text there."""
+    f = tmp_path / "c.yaml"
+    f.write_text(BAD_VALUES)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model: {path: /m}\noutput: {path: /o\nsampling:\n  max_tokens: 3\n")
+    cases = [
+        (f, [], f"invalid config {f}: sampling.max_tokens: Input should be a valid integer (got 'lots'); "
+                "sampling.temprature: unknown key"),
+        (f, ["sampling.max_tokens=9", "engine.replicas=two"],
+         f"invalid config {f}: engine.replicas: Input should be a valid integer (got 'two'), from --set "
+         "'engine.replicas=two'; sampling.temprature: unknown key"),
+        (None, BASE + ["sampling={a: 1, top_p: 2}"],
+         "invalid config: sampling.top_p: Input should be less than or equal to 1 (got 2), from --set "
+         "'sampling={a: 1, top_p: 2}'; sampling.a: unknown key, from --set 'sampling={a: 1, top_p: 2}'"),
+        (None, BASE + ["sampling.max_tokens=20000"],  # a check across keys names them itself
+         "invalid config: sampling.max_tokens (20000) must be smaller than engine.max_model_len (16384): "
+         "no prompt would fit"),
+        (broken, [], f"config {broken}: not valid YAML at line 3, column 9 ('sampling:'): expected ',' or '}}', but "
+                     "got ':' (while parsing a flow mapping from line 2, column 9 ('output: {path: /o'))"),
+        (None, BASE + ["sampling.max_tokens=[1"],
+         "--set 'sampling.max_tokens=[1': sampling.max_tokens: not valid YAML at column 3: expected ',' or ']', "
+         "but got '<stream end>' (while parsing a flow sequence from column 1)"),
+    ]
+    for path, overrides, expected in cases:
+        with pytest.raises(ConfigError) as e:
+            load_config(path, overrides)
+        assert str(e.value) == expected
+
+
+def test_the_jobs_error_line_names_the_key(tmp_path):
+    """As a user runs the job: exit 2, and the last line, `error: ...`, names the keys."""
+    from support import job_cli
+
+    f = tmp_path / "c.yaml"
+    f.write_text(BAD_VALUES)
+    result = job_cli(f, "--set", "engine.replicas=two")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: invalid config {f}: engine.replicas: Input should be a valid integer (got 'two'), from --set "
+        "'engine.replicas=two'; sampling.max_tokens: Input should be a valid integer (got 'lots'); "
+        "sampling.temprature: unknown key")
+
+
 def test_transformers_backend_refuses_tensor_parallel():
     with pytest.raises(ConfigError, match="tensor_parallel_size > 1 needs engine.backend=vllm"):
         load_config(None, BASE + ["engine.backend=transformers", "engine.tensor_parallel_size=2"])
