@@ -89,7 +89,8 @@ class PerSourceConfig(_Section):
 class FieldsConfig(_Section):
     """Rows that are not chats (`source.fields`): which of a row's fields hold its turns, e.g.
     `{user: question, assistant: answer}` for GSM8K, `{user: turns, source: category}` for
-    MT-bench (docs/formats.md, "Dataset layouts")."""
+    MT-bench (docs/formats.md, "Dataset layouts"). A field named here that none of the
+    dataset's first 1,000 rows has is refused at start, naming the fields they have."""
 
     user: str = Field(
         min_length=1, description="the field holding the user's text, or a list of user turns (MT-bench's `turns`)")

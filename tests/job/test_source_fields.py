@@ -5,11 +5,17 @@ themselves stay outside the repository). GSM8K: `question` and its worked `answe
 
 from __future__ import annotations
 
-import pyarrow as pa
+import gzip
+import json
 
-from support import as_config, job_settings, write_jsonl
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from support import as_config, job_cli, job_settings, write_jsonl
+from eagle_data.errors import ConfigError
 from eagle_data.job.stages.prompts import PromptBuilder
-from eagle_data.job.stages.source import file_rows
+from eagle_data.job.stages.source import check_fields, file_rows, first_rows_fields, read_source
 
 GSM8K = [{"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in "
                       "May. How many clips did Natalia sell altogether in April and May?",
@@ -74,8 +80,78 @@ def test_rows_without_the_named_fields_are_skipped_naming_them(tmp_path, qwen3_t
     path = write_jsonl(tmp_path / "rows.jsonl", rows)
     got = build(tmp_path, qwen3_tokenizer_dir, path, source__fields={"user": "question", "assistant": "answer"})
     assert [(r["reason"], r["detail"].removeprefix(f"{path}:{i + 1}: ")) for i, r in enumerate(got)] == [
-        ("bad_schema", "no 'question' (source.fields names it)"),
+        ("bad_schema", "no 'question' (source.fields.user names it)"),
         ("bad_schema", "question[1] is a int, not a string"),
         ("bad_schema", "answer is a int, not a string"),
         ("", ""),  # no answer: asked of the target
-        ("bad_schema", "no 'question' (source.fields names it)")]
+        ("bad_schema", "no 'question' (source.fields.user names it)")]
+    # With the dataset's answers, a row without its answer is skipped naming the field.
+    got = build(tmp_path, qwen3_tokenizer_dir, path, source__fields={"user": "question", "assistant": "answer"},
+                prompt__answers="dataset")
+    assert (got[3]["reason"], got[3]["detail"]) == (
+        "no_answer", f"{path}:4: no answer to question in the row's 'answer' (source.fields.assistant)")
+
+
+# Each field of source.fields misspelled on GSM8K's rows: each was a skip on every row
+# (`no_answer` never naming the field, `bad_schema`), or silently nothing (no system
+# message, every source ""); the rows have `question` and `answer`.
+MISSPELLED = [({"user": "questoin", "assistant": "answer"}, "source.fields.user 'questoin'"),
+              ({"user": "question", "assistant": "answr"}, "source.fields.assistant 'answr'"),
+              ({"user": "question", "system": "sytem"}, "source.fields.system 'sytem'"),
+              ({"user": "question", "source": "levl"}, "source.fields.source 'levl'"),
+              ({"user": "qestion", "assistant": "answr"}, "source.fields.user 'qestion' and source.fields.assistant "
+                                                          "'answr'")]
+
+
+def refusal(named: str, dataset, rows: int) -> str:
+    many = " and " in named
+    return (f"{named}: none of the first {rows} rows of source.dataset {str(dataset)!r} has "
+            f"{'those fields' if many else 'that field'} (the rows' fields: answer, question); "
+            f"set source.fields to the fields that hold the turns")
+
+
+def test_a_field_that_no_row_has_is_refused_at_start_naming_it_and_the_rows_fields(tmp_path, qwen3_tokenizer_dir):
+    """The job as a user runs it, on GSM8K's rows: `answr` is refused in one line, exit 2,
+    before Ray starts or OUT is made; each other misspelling is refused by the same read."""
+    import yaml
+
+    from eagle_data.config import SourceConfig
+
+    path = write_jsonl(tmp_path / "train.jsonl", GSM8K)
+    config = tmp_path / "job.yaml"
+    settings = job_settings(tmp_path / "out", qwen3_tokenizer_dir, path, source__fields=MISSPELLED[1][0],
+                            prompt__answers="dataset", sampling__max_tokens=128)
+    config.write_text(yaml.safe_dump(settings))
+    result = job_cli(config, "--phase", "prompts")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "error: " + refusal(MISSPELLED[1][1], path, len(GSM8K))
+    assert not (tmp_path / "out").exists()
+    for fields, named in MISSPELLED:
+        with pytest.raises(ConfigError) as e:
+            read_source(SourceConfig(dataset=str(path), fields=fields))
+        assert str(e.value) == refusal(named, path, len(GSM8K))
+
+
+def test_every_layout_is_checked_on_its_first_rows_and_a_field_some_rows_have_is_not_refused(tmp_path):
+    """jsonl (plain, gzip), a JSON array, parquet, a datasets.save_to_disk folder: the same
+    line. A field of only some rows (here only the last) is no misspelling: those rows are
+    per-row skips, as before."""
+    import datasets
+
+    from eagle_data.config import SourceConfig
+
+    rows = GSM8K * 3
+    (tmp_path / "rows.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+    (tmp_path / "rows.json").write_text(json.dumps(rows, indent=2))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    for dataset in ("rows.jsonl.gz", "rows.json", "rows.parquet", "saved"):
+        source = SourceConfig(dataset=str(tmp_path / dataset), fields={"user": "question", "assistant": "answr"})
+        with pytest.raises(ConfigError) as e:
+            read_source(source)
+        assert str(e.value) == refusal("source.fields.assistant 'answr'", tmp_path / dataset, len(rows))
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", ["", "not JSON", json.dumps([1]), *map(json.dumps, [
+        {"question": "Hi"}, {"question": "Hi", "hint": "Be brief."}])])
+    assert first_rows_fields((str(mixed),)) == (2, {"question", "hint"})
+    check_fields(SourceConfig(dataset=str(mixed), fields={"user": "question", "system": "hint"}),
+                 *first_rows_fields((str(mixed),)))

@@ -18,7 +18,7 @@ from eagle_data.errors import ConfigError, EmptyResult, MissingInput, NotWritabl
 from eagle_data.job.phases import PHASE_BY_NAME, PHASES
 from eagle_data.job.ray_session import start_ray
 from eagle_data.job.stages.engines import check_engine_kwargs
-from eagle_data.job.stages.source import content_stamp, locate, stamp_changes
+from eagle_data.job.stages.source import check_source_fields, content_stamp, locate, stamp_changes
 from eagle_data.model_files import (check_tokenizer_path, check_weights, hub_reachable, is_hub_id, load_tokenizer,
                                    use_hub_cache_only)
 from eagle_data.storage.damage import check_prompts_record, quarantine_corrupt
@@ -57,6 +57,8 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow
     # before check_writable creates OUT, which must not appear inside a dataset folder.
     local_out = out.root if isinstance(out.fs, pafs.LocalFileSystem) else None
     layout = locate(cfg.source, local_out) if any(p.reads_dataset for p in chosen) else None
+    if layout is not None:
+        check_source_fields(cfg.source, layout)  # a misspelled source.fields field, before Ray starts
     out.check_writable()
     rebuilt = False
     if not wipe:

@@ -126,7 +126,7 @@ def field_turns(row: dict, fields: FieldsConfig) -> list[Turn]:
         if value is None:
             if optional:
                 return []
-            raise Skip("bad_schema", f"no '{name}' (source.fields names it)")
+            raise Skip("bad_schema", f"no '{name}' (source.fields.user names it)")
         values = value if isinstance(value, list) else [value]
         for i, text in enumerate(values):
             where = f"{name}[{i}]" if isinstance(value, list) else name
@@ -193,17 +193,21 @@ def conversation_messages(turns: list[Turn], role_key: str) -> tuple[list[dict],
     return messages, users
 
 
-def answer_of(turns: list[Turn], markers: tuple[str, str]) -> tuple[str, str]:
+def answer_of(turns: list[Turn], markers: tuple[str, str], fields: FieldsConfig | None = None) -> tuple[str, str]:
     """prompt.answers=dataset: (reasoning, text) of the dataset's answer to the first user
     turn, the assistant turn right after it. Its reasoning is the turn's `reasoning_content`
     (or `reasoning`) field, or inline: a start ... end marker block at the start of its text
     (`markers` = model.reasoning_start, model.reasoning_end; leading whitespace aside). No
-    such turn, or an empty one: Skip no_answer. A marker anywhere else: Skip
+    such turn, or an empty one: Skip no_answer (naming source.fields.assistant's field, with
+    `fields`). A marker anywhere else: Skip
     misplaced_reasoning (the text before it is never cut off, whatever the tokenizer makes
     of the markers)."""
     first = next(i for i, t in enumerate(turns) if t.role == "user")
     after = turns[first + 1] if first + 1 < len(turns) else None
     if after is None or after.role != "assistant":
+        if fields is not None and fields.assistant:
+            raise Skip("no_answer", f"no answer to {turns[first].where} in the row's '{fields.assistant}' "
+                                    f"(source.fields.assistant)")
         said = f"{after.where} is {after.given_role!r}" if after is not None else "the row ends there"
         raise Skip("no_answer", f"no assistant turn right after the first user turn ({said})")
     reasoning, text = after.reasoning, after.content
@@ -448,7 +452,7 @@ class PromptBuilder(PromptRenderer, Stage):
                     users, identity = [messages[-1]["content"]], messages
                 texts = [(m["role"], m["content"]) for m in messages] + [("user", u) for u in users]
                 if self.answer_stop_ids:  # prompt.answers=dataset
-                    base["dataset_answer"] = answer_of(turns, self.reasoning_markers)
+                    base["dataset_answer"] = answer_of(turns, self.reasoning_markers, self.row_fields)
                     texts += [("assistant", text) for text in base["dataset_answer"]]
                 for role, content in texts:
                     found = control.search(content)

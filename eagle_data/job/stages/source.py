@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fnmatch
 import glob
+import gzip
 import hashlib
 import json
 import logging
@@ -32,7 +33,7 @@ import ray
 
 from eagle_data.config import SourceConfig
 from eagle_data.model_files import is_hub_id
-from eagle_data.errors import EagleDataError, MissingInput, UnsupportedDataset
+from eagle_data.errors import ConfigError, EagleDataError, MissingInput, UnsupportedDataset
 from eagle_data.job.stages.columns import Stage, columns
 from eagle_data.storage.files import kind_of
 
@@ -266,6 +267,7 @@ def _saved_layout(folder: str, split: str) -> Layout | None:
 
 
 def read_source(cfg: SourceConfig) -> ray.data.Dataset:
+    """The dataset's raw rows (RAW), once source.fields is checked against the first rows."""
     layout = locate(cfg)
     field = source_field(cfg)
     if layout.kind == "hub":
@@ -276,6 +278,7 @@ def read_source(cfg: SourceConfig) -> ray.data.Dataset:
         except Exception as e:  # network, cache miss, unknown id or split: all the user's to fix
             raise MissingInput(f"source.dataset {cfg.dataset!r} (split {cfg.split!r}) cannot be loaded "
                                f"from the hub or its local cache: {type(e).__name__}: {e}") from None
+        check_fields(cfg, min(hf.num_rows, PEEK_ROWS), set(hf.column_names))
         return ray.data.from_huggingface(hf).map_batches(TableToRaw(field), batch_format="pyarrow")
     if layout.kind == "saved":
         import datasets
@@ -288,6 +291,7 @@ def read_source(cfg: SourceConfig) -> ray.data.Dataset:
         except (OSError, ValueError, pa.ArrowException) as e:  # a damaged or cut .arrow file
             raise UnsupportedDataset(f"source.dataset {cfg.dataset!r}: the datasets.save_to_disk folder "
                                      f"{layout.paths[0]} cannot be read ({type(e).__name__}: {e})") from None
+        check_fields(cfg, min(table.num_rows, PEEK_ROWS), set(table.column_names))
         # What ray.data.from_huggingface does for a local Dataset, without its first step:
         # asking the hub whether the dataset's name is a public dataset (a network round
         # trip, or retries when there is no network, for a folder on disk).
@@ -297,9 +301,106 @@ def read_source(cfg: SourceConfig) -> ray.data.Dataset:
     # column that is string in one parquet file and dictionary in another is fine: every
     # row becomes JSON text), and a file damaged part way through keeps the rows before the
     # damage and gives one bad_file row naming it, instead of a failed Ray task.
+    check_source_fields(cfg, layout)
     parts = [{"path": path, "row_group": group} for path in layout.paths for group in _row_groups(path)]
     return (ray.data.from_items(parts, override_num_blocks=max(1, len(parts)))
             .map_batches(FilesToRaw(field), batch_format="pyarrow", batch_size=1))
+
+
+# How much of a dataset's start source.fields is checked against: its first rows, and at
+# most this much of their files' text (a row may be large).
+PEEK_ROWS = 1000
+PEEK_BYTES = 16 << 20
+
+
+def check_fields(cfg: SourceConfig, rows: int, fields: set[str]) -> None:
+    """Refuse (ConfigError) a field source.fields names that none of the dataset's first
+    `rows` rows has (`fields`: the fields they have): a misspelling, which would otherwise
+    skip every row (user, assistant) or silently give none (system, source). A field some
+    rows have is no misspelling: the rows without it are skipped one by one."""
+    named = cfg.fields
+    if named is None or rows == 0:
+        return
+    given = {"user": named.user, "assistant": named.assistant, "system": named.system,
+             "source": named.source if "source" in named.model_fields_set else None}  # (default: `source`, if any)
+    missing = [f"source.fields.{key} {name!r}" for key, name in given.items() if name is not None and name not in fields]
+    if not missing:
+        return
+    have = sorted(fields)
+    listed = ", ".join(have[:20]) + (f", ... ({len(have)} in all)" if len(have) > 20 else "")
+    raise ConfigError(f"{' and '.join(missing)}: none of the first {rows} rows of source.dataset {cfg.dataset!r} "
+                      f"has {'those fields' if len(missing) > 1 else 'that field'} (the rows' fields: "
+                      f"{listed or 'none'}); set source.fields to the fields that hold the turns")
+
+
+def check_source_fields(cfg: SourceConfig, layout: Layout) -> None:
+    """check_fields on a files layout's first rows: cheap (a few MiB read at most), so run at
+    start, before Ray; a saved or hub dataset's columns are checked once it is loaded."""
+    if layout.kind == "files":
+        check_fields(cfg, *first_rows_fields(layout.paths))
+
+
+def first_rows_fields(paths: tuple[str, ...]) -> tuple[int, set[str]]:
+    """(how many rows, their fields) of the files' first rows (up to PEEK_ROWS, PEEK_BYTES of
+    text): a parquet file's columns are every row's; a jsonl or JSON array file's rows are
+    read from its start. What cannot be read is left to the read, which names it."""
+    rows, fields = 0, set()
+    for path in paths:
+        if rows >= PEEK_ROWS:
+            break
+        if path.lower().endswith(PARQUET_SUFFIXES):
+            try:
+                parquet = pq.ParquetFile(path)
+            except (OSError, pa.ArrowException):
+                continue
+            if parquet.metadata.num_rows:
+                rows += min(parquet.metadata.num_rows, PEEK_ROWS - rows)
+                fields.update(parquet.schema_arrow.names)
+            continue
+        for record in first_records(path, PEEK_ROWS - rows):
+            rows += 1
+            fields.update(record)
+    return rows, fields
+
+
+def first_records(path: str, most: int) -> list[dict]:
+    """The first (up to `most`) records of a jsonl or JSON array file (plain or gzip), read
+    from up to PEEK_BYTES of its text; lines or records that are not JSON objects are left out."""
+    data = b""
+    try:
+        with open(path, "rb") as f:
+            gzipped = f.read(2) == b"\x1f\x8b"
+        with (gzip.open if gzipped else open)(path, "rb") as f:
+            while len(data) < PEEK_BYTES:
+                chunk = f.read(min(1 << 20, PEEK_BYTES - len(data)))
+                if not chunk:
+                    break
+                data += chunk
+    except (OSError, EOFError, zlib.error):
+        pass  # a cut or corrupt file: its start is checked, the read names the damage
+    text = data.removeprefix(b"\xef\xbb\xbf").decode("utf-8", errors="replace")
+    records = []
+    if path.lower().endswith((".json", ".json.gz")) and text.lstrip()[:1] == "[":
+        decoder, pos = json.JSONDecoder(), text.index("[") + 1
+        while len(records) < most:
+            try:
+                record, end = decoder.raw_decode(text, _skip_space(text, pos))
+            except (ValueError, RecursionError):
+                break  # the array's end, or the end of the text read
+            records += [record] if isinstance(record, dict) else []
+            pos = _skip_space(text, end)
+            if text.startswith(",", pos):
+                pos += 1
+    else:
+        for line in text.split("\n"):
+            if len(records) == most:
+                break
+            try:
+                record = json.loads(line)
+            except (ValueError, RecursionError):
+                continue  # blank, not JSON, or the line the read stopped in
+            records += [record] if isinstance(record, dict) else []
+    return records
 
 
 def _row_groups(path: str) -> range:
