@@ -131,13 +131,14 @@ MISPLACED = [(f"Sure. <think>{THOUGHT}</think> {ANSWER}", "'<think>' at characte
 
 
 @pytest.mark.parametrize("target", ["qwen-2.5", "qwen-3"])
-def test_inline_reasoning_is_read_only_at_the_start_and_a_marker_elsewhere_skips_the_row(tmp_path, target):
+def test_inline_reasoning_is_read_only_at_the_start_and_a_marker_elsewhere_skips_the_row(tmp_path, request, target):
     """docs/formats.md: inline reasoning is a <think>...</think> block at the start of the
     answer's text. Qwen2.5 has no reasoning tokens (like SmolLM2: the markers are plain text
     to it, and its template drops the reasoning); Qwen3 has them. On both, a marker anywhere
     else skips the row naming the marker and where it is, never cuts the text before it; a
     leading block (after whitespace) is the reasoning, and the row trains on the rest."""
-    tokenizer_dir = extract_tokenizer(target, tmp_path / target)
+    tokenizer_dir = request.getfixturevalue("qwen3_tokenizer_dir") if target == "qwen-3" else \
+        extract_tokenizer(target, tmp_path / target)
     cfg = config(tmp_path, tokenizer_dir)
     rows = [chat({"content": text}) for text, _ in MISPLACED]
     rows += [chat({"content": f"<think>{THOUGHT}</think> {ANSWER}", "reasoning_content": THOUGHT}),
