@@ -199,9 +199,8 @@ def answer_of(turns: list[Turn], markers: tuple[str, str], fields: FieldsConfig 
     (or `reasoning`) field, or inline: a start ... end marker block at the start of its text
     (`markers` = model.reasoning_start, model.reasoning_end; leading whitespace aside). No
     such turn, or an empty one: Skip no_answer (naming source.fields.assistant's field, with
-    `fields`). A marker anywhere else: Skip
-    misplaced_reasoning (the text before it is never cut off, whatever the tokenizer makes
-    of the markers)."""
+    `fields`). A marker anywhere else: Skip misplaced_reasoning (the text before it is never
+    cut off, whatever the tokenizer makes of the markers)."""
     first = next(i for i, t in enumerate(turns) if t.role == "user")
     after = turns[first + 1] if first + 1 < len(turns) else None
     if after is None or after.role != "assistant":
