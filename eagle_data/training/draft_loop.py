@@ -180,10 +180,10 @@ def train_items(config: dict, rank: int, world: int, start: int = 0,
     if config["source"] == "stream":
         import ray.train
 
-        from eagle_data.training.stream import stream_batches
+        from eagle_data.training.stream_gate import stream_batches
 
         shard = ray.train.get_dataset_shard("train")
-        for batch in stream_batches(shard, config["report"], batch_size=config["batch_size"], consumed=consumed):
+        for batch in stream_batches(shard, config["gate"], batch_size=config["batch_size"], consumed=consumed):
             yield (stream_items(batch, config["stream_dtype"]), sorted({int(e) for e in batch["epoch"]}),
                    [(int(e), int(p)) for e, p in zip(batch["epoch"], batch["position"])])
         return

@@ -46,7 +46,8 @@ from eagle_data.model_files import check_weights
 from eagle_data.tools.token_counts import count_tokens
 from eagle_data.training.draft_config import MARKER, save_path_leftovers
 from eagle_data.training.draft_loop import train_loop
-from eagle_data.training.stream import features, percent, size, stream_report
+from eagle_data.training.stream import features
+from eagle_data.training.stream_gate import gate_summary, summary_line
 
 log = logging.getLogger("eagle_data")
 
@@ -81,7 +82,7 @@ class Plan:
     epochs: int
     steps: int
     holdout: tuple[float, int]  # (validation fraction, seed)
-    report: str  # the stream's report actor
+    gate: str  # the stream's gate (training/stream_gate.py)
     filters: dict
 
     @classmethod
@@ -212,10 +213,10 @@ def fit(cfg: Config, spec, d2t, t2d, plan: Plan) -> None:
     if plan.source == "stream":
         if plan.validation_rows:
             datasets["validation"] = features(out, cfg, epochs=1, world_size=1, shuffle=False,
-                                              holdout=("validation", *plan.holdout), report=f"{plan.report}-validation",
+                                              holdout=("validation", *plan.holdout), gate=f"{plan.gate}-validation",
                                               max_len=plan.filters["max_len"]).materialize()
         datasets["train"] = features(out, cfg, epochs=plan.epochs, world_size=workers, seed=spec.seed,
-                                     holdout=("train", *plan.holdout), report=plan.report,
+                                     holdout=("train", *plan.holdout), gate=plan.gate,
                                      max_len=plan.filters["max_len"])
     gpu = cfg.train.device == "gpu"
     # Ray refuses a worker bundle of 0 CPUs; one byte of memory is a bundle that reserves nothing.
@@ -244,7 +245,7 @@ def loop_config(cfg: Config, spec, d2t, t2d, plan: Plan) -> dict:
             "save_path": spec.trainer.save_path, "checkpoint_every": cfg.train.checkpoint_every,
             "source": plan.source, "out": cfg.output.path, "filters": plan.filters, "holdout": plan.holdout,
             "seed": spec.seed, "epochs": plan.epochs, "total_steps": plan.steps,
-            "validation": bool(plan.validation_rows), "report": plan.report, "per_epoch": plan.per_epoch}
+            "validation": bool(plan.validation_rows), "gate": plan.gate, "per_epoch": plan.per_epoch}
 
 
 def in_a_thread(call):
@@ -293,14 +294,7 @@ def summary(save_path: str, plan: Plan) -> str:
         lines.append(f"  validation:  {plan.validation_rows} rows held out, loss "
                      f"{validations[0]['validation']['loss']:.4f} -> {last['loss']:.4f}, full_acc by step {accuracy}")
     if plan.source == "stream":
-        stream = stream_report(plan.report)
-        failed = sum(sum(e["failed"].values()) for e in stream["epochs"].values())
-        f = stream["figures"]
-        lines.append(f"  stream:      {stream['per_epoch']} samples an epoch, {failed} failed checks; "
-                     f"{f['rows_per_s']:.2f} rows/s, {f['tokens_per_s']:.0f} tokens/s, peak {size(f['peak_bytes_in_flight'])} "
-                     f"in flight (bound {size(f['bound_bytes'] or 0)}), engines busy {percent(f['engine_busy_share'])}, "
-                     f"trainers waited {percent(f['trainer_wait_share'])}; {f['trainer_groups']} trainer group"
-                     f"{'s' if f['trainer_groups'] != 1 else ''} (more than 1: Ray Train started its workers again)")
+        lines.append(f"  stream:      {summary_line(gate_summary(plan.gate))}")
     else:
         lines.append(f"  rows:        {plan.train_rows} an epoch from hidden_states/")
     saved = sorted((d for d in os.listdir(save_path) if d.startswith("step-")), key=lambda d: int(d[5:]))

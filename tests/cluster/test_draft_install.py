@@ -55,7 +55,7 @@ TORCH_CPU_INDEX = os.environ.get("TORCH_CPU_INDEX", "https://download.pytorch.or
 # driver (`python -m ray_jobs.train_draft`) or a Ray Train worker makes.
 TRAINER_FILES = ["ray_jobs/train_draft.py", "eagle_data/training/draft_config.py",
                  "eagle_data/training/draft_trainer.py", "eagle_data/training/draft_loop.py",
-                 "eagle_data/training/batches.py"]
+                 "eagle_data/training/batches.py", "eagle_data/training/stream_gate.py"]
 
 # Run by the fresh venv's python in the uploaded copy: argv[1] the train config, argv[2] the
 # trainer's files. Prints one JSON line: what failed to import, where modules came from, the
@@ -126,8 +126,8 @@ if not failed:
     ray.train.torch.get_device = lambda: torch.device("cpu")
     ray.train.get_checkpoint = lambda: None  # a first run: nothing to resume from
     ray.train.report = lambda metrics, checkpoint=None: None  # no controller to report to
-    import eagle_data.training.stream as stream  # the stream's gate is a Ray actor of a running stream: its batches as they are
-    stream.stream_batches = lambda shard, name, *, batch_size, **kwargs: shard.iter_batches(batch_size=batch_size)
+    import eagle_data.training.stream_gate as stream_gate  # the gate is a Ray actor of a running stream: its batches as they are
+    stream_gate.stream_batches = lambda shard, name, *, batch_size, **kwargs: shard.iter_batches(batch_size=batch_size)
     train_loop(config)
     with open(os.path.join(config["save_path"], "metrics.jsonl")) as f:
         result["metrics"] = [json.loads(line) for line in f]
