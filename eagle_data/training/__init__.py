@@ -9,4 +9,5 @@
     draft_config.py   `train.speculators` -> speculators' own TrainConfig, checked
     draft_trainer.py  the draft trainer's driver: vocabulary, the stream, Ray Train, the summary
     draft_loop.py     one Ray Train worker: speculators' draft, loss and optimizer over its shard
+    checkpoints.py    the worker's step-<N>/ checkpoints: written, reported to Ray Train, restored
 """

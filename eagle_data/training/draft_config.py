@@ -97,6 +97,7 @@ def speculators_config(cfg: Config):
     except ValidationError as e:
         raise ConfigError("train.speculators: " + "; ".join(
             f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())) from None
+    scheduler(spec.scheduler)
     if spec.speculator_type != "eagle3":
         raise ConfigError(f"train.speculators.speculator_type {spec.speculator_type}: the stream carries EAGLE-3 "
                           "features; only eagle3 trains from it")
@@ -108,6 +109,22 @@ def speculators_config(cfg: Config):
         raise ConfigError(f"train.speculators.trainer.save_path {save_path} exists and is not an empty folder: "
                           "choose a new one (nothing in it is replaced)")
     return spec
+
+
+def scheduler(settings) -> None:
+    """speculators' schedule settings within what they mean (draft_loop.schedule_steps): a
+    warmup ratio is a fraction of the steps, a total at least one step."""
+    key = "train.speculators.scheduler"
+    ratio, total, warmup = (settings.scheduler_warmup_ratio, settings.scheduler_total_steps,
+                            settings.scheduler_warmup_steps)
+    if ratio is not None and not 0 <= ratio <= 1:
+        raise ConfigError(f"{key}.scheduler_warmup_ratio {ratio}: the share of the schedule's steps that warm up, "
+                          "in [0, 1]")
+    if total is not None and total < 1:
+        raise ConfigError(f"{key}.scheduler_total_steps {total}: the schedule's steps, at least 1 (null: the run's)")
+    if warmup is not None and warmup < 0:
+        raise ConfigError(f"{key}.scheduler_warmup_steps {warmup}: at least 0 (null: from the ratio, or 1% of the "
+                          "schedule's steps)")
 
 
 def save_path_leftovers(save_path: str) -> list[str] | None:

@@ -55,7 +55,8 @@ TORCH_CPU_INDEX = os.environ.get("TORCH_CPU_INDEX", "https://download.pytorch.or
 # driver (`python -m ray_jobs.train_draft`) or a Ray Train worker makes.
 TRAINER_FILES = ["ray_jobs/train_draft.py", "eagle_data/training/draft_config.py",
                  "eagle_data/training/draft_trainer.py", "eagle_data/training/draft_loop.py",
-                 "eagle_data/training/batches.py", "eagle_data/training/stream_gate.py"]
+                 "eagle_data/training/checkpoints.py", "eagle_data/training/batches.py",
+                 "eagle_data/training/stream_gate.py"]
 
 # Run by the fresh venv's python in the uploaded copy: argv[1] the train config, argv[2] the
 # trainer's files. Prints one JSON line: what failed to import, where modules came from, the

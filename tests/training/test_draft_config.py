@@ -40,6 +40,10 @@ def test_the_stream_decides_the_verifier_and_the_aux_layers(deep_qwen3, tmp_path
     # 0 trained with 32,000 (an `or 32_000`); null is speculators' whole vocabulary.
     ({"draft": {"draft_vocab_size": 0}}, "train.speculators.draft.draft_vocab_size 0: the draft's vocabulary"),
     ({"draft": {"draft_vocab_size": -5}}, "train.speculators.draft.draft_vocab_size -5: the draft's vocabulary"),
+    # a ratio out of range was speculators' ValueError in every worker, a traceback
+    ({"scheduler": {"scheduler_warmup_ratio": 1.5}}, "train.speculators.scheduler.scheduler_warmup_ratio 1.5: the share"),
+    ({"scheduler": {"scheduler_total_steps": 0}}, "train.speculators.scheduler.scheduler_total_steps 0: the schedule's"),
+    ({"scheduler": {"scheduler_warmup_steps": -1}}, "train.speculators.scheduler.scheduler_warmup_steps -1: at least 0"),
 ])
 def test_refused(deep_qwen3, tmp_path, speculators, message):
     if "save_path" not in message:
@@ -144,3 +148,29 @@ def test_the_keys_it_honours_are_taken(deep_qwen3, tmp_path):
     assert (spec.seed, spec.loss.ttt_steps, spec.optimizer.lr, spec.scheduler.scheduler_type,
             spec.scheduler.scheduler_warmup_steps, spec.data.train_data_ratio, spec.trainer.log_freq,
             spec.trainer.gradient_checkpointing) == (3, 2, 0.02, "cosine", 2, 0.8, 2, True)
+
+
+@pytest.mark.parametrize("warmup_steps, warmup_ratio, total_steps, max_steps", [
+    (None, None, None, None), (5, None, None, None), (None, 0.25, None, None), (3, 0.5, None, None),
+    (None, None, 40, None), (None, 0.1, 40, None), (None, None, None, 7), (2, None, 40, 7)])
+def test_the_schedules_steps_mean_what_speculators_settings_say(warmup_steps, warmup_ratio, total_steps, max_steps):
+    """draft_loop.schedule_steps resolves speculators' `scheduler.*` settings itself (speculators'
+    own resolver is private): the same (warmup, total) as speculators' trainer for a run of 250
+    steps (50 a loader epoch, 5 epochs; max_steps, where set, cuts the run to it). This fails
+    when speculators changes what its settings mean."""
+    import warnings
+    from argparse import Namespace
+
+    from speculators.train.trainer import TrainerConfig, _resolve_scheduler_steps
+
+    from eagle_data.training.draft_loop import schedule_steps
+
+    run_steps = max_steps or 250  # the trainer's plan: the epochs' steps, max_steps where it is fewer
+    args = Namespace(scheduler_warmup_steps=warmup_steps, scheduler_warmup_ratio=warmup_ratio,
+                     scheduler_total_steps=total_steps)
+    settings = TrainerConfig(lr=1e-4, num_epochs=5, save_path="/x", max_steps=max_steps,
+                             scheduler_warmup_steps=warmup_steps, scheduler_warmup_ratio=warmup_ratio,
+                             scheduler_total_steps=total_steps)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # speculators' "both set" warning
+        assert schedule_steps(args, run_steps) == _resolve_scheduler_steps(settings, 50)
