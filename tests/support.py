@@ -404,7 +404,7 @@ def stream_train_loop(config: dict) -> None:
     import ray.train
     import torch
 
-    from eagle_data.training.batches import collate
+    from eagle_data.reader.batches import collate
     from eagle_data.training.stream_gate import stream_batches
 
     shard = ray.train.get_dataset_shard("train")

@@ -1,7 +1,5 @@
 """The training side: what a training loop imports, and the draft-training Ray job.
 
-    batches.py        stream rows -> torch tensors: `collate` (the reader's padded batch) and
-                      `pack` (speculators' packed batch). No Ray: a training loop imports it.
     stream.py         the feature stream: `features(out, cfg)`, a Ray Dataset of samples with
                       the target's states at the EAGLE-3 layers, for a Ray Train job
     stream_gate.py    the stream's gate (its count and its bound on the bytes in flight) and

@@ -15,7 +15,7 @@ import os
 
 from eagle_data.config import Config
 from eagle_data.errors import ConfigError, MissingPackage
-from eagle_data.job.phases.hidden_states import layer_ids, target_shape
+from eagle_data.feature_shape import FeatureShape, feature_shape
 
 # Written first into trainer.save_path by the trainer (the folder is the project's), then
 # again with the names speculators' run files took ({"start": [...]}).
@@ -51,8 +51,9 @@ INSTEAD = {  # why a refused key is not needed here, or what stands for it
 }
 
 
-def speculators_config(cfg: Config):
-    """`train.speculators` as speculators' TrainConfig; refused where it cannot train from the stream."""
+def speculators_config(cfg: Config, shape: FeatureShape | None = None):
+    """`train.speculators` as speculators' TrainConfig; refused where it cannot train from the
+    stream. `shape`: the target's, where the caller has read it (else read here)."""
     if "train" not in cfg.model_fields_set:
         raise ConfigError("the config has no `train:` section: the draft trainer's settings (train.workers, "
                           "train.speculators with trainer.save_path, ...; docs/streaming.md, configs/kimi-k2.5.yaml)")
@@ -66,8 +67,8 @@ def speculators_config(cfg: Config):
     given = dict(cfg.train.speculators)
     unknown_keys(TrainConfig, given, "train.speculators")
     refuse_unhonoured(given)
-    num_layers, _ = target_shape(cfg)
-    ids = layer_ids(cfg, num_layers)
+    shape = shape or feature_shape(cfg)
+    num_layers, ids = shape.num_layers, list(shape.layer_ids)
     if ids[-1] != num_layers or len(ids) < 2:
         raise ConfigError(f"hidden_states.layer_ids {ids}: speculators takes the last layer as the final state "
                           f"(layer id {num_layers}) and at least one aux layer before it")

@@ -37,7 +37,7 @@ import os
 from typing import Iterator
 
 from eagle_data.errors import DraftStartFailed
-from eagle_data.training.batches import pack, stream_items
+from eagle_data.reader.batches import pack, stream_items
 from eagle_data.training.checkpoints import checkpoint, restore, save
 
 log = logging.getLogger("eagle_data")
@@ -232,11 +232,9 @@ def validation_items(config: dict, rank: int, world: int) -> Iterator[list[tuple
 
 
 def offline_samples(config: dict, side: str, rank: int, world: int):
-    """The rows of OUT's hidden_states/ on one side of the split, as the reader serves them."""
-    from eagle_data.reader import Samples
-
-    return Samples(config["out"], hidden_states=True, rank=rank, world_size=world, seed=config["seed"],
-                   shuffle=side == "train", holdout=(side, *config["holdout"]), **config["filters"])
+    """The rows of OUT's hidden_states/ on one side of the split, as the reader serves rank
+    `rank` of `world` (the driver's index: OUT is not read again)."""
+    return config["samples"][side].for_rank(rank, world)
 
 
 def reader_item(sample: dict) -> tuple:

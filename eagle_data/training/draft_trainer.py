@@ -38,27 +38,31 @@ import uuid
 import numpy as np
 
 from eagle_data.config import Config
-from eagle_data.errors import ConfigError, EagleDataError, EmptyResult, NotWritable, NoTrainingResources, user_error
-from eagle_data.job.phases.hidden_states import layer_ids, target_shape
+from eagle_data.errors import (ConfigError, EagleDataError, EmptyResult, MissingInput, NotWritable, NoTrainingResources,
+                               user_error)
+from eagle_data.feature_shape import FeatureShape
 from eagle_data.job.ray_internals import undeclared_hint, wait_for_nodes
 from eagle_data.job.ray_session import start_ray
 from eagle_data.model_files import check_weights
 from eagle_data.tools.token_counts import count_tokens
 from eagle_data.training.draft_config import MARKER, save_path_leftovers
 from eagle_data.training.draft_loop import train_loop
-from eagle_data.training.stream import features
+from eagle_data.reader import OutReader, Samples
+from eagle_data.reader.samples import padded_order
+from eagle_data.training.stream import READ_COLUMNS, features_of
 from eagle_data.training.stream_gate import gate_summary, summary_line
 
 log = logging.getLogger("eagle_data")
 
 
-def train(cfg: Config, spec) -> str:
-    """Train the draft `spec` (draft_config.speculators_config) describes; returns the summary."""
+def train(cfg: Config, spec, shape: FeatureShape) -> str:
+    """Train the draft `spec` (draft_config.speculators_config) describes on the target of
+    `shape` (feature_shape, read once for the run); returns the summary."""
     save_path = spec.trainer.save_path
     prepare_save_path(save_path)
     check_weights(cfg.model.path)  # each worker loads the verifier's: a truncated file fails here, once
-    d2t, t2d, vocab_size = draft_vocabulary(cfg, spec)
-    plan = Plan.of(cfg, spec)
+    d2t, t2d, vocab_size = draft_vocabulary(cfg, spec, shape)
+    plan = Plan.of(cfg, spec, shape)
     spec.save(save_path)  # speculators' run.yaml and train_command.txt, as its own trainer writes them
     mark(save_path, start=sorted(set(os.listdir(save_path)) - {MARKER}))
     start_ray(cfg.output.ray_data_progress)
@@ -73,7 +77,8 @@ def train(cfg: Config, spec) -> str:
 class Plan:
     """What the workers train on: the source (train.source), the rows of each side of the
     split (data.train_data_ratio of the prompts train, seeded by their prompt_id), and the
-    steps that makes (every worker the same number)."""
+    steps that makes (every worker the same number). `samples`: each side's, read once
+    (split_samples), which the stream and the workers are given."""
 
     source: str
     train_rows: int  # an epoch's rows
@@ -83,22 +88,19 @@ class Plan:
     steps: int
     holdout: tuple[float, int]  # (validation fraction, seed)
     gate: str  # the stream's gate (training/stream_gate.py)
-    filters: dict
+    shape: FeatureShape
+    samples: dict = dataclasses.field(repr=False)
 
     @classmethod
-    def of(cls, cfg: Config, spec) -> "Plan":
-        from eagle_data.reader import Samples
-        from eagle_data.reader.samples import padded_order
-
+    def of(cls, cfg: Config, spec, shape: FeatureShape) -> "Plan":
         holdout = (1 - spec.data.train_data_ratio, spec.seed)
         filters = {"finish_reason": cfg.hidden_states.finish_reason, "source": cfg.hidden_states.source,
                    "max_len": spec.data.total_seq_len}
         offline = cfg.train.source == "hidden_states"
-        sides = {side: Samples(cfg.output.path, holdout=(side, *holdout), hidden_states=offline, **filters)
-                 for side in ("train", "validation")}
+        samples = split_samples(cfg.output.path, holdout, filters, offline)
         if offline:
-            check_features(cfg, sides["train"])
-        sides = {side: samples.row.size for side, samples in sides.items()}
+            check_features(cfg, samples["train"], shape)
+        sides = {side: s.row.size for side, s in samples.items()}
         if not sides["train"]:
             raise EmptyResult(f"train: no row of {cfg.output.path} is left to train on (the hidden-states filters, "
                               f"data.total_seq_len {spec.data.total_seq_len}, data.train_data_ratio "
@@ -111,21 +113,36 @@ class Plan:
         if spec.trainer.max_steps:
             steps = min(steps, spec.trainer.max_steps)
         return cls(cfg.train.source, sides["train"], per_epoch, sides["validation"], epochs, steps, holdout,
-                   f"eagle-data-train-{uuid.uuid4().hex[:8]}", filters)
+                   f"eagle-data-train-{uuid.uuid4().hex[:8]}", shape, samples)
 
     def __str__(self) -> str:
         return (f"{self.train_rows} rows to train on ({self.source}), {self.validation_rows} held out, "
                 f"{self.epochs} epochs, {self.steps} steps")
 
 
-def draft_vocabulary(cfg: Config, spec) -> tuple:
+def split_samples(out: str, holdout: tuple[float, int], filters: dict, hidden_states: bool) -> dict[str, Samples]:
+    """Each side of the split (`holdout`: the held-out fraction, the seed) as the workers take
+    it: the train side in the seed's (seed, epoch) orders, the held-out rows in file order;
+    with `hidden_states`, their OUT's hidden_states/. OUT's shard list, its index and
+    hidden_states/'s headers are read once for both."""
+    reader, seed = OutReader(out), holdout[1]
+    common = dict(hidden_states=hidden_states, columns=READ_COLUMNS, **filters)
+    return {"train": Samples(reader, holdout=("train", *holdout), seed=seed, **common),
+            "validation": Samples(reader, holdout=("validation", *holdout), shuffle=False, **common)}
+
+
+def draft_vocabulary(cfg: Config, spec, shape: FeatureShape) -> tuple:
     """d2t and t2d of the draft's vocabulary from OUT's training-token counts, with
     speculators' mapping, and the target's vocabulary size. spec.draft.draft_vocab_size is
     set to what is used: at most the target's; None, as in speculators, is the target's
-    whole vocabulary (no mapping: d2t and t2d None)."""
-    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution, get_target_vocab_size
+    whole vocabulary (no mapping: d2t and t2d None). The target's vocabulary is its config's
+    (`shape`), as speculators' get_target_vocab_size reads it."""
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
-    vocab_size = get_target_vocab_size(None, cfg.model.path, cfg.model.trust_remote_code)
+    vocab_size = shape.vocab_size
+    if vocab_size is None:
+        raise MissingInput(f"model.path {cfg.model.path!r}: the target's config has no vocab_size (the draft's "
+                           "vocabulary is mapped onto it)")
     asked = spec.draft.draft_vocab_size
     if asked is None or asked >= vocab_size:
         if asked is not None and asked > vocab_size:
@@ -190,10 +207,10 @@ def wait_for_worker_resources(cfg: Config) -> None:
         f"{sum(min(room(res), cfg.train.workers) for res in nodes):g}: {hint}")
 
 
-def check_features(cfg: Config, samples) -> None:
+def check_features(cfg: Config, samples, shape: FeatureShape) -> None:
     """OUT's hidden_states/ are the features the config's draft takes (train.source:
     hidden_states): the same layer ids, in the same dtype."""
-    ids = layer_ids(cfg, target_shape(cfg)[0])
+    ids = list(shape.layer_ids)
     if list(samples.hidden_layer_ids) != ids or samples.hidden_dtype != cfg.hidden_states.dtype:
         raise ConfigError(f"train.source hidden_states: {cfg.output.path}'s hidden_states/ hold layer ids "
                           f"{list(samples.hidden_layer_ids)} in {samples.hidden_dtype}, the config asks for {ids} in "
@@ -208,16 +225,8 @@ def fit(cfg: Config, spec, d2t, t2d, plan: Plan) -> None:
     from ray.train import DataConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchTrainer
 
-    save_path, workers, out = spec.trainer.save_path, cfg.train.workers, cfg.output.path
-    datasets = {}
-    if plan.source == "stream":
-        if plan.validation_rows:
-            datasets["validation"] = features(out, cfg, epochs=1, world_size=1, shuffle=False,
-                                              holdout=("validation", *plan.holdout), gate=f"{plan.gate}-validation",
-                                              max_len=plan.filters["max_len"]).materialize()
-        datasets["train"] = features(out, cfg, epochs=plan.epochs, world_size=workers, seed=spec.seed,
-                                     holdout=("train", *plan.holdout), gate=plan.gate,
-                                     max_len=plan.filters["max_len"])
+    save_path, workers = spec.trainer.save_path, cfg.train.workers
+    datasets = stream_datasets(cfg, plan) if plan.source == "stream" else {}
     gpu = cfg.train.device == "gpu"
     # Ray refuses a worker bundle of 0 CPUs; one byte of memory is a bundle that reserves nothing.
     resources = {"CPU": cfg.train.cpus_per_worker} if cfg.train.cpus_per_worker else {"memory": 1}
@@ -238,14 +247,27 @@ def fit(cfg: Config, spec, d2t, t2d, plan: Plan) -> None:
         raise failure(result.error)
 
 
+def stream_datasets(cfg: Config, plan: Plan) -> dict:
+    """The stream of the train side's samples, and of the held-out ones (computed once, first,
+    and given whole to every worker), each with a gate of its own."""
+    datasets = {}
+    if plan.validation_rows:
+        datasets["validation"] = features_of(plan.samples["validation"], cfg, gate=f"{plan.gate}-validation",
+                                             shape=plan.shape).materialize()
+    datasets["train"] = features_of(plan.samples["train"], cfg, epochs=plan.epochs, world_size=cfg.train.workers,
+                                    gate=plan.gate, shape=plan.shape)
+    return datasets
+
+
 def loop_config(cfg: Config, spec, d2t, t2d, plan: Plan) -> dict:
-    """What each Ray Train worker's draft_loop.train_loop is given."""
+    """What each Ray Train worker's draft_loop.train_loop is given: from OUT's hidden_states/,
+    the split's samples (each worker takes its rank's share without reading OUT's index again)."""
     return {"args": dict(spec.flatten()), "d2t": d2t, "t2d": t2d, "batch_size": cfg.train.batch_size,
-            "hidden_size": target_shape(cfg)[1], "stream_dtype": cfg.hidden_states.dtype,
+            "hidden_size": plan.shape.hidden_size, "stream_dtype": cfg.hidden_states.dtype,
             "save_path": spec.trainer.save_path, "checkpoint_every": cfg.train.checkpoint_every,
-            "source": plan.source, "out": cfg.output.path, "filters": plan.filters, "holdout": plan.holdout,
-            "seed": spec.seed, "epochs": plan.epochs, "total_steps": plan.steps,
-            "validation": bool(plan.validation_rows), "gate": plan.gate, "per_epoch": plan.per_epoch}
+            "source": plan.source, "samples": plan.samples if plan.source == "hidden_states" else None,
+            "epochs": plan.epochs, "total_steps": plan.steps, "validation": bool(plan.validation_rows),
+            "gate": plan.gate, "per_epoch": plan.per_epoch}
 
 
 def in_a_thread(call):

@@ -14,7 +14,7 @@ to a trainer as a Ray Dataset, with no file written (docs/streaming.md).
 Give it to Ray Train: `TorchTrainer(loop, datasets={"train": features(out, cfg, epochs=E,
 world_size=W)}, scaling_config=ScalingConfig(num_workers=W))`. Ray Train splits it with
 `streaming_split(W, equal=True)`; each worker iterates its shard ONCE, for all E epochs
-(every row has its `epoch`), and `eagle_data.training.batches.collate` makes padded
+(every row has its `epoch`), and `eagle_data.reader.batches.collate` makes padded
 torch tensors of a batch, as the reader's `collate` does. All epochs run in one Ray Data
 execution so the engine replicas load the model once: iterating a shard again would start
 them again.
@@ -56,7 +56,7 @@ import ray
 
 from eagle_data.config import Config
 from eagle_data.errors import ConfigError, MissingInput
-from eagle_data.job.phases.hidden_states import layer_ids, target_shape
+from eagle_data.feature_shape import FeatureShape, feature_shape
 from eagle_data.job.stages.columns import Stage, columns
 from eagle_data.job.stages.engines import apply_hidden_states_engine
 from eagle_data.job.stages.engines.outputs import ENGINE_ERROR_COLUMN
@@ -80,6 +80,8 @@ READ_CPUS = 0.25
 # Read tasks at a time: each may wait for the gate; two, so that one's start-up (a task, the
 # samples' object, the gate's answer) overlaps the other's wait.
 READ_TASKS = 2
+# What read_chunk takes of a sample besides its tokens (the Samples' `columns` it is given).
+READ_COLUMNS = ("sample_id",)
 SAMPLE_COLUMNS = ("sample_id", "epoch", "position", "input_ids", "loss_mask", "hidden_states",
                   "hidden_states_shape")
 # A row's bytes besides its states: input_ids and loss_mask (int64 a token each in the row's
@@ -92,8 +94,8 @@ GATES: dict = {}
 
 def features(out: str, cfg: Config, *, epochs: int = 1, world_size: int = 1, seed: int = 0,
              shuffle: bool = True, drop_last: bool = False, max_len: int | None = None, window: int = 4,
-             gate: str | None = None, engine=None, holdout: tuple[str, float, int] | None = None
-             ) -> ray.data.Dataset:
+             gate: str | None = None, engine=None, holdout: tuple[str, float, int] | None = None,
+             shape: FeatureShape | None = None) -> ray.data.Dataset:
     """The training samples of OUT's data/ rows selected by `cfg.hidden_states`'s
     finish_reason and source (and at most `max_len` tokens), with the target's states at
     the EAGLE-3 layers computed by `cfg.engine`'s replicas, for `epochs` epochs (module
@@ -102,23 +104,34 @@ def features(out: str, cfg: Config, *, epochs: int = 1, world_size: int = 1, see
     `stream_gate.gate_summary(name)` reads its counts. `engine(ds, cfg,
     layer_ids, dtype, scratch_dir) -> ds` replaces the configured engine stage, as in the
     hidden-states phase (benchmarks put a timed one there). `holdout` = (side, fraction,
-    seed): only the rows on that side of the reader's validation split (reader/samples.py)."""
-    if epochs < 1 or world_size < 1:
-        raise ConfigError(f"the stream's epochs and world_size must be at least 1, got {epochs} and {world_size}")
+    seed): only the rows on that side of the reader's validation split (reader/samples.py).
+    `shape`: the target's (feature_shape), where the caller has read it."""
     samples = Samples(out, finish_reason=cfg.hidden_states.finish_reason, source=cfg.hidden_states.source,
-                      max_len=max_len, shuffle=shuffle, seed=seed, window=window, columns=("sample_id",),
+                      max_len=max_len, shuffle=shuffle, seed=seed, window=window, columns=READ_COLUMNS,
                       holdout=holdout)
     if not samples.row.size:
         raise MissingInput(no_rows(samples, cfg, max_len))
+    return features_of(samples, cfg, epochs=epochs, world_size=world_size, drop_last=drop_last, gate=gate,
+                       engine=engine, shape=shape)
+
+
+def features_of(samples: Samples, cfg: Config, *, epochs: int = 1, world_size: int = 1, drop_last: bool = False,
+                gate: str | None = None, engine=None, shape: FeatureShape | None = None) -> ray.data.Dataset:
+    """features() of samples the caller has selected and ordered (the reader's Samples, with
+    READ_COLUMNS; at least one row): OUT is not read again. The draft trainer streams the
+    two sides of its split so."""
+    if epochs < 1 or world_size < 1:
+        raise ConfigError(f"the stream's epochs and world_size must be at least 1, got {epochs} and {world_size}")
     per_epoch = padded_order(np.arange(samples.row.size), world_size, drop_last).size
-    num_layers, hidden_size = target_shape(cfg)
-    ids, dtype = layer_ids(cfg, num_layers), cfg.hidden_states.dtype
+    shape = shape or feature_shape(cfg)
+    num_layers, hidden_size, ids = shape.num_layers, shape.hidden_size, list(shape.layer_ids)
+    dtype = cfg.hidden_states.dtype
     name = gate or f"eagle-data-stream-{uuid.uuid4().hex[:8]}"
     chunk = cfg.engine.batch_size
     chunks = -(-per_epoch // chunk)
     token_bytes = len(ids) * hidden_size * DTYPES[dtype][1] + TOKEN_BYTES
     bound = {"limit": bytes_limit(cfg), "world_size": world_size, "chunk": chunk, "replicas": cfg.engine.replicas,
-            "max_row_bytes": longest_row(samples, max_len) * token_bytes + ROW_BYTES}
+             "max_row_bytes": longest_row(samples, samples.max_len) * token_bytes + ROW_BYTES}
     actor = StreamGate.options(name=name).remote(name, per_epoch, epochs, cfg.output.log_every_s, bound)
     GATES[name] = actor  # alive while this driver is: gate_summary() after the Dataset is gone
     log.info("stream %s: %d samples an epoch (%d selected), %d epochs, layer ids %s of %d, H %d, %s; at most %s "
