@@ -3,7 +3,12 @@
 save_pretrained) and TRAINER_STATE (the optimizers', the schedules', the step and, on the
 stream, the places of each epoch's order every worker had trained on by step N), each
 reported to Ray Train as the run's latest checkpoint (a pointer to the folder: the draft is
-written once), and restored from Ray Train's latest by a new group of workers.
+written once), and restored from Ray Train's latest by a new group of workers: one Ray Train
+starts after a lost worker (train.max_failures), or one a driver started again starts (the
+same RunConfig name and storage: Ray Train's own restore).
+
+A checkpoint is checked before it is loaded (`damage`: its files whole, from their sizes and
+headers); a damaged one is skipped, and the newest intact one before it restored.
 """
 
 from __future__ import annotations
@@ -11,11 +16,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import uuid
+import zipfile
 
 from eagle_data.errors import EagleDataError
+from eagle_data.model_files import safetensors_problem
 from eagle_data.training.stream_gate import consumed_places
 
 log = logging.getLogger("eagle_data")
@@ -24,6 +32,9 @@ log = logging.getLogger("eagle_data")
 TRAINER_STATE = "trainer_state.pt"
 # The draft's weights a checkpoint leaves out: the verifier's, which build_draft loads again.
 NOT_SAVED = ("verifier_",)
+# A checkpoint's folder, and one being written aside (save): what a kill during a save leaves.
+STEP = re.compile(r"step-(\d+)")
+ASIDE = re.compile(r"\.(step-\d+|final)\.[0-9a-f]{32}\.tmp")
 
 
 def save(draft, save_path: str, name: str, state: dict | None = None) -> str:
@@ -82,17 +93,21 @@ def restore(latest, draft, optimizers, schedulers, config: dict, rank: int) -> d
     import torch
     from safetensors.torch import load_file
 
-    if latest is None:
+    folder = None
+    if latest is not None:
+        with latest.as_directory() as pointer:
+            with open(os.path.join(pointer, "checkpoint.json")) as f:
+                folder = intact(json.load(f)["path"], config["save_path"], rank)
+    if folder is None:
         metrics = os.path.join(config["save_path"], "metrics.jsonl")
         if rank == 0 and os.path.exists(metrics) and os.path.getsize(metrics):
-            # A group Ray Train started again before any checkpoint of this run was reported (a new run's
-            # save_path starts empty): from step 0, without the lost group's steps.
-            log.info("train: a new group of workers starts from step 0 (no checkpoint reported yet)")
+            # A group started again before any checkpoint of this run was reported (a new run's
+            # save_path starts empty), or whose every checkpoint is damaged: from step 0, without
+            # the lost group's steps.
+            log.info("train: a new group of workers starts from step 0 (%s)",
+                     "no checkpoint reported yet" if latest is None else "no intact checkpoint")
             cut_metrics(config["save_path"], 0)
         return None
-    with latest.as_directory() as pointer:
-        with open(os.path.join(pointer, "checkpoint.json")) as f:
-            folder = json.load(f)["path"]
     try:
         state = torch.load(os.path.join(folder, TRAINER_STATE), weights_only=False)
         weights = load_file(os.path.join(folder, "model.safetensors"))
@@ -118,10 +133,86 @@ def restore(latest, draft, optimizers, schedulers, config: dict, rank: int) -> d
 
 def cut_metrics(save_path: str, step: int) -> None:
     """metrics.jsonl without the records of steps after `step` (the lost workers' steps
-    after the checkpoint, made again), written aside and renamed into place."""
+    after the checkpoint, made again) and without a line a kill cut short, written aside and
+    renamed into place."""
     path = os.path.join(save_path, "metrics.jsonl")
+    kept = []
     with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:  # cut short by a kill while it was written
+                continue
+            if record.get("step", 0) <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
     with open(path + ".tmp", "w") as f:
         f.writelines(kept)
     os.replace(path + ".tmp", path)
+
+
+def intact(folder: str, save_path: str, rank: int) -> str | None:
+    """`folder` (Ray Train's latest checkpoint) or, where it is damaged, the newest intact
+    step-<N>/ before it; None where none is. Rank 0 says which it skipped and why."""
+    step = STEP.fullmatch(os.path.basename(folder))
+    older = [n for n in reversed(saved_steps(save_path)) if step is None or n < int(step.group(1))]
+    for candidate in [folder, *(os.path.join(save_path, f"step-{n}") for n in older)]:
+        problem = damage(candidate)
+        if problem is None:
+            return candidate
+        if rank == 0:
+            log.warning("train: the checkpoint %s is damaged (%s): skipped", candidate, problem)
+    return None
+
+
+def damage(folder: str) -> str | None:
+    """What is wrong with a checkpoint folder, from its files' sizes and headers, before any
+    is loaded: None where speculators' draft and TRAINER_STATE are whole."""
+    if not os.path.isdir(folder):
+        return "it is missing"
+    return draft_files_problem(folder) or state_problem(os.path.join(folder, TRAINER_STATE))
+
+
+def draft_files_problem(folder: str) -> str | None:
+    """speculators' draft in a folder: config.json a JSON object, model.safetensors a whole
+    safetensors file (its header parses, its tensors lie within the file). The one check of a
+    draft's files here: where another check of a draft folder is the project's, it goes here."""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+    except OSError as e:
+        return f"config.json cannot be read ({type(e).__name__}: {e.strerror or e})"
+    except ValueError as e:
+        return f"config.json is not JSON ({e})"
+    if not isinstance(config, dict):
+        return f"config.json holds a {type(config).__name__}, not speculators' config"
+    weights = os.path.join(folder, "model.safetensors")
+    if not os.path.isfile(weights):
+        return "model.safetensors is missing"
+    problem = safetensors_problem(weights)
+    return f"model.safetensors {problem}" if problem else None
+
+
+def state_problem(path: str) -> str | None:
+    """TRAINER_STATE a whole archive (torch.save's zip): its directory, at the end, is there
+    and every member lies before it. Its bytes are not read: torch.load reads them next."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for info in archive.infolist():
+                if info.header_offset + 30 + len(info.filename.encode()) + info.compress_size > archive.start_dir:
+                    return f"{TRAINER_STATE} is cut short ({info.filename} runs past its end)"
+    except FileNotFoundError:
+        return f"{TRAINER_STATE} is missing"
+    except (zipfile.BadZipFile, OSError) as e:
+        return f"{TRAINER_STATE} is not a whole archive ({type(e).__name__}: {e})"
+    return None
+
+
+def saved_steps(save_path: str) -> list[int]:
+    """The steps of save_path's step-<N>/ checkpoints, in order."""
+    return sorted(int(m.group(1)) for name in os.listdir(save_path) if (m := STEP.fullmatch(name)))
+
+
+def cut_short(save_path: str) -> list[str]:
+    """The checkpoints whose save a kill cut short: folders save() writes aside, left there."""
+    return sorted(name for name in os.listdir(save_path) if ASIDE.fullmatch(name)
+                  and os.path.isdir(os.path.join(save_path, name)))

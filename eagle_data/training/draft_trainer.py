@@ -36,6 +36,7 @@ import threading
 import uuid
 
 import numpy as np
+from ray.train import UserCallback
 
 from eagle_data.config import Config
 from eagle_data.errors import (ConfigError, EagleDataError, EmptyResult, MissingInput, NotWritable, NoTrainingResources,
@@ -44,11 +45,12 @@ from eagle_data.feature_shape import FeatureShape
 from eagle_data.job.ray_internals import undeclared_hint, wait_for_nodes
 from eagle_data.job.ray_session import start_ray
 from eagle_data.model_files import check_weights
-from eagle_data.tools.token_counts import count_tokens
-from eagle_data.training.draft_config import MARKER, save_path_leftovers
-from eagle_data.training.draft_loop import train_loop
 from eagle_data.reader import OutReader, Samples
 from eagle_data.reader.samples import padded_order
+from eagle_data.tools.token_counts import count_tokens
+from eagle_data.training.checkpoints import cut_short, saved_steps
+from eagle_data.training.draft_config import MARKER, read_marker, run_settings, save_path_leftovers, save_path_run
+from eagle_data.training.draft_loop import train_loop
 from eagle_data.training.stream import READ_COLUMNS, features_of
 from eagle_data.training.stream_gate import gate_summary, summary_line
 
@@ -58,19 +60,23 @@ log = logging.getLogger("eagle_data")
 def train(cfg: Config, spec, shape: FeatureShape) -> str:
     """Train the draft `spec` (draft_config.speculators_config) describes on the target of
     `shape` (feature_shape, read once for the run); returns the summary."""
-    save_path = spec.trainer.save_path
-    prepare_save_path(save_path)
+    save_path, settings = spec.trainer.save_path, run_settings(cfg, spec, shape)
+    resuming = prepare_save_path(save_path, settings)
     check_weights(cfg.model.path)  # each worker loads the verifier's: a truncated file fails here, once
-    d2t, t2d, vocab_size = draft_vocabulary(cfg, spec, shape)
     plan = Plan.of(cfg, spec, shape)
-    spec.save(save_path)  # speculators' run.yaml and train_command.txt, as its own trainer writes them
-    mark(save_path, start=sorted(set(os.listdir(save_path)) - {MARKER}))
+    d2t, t2d, vocab_size = draft_vocabulary(cfg, spec, shape)
+    if not resuming:
+        spec.save(save_path)  # speculators' run.yaml and train_command.txt, as its own trainer writes them
+        mark(save_path, start=sorted(set(os.listdir(save_path)) - {MARKER}), config=settings)
     start_ray(cfg.output.ray_data_progress)
     wait_for_worker_resources(cfg)
     log.info("train: %d workers (%s), draft vocab %d of %d, %s, %s, checkpoints in %s", cfg.train.workers,
              cfg.train.device, spec.draft.draft_vocab_size, vocab_size, plan, spec.scheduler.scheduler_type, save_path)
     fit(cfg, spec, d2t, t2d, plan)
-    return summary(save_path, plan)
+    text = summary(save_path, plan)
+    marker = read_marker(save_path)
+    mark(save_path, marker["start"], marker.get("config"), finished=True)  # the same command says so, not resumes
+    return text
 
 
 @dataclasses.dataclass
@@ -101,6 +107,13 @@ class Plan:
         if offline:
             check_features(cfg, samples["train"], shape)
         sides = {side: s.row.size for side, s in samples.items()}
+        ratio = spec.data.train_data_ratio
+        log.info("train: data.train_data_ratio %g: %d rows to train on, %d held out for validation", ratio,
+                 sides["train"], sides["validation"])
+        if ratio < 1 and sides["train"] and not sides["validation"]:
+            raise ConfigError(f"train.speculators.data.train_data_ratio {ratio:g} holds out no row of the "
+                              f"{sides['train']} selected (prompts are held out whole, by a seeded hash of their "
+                              "prompt_id): lower it to validate, or set it to 1 to train without validation")
         if not sides["train"]:
             raise EmptyResult(f"train: no row of {cfg.output.path} is left to train on (the hidden-states filters, "
                               f"data.total_seq_len {spec.data.total_seq_len}, data.train_data_ratio "
@@ -156,9 +169,20 @@ def draft_vocabulary(cfg: Config, spec, shape: FeatureShape) -> tuple:
     return d2t, t2d, vocab_size
 
 
-def prepare_save_path(save_path: str) -> None:
-    """save_path made (or emptied of what a start that made no step left there:
+def prepare_save_path(save_path: str, settings: dict | None = None) -> bool:
+    """Whether the run resumes: save_path holds a run of these `settings` that did not finish
+    (draft_config.save_path_run; what a save cut short left is removed). Otherwise save_path
+    made (or emptied of what a start that made no step left there:
     draft_config.save_path_leftovers) and marked as the trainer's (draft_config.MARKER)."""
+    if settings is not None and save_path_run(save_path, settings):
+        for name in cut_short(save_path):
+            log.warning("train: %s is a checkpoint whose save was cut short: removing it", name)
+            shutil.rmtree(os.path.join(save_path, name))
+        steps = saved_steps(save_path)
+        log.info("train: %s holds a run of these settings that did not finish (checkpoints: %s): it resumes from "
+                 "its latest checkpoint, as after a lost worker", save_path,
+                 ", ".join(f"step-{n}" for n in steps) if steps else "none: from step 0")
+        return True
     leftovers = save_path_leftovers(save_path) if os.path.isdir(save_path) else []
     if leftovers is None:  # filled since the config was checked
         raise NotWritable(f"train.speculators.trainer.save_path {save_path} is not empty: choose a new folder")
@@ -170,16 +194,23 @@ def prepare_save_path(save_path: str) -> None:
             path = os.path.join(save_path, name)
             shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
         os.makedirs(save_path, exist_ok=True)
-        mark(save_path, start=[])
+        mark(save_path, start=[], config=settings)
     except OSError as e:
         raise NotWritable(f"train.speculators.trainer.save_path {save_path} cannot be written "
                           f"({type(e).__name__}: {e.strerror or e}); choose a folder you can write") from None
+    return False
 
 
-def mark(save_path: str, start: list[str]) -> None:
-    """draft_config.MARKER: the folder is the trainer's; `start`, what its start wrote there."""
-    with open(os.path.join(save_path, MARKER), "w") as f:
-        json.dump({"made_by": "eagle-data's draft trainer (python -m ray_jobs.train_draft)", "start": start}, f)
+def mark(save_path: str, start: list[str], config: dict | None = None, finished: bool = False) -> None:
+    """draft_config.MARKER: the folder is the trainer's; `start`, what its start wrote there;
+    `config`, the run's settings (what a resume must match); `finished`. Written aside and
+    renamed into place: a kill never leaves half a marker, which would make the folder another's."""
+    record = {"made_by": "eagle-data's draft trainer (python -m ray_jobs.train_draft)", "start": start}
+    record.update({"config": config} if config is not None else {}, **({"finished": True} if finished else {}))
+    path = os.path.join(save_path, MARKER)
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)
 
 
 def wait_for_worker_resources(cfg: Config) -> None:
@@ -237,8 +268,11 @@ def fit(cfg: Config, spec, d2t, t2d, plan: Plan) -> None:
                            dataset_config=DataConfig(datasets_to_split=["train"]) if datasets else None,
                            scaling_config=ScalingConfig(num_workers=workers, use_gpu=gpu,
                                                         resources_per_worker=resources),
+                           # The same name and storage as the run's first start: Ray Train restores a run's
+                           # checkpoints from there, so a driver started again resumes as a new worker group does.
                            run_config=RunConfig(storage_path=os.path.join(save_path, "ray-train"), name="train",
-                                                failure_config=FailureConfig(max_failures=cfg.train.max_failures)))
+                                                failure_config=FailureConfig(max_failures=cfg.train.max_failures),
+                                                callbacks=[RepeatedFailure()]))
     try:
         result = in_a_thread(trainer.fit)
     except TrainingFailedError as e:
@@ -268,6 +302,31 @@ def loop_config(cfg: Config, spec, d2t, t2d, plan: Plan) -> dict:
             "source": plan.source, "samples": plan.samples if plan.source == "hidden_states" else None,
             "epochs": plan.epochs, "total_steps": plan.steps, "validation": bool(plan.validation_rows),
             "gate": plan.gate, "per_epoch": plan.per_epoch}
+
+
+class RepeatedFailure(UserCallback):
+    """Ray Train's controller stops retrying (train.max_failures, -1 without end) where two
+    attempts in a row failed the same way with no checkpoint reported between them: the
+    same error, from the same checkpoint, would come again at every retry. A lost worker's
+    error names the worker, so lost workers are retried as before."""
+
+    def __init__(self):
+        self.last = None
+
+    def after_report(self, run_context, metrics, checkpoint) -> None:
+        if checkpoint is not None:  # progress: an earlier failure is not this one's twin
+            self.last = None
+
+    def after_exception(self, run_context, worker_exceptions: dict) -> None:
+        rank = min(worker_exceptions)  # the lowest rank's: every rank fails alike where the cause is shared
+        error = worker_exceptions[rank]
+        seen = f"{type(error).__name__}: {error}"  # a worker's error is its traceback's text
+        if seen == self.last:
+            last_line = (str(error).strip().splitlines() or [type(error).__name__])[-1]
+            raise EagleDataError(f"train: the workers failed twice in a row the same way, from the same checkpoint, "
+                                 f"so Ray Train does not start them again (train.max_failures): rank {rank}: "
+                                 f"{last_line}")
+        self.last = seen
 
 
 def in_a_thread(call):

@@ -118,6 +118,40 @@ def test_what_a_start_that_made_no_step_left_is_taken_over_and_nothing_else(deep
         assert sorted(p.name for p in folder.rglob("*")) == before, why
 
 
+def test_a_run_of_the_same_settings_is_resumed_and_another_or_a_finished_one_refused(deep_qwen3, tmp_path):
+    """The marker records the run's settings (run_settings): the same ones resume the folder as
+    it is (but a checkpoint a kill cut short while it was written aside); other ones are
+    refused naming the keys that differ; a finished run is refused. Nothing is touched then."""
+    from eagle_data.feature_shape import feature_shape
+    from eagle_data.training.draft_config import run_settings
+    from eagle_data.training.draft_trainer import mark
+
+    save = started(tmp_path / "d", metrics='{"step": 1}\n')
+    (save / "step-2").mkdir()
+    aside = save / f".step-4.{'0' * 32}.tmp"  # a save cut short
+    aside.mkdir()
+    cfg = config(tmp_path / "out", deep_qwen3, trainer={"save_path": str(save)}, seed=7)
+    mark(str(save), ["run.yaml", "speculators.patch", "train_command.txt"],
+         run_settings(cfg, speculators_config(config(tmp_path / "out", deep_qwen3, seed=7,
+                                                     trainer={"save_path": str(tmp_path / "new")})), feature_shape(cfg)))
+    spec = speculators_config(cfg)  # accepted: the same settings
+    assert prepare_save_path(str(save), run_settings(cfg, spec, feature_shape(cfg))) is True
+    assert not aside.exists() and (save / "step-2").is_dir() and (save / "metrics.jsonl").exists()
+
+    before = sorted(p.name for p in save.rglob("*"))
+    with pytest.raises(ConfigError) as other:
+        speculators_config(config(tmp_path / "out", deep_qwen3, trainer={"save_path": str(save)}, seed=8,
+                                  loss={"loss_implementation": "eager"}))
+    assert str(other.value) == (f"train.speculators.trainer.save_path {save} holds another run's steps, made with other "
+                                "settings (changed: train.speculators.loss.loss_implementation, train.speculators.seed): "
+                                "set them back to resume it, or choose a new folder (nothing in it is replaced)")
+    marker = json.loads((save / MARKER).read_text())
+    mark(str(save), marker["start"], marker["config"], finished=True)
+    with pytest.raises(ConfigError, match="holds a finished run \\(final/\\): nothing to resume; choose a new folder"):
+        speculators_config(cfg)
+    assert sorted(p.name for p in save.rglob("*")) == before
+
+
 @pytest.mark.parametrize("speculators, message", [
     # Valid keys that only speculators' own trainer reads: they passed and were silently ignored.
     ({"trainer": {"checkpoint_freq": 0.5}}, "trainer.checkpoint_freq: not used by this trainer "

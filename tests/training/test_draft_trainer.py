@@ -20,7 +20,7 @@ import pytest
 import torch
 import yaml
 
-from support import REPO, ray_processes_of, read, train_settings
+from support import REPO, as_config, ray_processes_of, read, train_settings
 from eagle_data.errors import (DamagedModel, DraftStartFailed, NoTrainingResources, NotWritable, Stopped,
                                stop_on_signals)
 from eagle_data.storage.selection import held_out
@@ -65,6 +65,40 @@ def test_a_truncated_target_is_named_before_ray_starts_and_the_command_then_runs
                       f"({(broken / 'model.safetensors').stat().st_size} bytes; its header says " \
                       f"{(deep_qwen3 / 'model.safetensors').stat().st_size}); download or convert the model again\n"
     assert sorted(p.name for p in (tmp_path / "draft").iterdir()) == [MARKER]
+
+
+def test_a_split_that_holds_out_nothing_while_validation_is_asked_is_refused(deep_qwen3, tmp_path, capsys, caplog,
+                                                                             own_signal_handlers):
+    """data.train_data_ratio 0.999 on 12 rows holds out none of them (a seeded hash per
+    prompt): the run trained without validation, silently. Now refused before Ray starts,
+    one line naming the key and the counts; with a ratio that holds rows out, the log says
+    how many each side got; 1.0 asks for no validation and is not refused."""
+    import logging
+
+    from support import synthetic_row, write_out
+    from eagle_data.errors import ConfigError
+
+    out = write_out(tmp_path / "out", [synthetic_row(i, 3, 1, 4, "stop", "a") for i in range(12)], rows_per_shard=4)
+    settings = train_settings(out, deep_qwen3, tmp_path / "draft", data={"train_data_ratio": 0.999})
+    code, err = train_draft(settings, tmp_path, capsys=capsys)
+    assert code == ConfigError.exit_code == 2
+    assert err == ("error: train.speculators.data.train_data_ratio 0.999 holds out no row of the 12 selected (prompts "
+                   "are held out whole, by a seeded hash of their prompt_id): lower it to validate, or set it to 1 to "
+                   "train without validation\n")
+    from eagle_data.feature_shape import feature_shape
+    from eagle_data.training.draft_config import speculators_config
+    from eagle_data.training.draft_trainer import Plan
+
+    for ratio, held in ((0.5, 6), (1.0, 0)):  # 6 of 12 on seed 42's hash
+        cfg = as_config({**settings, "train": {**settings["train"], "speculators": {
+            **settings["train"]["speculators"], "data": {"train_data_ratio": ratio},
+            "trainer": {"save_path": str(tmp_path / f"draft-{ratio}")}}}})
+        shape = feature_shape(cfg)
+        with caplog.at_level(logging.INFO, logger="eagle_data"):
+            plan = Plan.of(cfg, speculators_config(cfg, shape), shape)
+        assert (plan.train_rows, plan.validation_rows) == (12 - held, held)
+        assert f"train: data.train_data_ratio {ratio:g}: {12 - held} rows to train on, {held} held out for " \
+               "validation" in caplog.messages
 
 
 def test_draft_vocab_size_null_is_the_targets_whole_vocabulary_and_more_is_clamped(deep_qwen3, tmp_path):
