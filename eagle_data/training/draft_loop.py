@@ -84,7 +84,9 @@ def train_loop(config: dict) -> None:
     step = restored["step"] if restored else 0
     validated.update(e for end, e in ends.items() if end <= step)  # done before the checkpoint was written
     consumed = restored.get("consumed") if restored else None  # the stream's places trained on, all workers
-    trained: list[tuple[int, int]] = []  # this worker's places since the last checkpoint
+    # This worker's places since the last checkpoint; kept only where a checkpoint takes them:
+    # without checkpoints the list would grow with every row of the run.
+    trained: list[tuple[int, int]] = []
     with open(os.path.join(save_path, "metrics.jsonl"), "a") if rank == 0 else contextlib.nullcontext() as file:
         def write(record: dict) -> None:
             file.write(json.dumps(record) + "\n")
@@ -102,7 +104,8 @@ def train_loop(config: dict) -> None:
             for scheduler in schedulers:
                 scheduler.step()
             step += 1
-            trained.extend(places)
+            if every:
+                trained.extend(places)
             if rank == 0 and (step % args.log_freq == 0 or step == config["total_steps"]):
                 write({"step": step, "epochs": epochs, "rows": len(items), "lr": lr, **scalars(metrics)})
             if step in ends:
