@@ -86,18 +86,25 @@ def checkpoint(draft, optimizers, schedulers, config: dict, step: int, consumed,
     return consumed
 
 
-def restore(latest, draft, optimizers, schedulers, config: dict, rank: int) -> dict | None:
+def restore(latest, draft, optimizers, schedulers, config: dict, rank: int, world: int) -> dict | None:
     """The state of Ray Train's latest checkpoint (this run's, from a worker group that was
-    lost), loaded into the draft, the optimizers and the schedules; None on a first start.
-    Rank 0 cuts metrics.jsonl back to the checkpoint's step."""
+    lost or a driver started again), or of the newest intact one before it, loaded into the
+    draft, the optimizers and the schedules; None on a first start. Rank 0 chooses the
+    checkpoint for every rank (a rank that saw another would train other steps) and cuts
+    metrics.jsonl back to its step."""
     import torch
+    import torch.distributed as dist
     from safetensors.torch import load_file
 
     folder = None
-    if latest is not None:
+    if latest is not None and rank == 0:
         with latest.as_directory() as pointer:
             with open(os.path.join(pointer, "checkpoint.json")) as f:
-                folder = intact(json.load(f)["path"], config["save_path"], rank)
+                folder = intact(json.load(f)["path"], config["save_path"])
+    if world > 1:
+        chosen = [folder]
+        dist.broadcast_object_list(chosen, src=0)
+        folder = chosen[0]
     if folder is None:
         metrics = os.path.join(config["save_path"], "metrics.jsonl")
         if rank == 0 and os.path.exists(metrics) and os.path.getsize(metrics):
@@ -150,17 +157,16 @@ def cut_metrics(save_path: str, step: int) -> None:
     os.replace(path + ".tmp", path)
 
 
-def intact(folder: str, save_path: str, rank: int) -> str | None:
+def intact(folder: str, save_path: str) -> str | None:
     """`folder` (Ray Train's latest checkpoint) or, where it is damaged, the newest intact
-    step-<N>/ before it; None where none is. Rank 0 says which it skipped and why."""
+    step-<N>/ before it; None where none is. Says which it skipped and why."""
     step = STEP.fullmatch(os.path.basename(folder))
     older = [n for n in reversed(saved_steps(save_path)) if step is None or n < int(step.group(1))]
     for candidate in [folder, *(os.path.join(save_path, f"step-{n}") for n in older)]:
         problem = damage(candidate)
         if problem is None:
             return candidate
-        if rank == 0:
-            log.warning("train: the checkpoint %s is damaged (%s): skipped", candidate, problem)
+        log.warning("train: the checkpoint %s is damaged (%s): skipped", candidate, problem)
     return None
 
 

@@ -80,7 +80,7 @@ def train_loop(config: dict) -> None:
                 log.info("train: validation after epoch %d (step %d): %s", epoch, step,
                          ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
 
-    restored = restore(ray.train.get_checkpoint(), draft, optimizers, schedulers, config, rank)
+    restored = restore(ray.train.get_checkpoint(), draft, optimizers, schedulers, config, rank, world)
     step = restored["step"] if restored else 0
     validated.update(e for end, e in ends.items() if end <= step)  # done before the checkpoint was written
     consumed = restored.get("consumed") if restored else None  # the stream's places trained on, all workers

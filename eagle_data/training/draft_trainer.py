@@ -206,7 +206,10 @@ def mark(save_path: str, start: list[str], config: dict | None = None, finished:
     `config`, the run's settings (what a resume must match); `finished`. Written aside and
     renamed into place: a kill never leaves half a marker, which would make the folder another's."""
     record = {"made_by": "eagle-data's draft trainer (python -m ray_jobs.train_draft)", "start": start}
-    record.update({"config": config} if config is not None else {}, **({"finished": True} if finished else {}))
+    if config is not None:
+        record["config"] = config
+    if finished:
+        record["finished"] = True
     path = os.path.join(save_path, MARKER)
     with open(path + ".tmp", "w") as f:
         json.dump(record, f)

@@ -68,18 +68,19 @@ def steps_of(save: Path) -> list[dict]:
 @pytest.mark.slow
 def test_a_trainer_whose_driver_is_killed_resumes_from_its_latest_intact_checkpoint(
         ray_local, hidden_out, deep_qwen3, tmp_path, capsys, own_signal_handlers):
-    """train.source hidden_states, 1 worker, 8 epochs, a checkpoint every 2 steps. The driver
+    """train.source hidden_states, 2 workers, 8 epochs, a checkpoint every 2 steps. The driver
     SIGKILLed once Ray Train has a checkpoint: the same command was refused ("exists and is
     not an empty folder"), every step lost. Now: with another learning rate it is refused,
     naming the key; Ray Train's latest checkpoint damaged (trainer_state.pt cut short), the
-    same command skips it, resumes from the newest intact one, and trains each step once
+    same command skips it, resumes from the newest intact one (rank 0's choice, every rank's),
+    and trains each step once
     (with train.max_failures -1 Ray Train had restarted the workers without end, each failing
     `PytorchStreamReader failed reading zip archive`); once finished, the command says so."""
     from ray_jobs.train_draft import main
 
     save = tmp_path / "draft"
     settings = train_settings(hidden_out, deep_qwen3, save)
-    settings["train"].update(source="hidden_states", checkpoint_every=2, max_failures=-1)
+    settings["train"].update(source="hidden_states", workers=2, checkpoint_every=2, max_failures=-1)
     settings["train"]["speculators"]["trainer"]["epochs"] = 8
     config = tmp_path / "train.yaml"
     config.write_text(yaml.safe_dump(settings))
@@ -184,9 +185,9 @@ def test_a_checkpoints_files_are_checked_before_it_is_loaded(tmp_path):
     (folders[0] / "trainer_state.pt").unlink()
     assert damage(str(folders[0])) == "trainer_state.pt is missing"
     assert damage(str(tmp_path / "step-8")) == "it is missing"
-    assert intact(str(folders[2]), str(tmp_path), 0) is None  # all three damaged: from step 0
+    assert intact(str(folders[2]), str(tmp_path)) is None  # all three damaged: from step 0
     checkpoint(3)
-    assert intact(str(folders[2]), str(tmp_path), 0) == str(tmp_path / "step-3")  # the newest intact before it
+    assert intact(str(folders[2]), str(tmp_path)) == str(tmp_path / "step-3")  # the newest intact before it
 
 
 def test_metrics_are_cut_back_to_the_step_without_a_line_a_kill_cut_short(tmp_path):
