@@ -325,8 +325,9 @@ def main() -> None:
 
     from eagle_data.config import load_config
     from eagle_data.job.phases.generate import target_tokens
-    from eagle_data.job.phases.hidden_states import layer_ids as phase_layer_ids
-    from eagle_data.job.phases.hidden_states import run_hidden_states, target_shape
+    from eagle_data.feature_shape import layer_ids as phase_layer_ids
+    from eagle_data.feature_shape import target_shape
+    from eagle_data.job.phases.hidden_states import run_hidden_states
     from eagle_data.job.phases.run import run
     from eagle_data.job.stages.engines.vllm_backend import engine_kwargs as job_engine_kwargs
     from eagle_data.job.stages.engines.vllm_hidden_states import hidden_states_engine_kwargs

@@ -113,7 +113,7 @@ def train_loop(config: dict) -> None:
     (RssShmem: the object store's, while it reads its blocks)."""
     import ray.train
 
-    from eagle_data.training.stream import stream_batches
+    from eagle_data.training.stream_gate import stream_batches
 
     def rss() -> dict:
         status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
@@ -196,11 +196,12 @@ def run_stream(out: Path, cfg, work: Path, args, step_s: float) -> dict:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from eagle_data.training.stream import features, stream_report
+    from eagle_data.training.stream import features
+    from eagle_data.training.stream_gate import gate_summary
 
     spans = Path(tempfile.mkdtemp(dir=work))
     name = f"stream-scale-{spans.name}"
-    ds = features(str(out), cfg, world_size=args.workers, shuffle=False, report=name,
+    ds = features(str(out), cfg, world_size=args.workers, shuffle=False, gate=name,
                   engine=stand_in_engine(spans, args.engine_s))
     spilled = store_stats()["spilled"]
     started = time.monotonic()
@@ -213,7 +214,7 @@ def run_stream(out: Path, cfg, work: Path, args, step_s: float) -> dict:
     return {"wall_s": time.monotonic() - started, "engine": engine_figures(spans), "trainers": trainers,
             "driver_rss": peaks.driver, "coordinator_rss": peaks.coordinator, "store": peaks.store,
             "fallback": peaks.fallback, "spilled": store_stats()["spilled"] - spilled,
-            "stream": stream_report(name)["figures"]}
+            "stream": gate_summary(name)["figures"]}
 
 
 def mib(n: float) -> str:

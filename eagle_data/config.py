@@ -453,8 +453,10 @@ class TrainConfig(_Section):
         json_schema_extra=RUN_ONLY, default=0, ge=-1,
         description="how many times Ray Train starts the workers again after one is lost (a process killed, a "
                     "node gone; -1: without end); a new worker group resumes from the latest `step-<N>/` "
-                    "(train.checkpoint_every), or from step 0 without one. Resuming needs `trainer.save_path` "
-                    "on storage every trainer node reads. 0: a lost worker fails the run")
+                    "(train.checkpoint_every), or from step 0 without one; a damaged checkpoint is skipped for the "
+                    "newest intact one, and a failure that repeats the same way with no checkpoint between is the "
+                    "run's error, not retried. Resuming needs `trainer.save_path` on storage every trainer node "
+                    "reads. 0: a lost worker fails the run (the same command then resumes it, as after a lost driver)")
     worker_resources: dict[str, Finite] = Field(
         json_schema_extra=RUN_ONLY, default_factory=dict,
         description="custom resources each worker also reserves, to put the workers on the nodes that declare "
@@ -469,7 +471,8 @@ class TrainConfig(_Section):
                     "`trainer.gradient_checkpointing`, `data.total_seq_len` (longer rows are left out), "
                     "`data.hidden_states_dtype` (= hidden_states.dtype), `data.train_data_ratio` (the prompts "
                     "trained on; the others held out and validated each epoch); any other key is refused. "
-                    "`trainer.save_path`, an absolute folder that does not exist yet or is empty, is required. "
+                    "`trainer.save_path`, an absolute folder, is required: new or empty, or holding a run of the same "
+                    "settings that did not finish, which the same command resumes from its latest checkpoint. "
                     "Validated by speculators when the trainer starts")
 
 

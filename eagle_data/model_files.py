@@ -74,23 +74,31 @@ def check_weights(path: str) -> None:
     if not os.path.isdir(folder):
         return  # a hub id or a single (GGUF) file
     for name in sorted(os.listdir(folder)):
-        if not name.endswith(".safetensors"):
-            continue
-        file = os.path.join(folder, name)
+        if name.endswith(".safetensors"):
+            problem = safetensors_problem(os.path.join(folder, name))
+            if problem:
+                raise DamagedModel(f"model.path {path!r}: {name} {problem}; download or convert the model again")
+
+
+def safetensors_problem(file: str) -> str | None:
+    """What is wrong with a safetensors file, from its size and header only (a truncated
+    download, a file cut short by a kill, bytes that are not one): None when its header parses
+    and every tensor lies within the file."""
+    try:
         size = os.path.getsize(file)
-        try:
-            with open(file, "rb") as f:
-                length = int.from_bytes(f.read(8), "little")
-                if 8 + length > size:
-                    raise ValueError(f"a header of {length} bytes")
-                header = json.loads(f.read(length))
-            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-        except (ValueError, KeyError, TypeError, IndexError) as e:
-            raise DamagedModel(f"model.path {path!r}: {name} is not a readable safetensors file ({e}); "
-                               "download or convert the model again") from None
-        if 8 + length + end > size:
-            raise DamagedModel(f"model.path {path!r}: {name} is truncated ({size} bytes; its header says "
-                               f"{8 + length + end}); download or convert the model again")
+        with open(file, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if 8 + length > size:
+                raise ValueError(f"a header of {length} bytes")
+            header = json.loads(f.read(length))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except OSError as e:
+        return f"cannot be read ({type(e).__name__}: {e.strerror or e})"
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        return f"is not a readable safetensors file ({e})"
+    if 8 + length + end > size:
+        return f"is truncated ({size} bytes; its header says {8 + length + end})"
+    return None
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from eagle_data.config import load_config
 from eagle_data.errors import cli, exit_with, stop_on_signals
+from eagle_data.feature_shape import feature_shape
 from eagle_data.job.ray_session import ray_job
 from eagle_data.training.draft_config import speculators_config
 from eagle_data.training.draft_trainer import train
@@ -25,10 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     def job() -> int:
         nonlocal save_path
         cfg = load_config(args.config, args.overrides)
-        spec = speculators_config(cfg)
+        shape = feature_shape(cfg)  # the target's config, read once for the run
+        spec = speculators_config(cfg, shape)
         save_path = spec.trainer.save_path
         with ray_job():
-            result = train(cfg, spec)
+            result = train(cfg, spec, shape)
         print(result)
         return 0
 

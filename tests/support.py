@@ -404,14 +404,14 @@ def stream_train_loop(config: dict) -> None:
     import ray.train
     import torch
 
-    from eagle_data.training.batches import collate
-    from eagle_data.training.stream import stream_batches
+    from eagle_data.reader.batches import collate
+    from eagle_data.training.stream_gate import stream_batches
 
     shard = ray.train.get_dataset_shard("train")
     got = []
     rank = ray.train.get_context().get_world_rank()
     Path(config["save"], f"rank{rank}.json").write_text(json.dumps({"node": ray.get_runtime_context().get_node_id()}))
-    for batch in stream_batches(shard, config["report"], batch_size=config["batch_size"]):
+    for batch in stream_batches(shard, config["gate"], batch_size=config["batch_size"]):
         padded = collate(batch, pad_id=config["pad_id"], dtype=config["dtype"])
         for i, (sid, epoch) in enumerate(zip(padded["sample_id"], padded["epoch"])):
             n = int(padded["attention_mask"][i].sum())
@@ -425,22 +425,22 @@ def stream_train_loop(config: dict) -> None:
 # The training workers reserve no CPU (a bundle needs some resource: one byte of memory): the
 # engine replica and Ray's vLLM stage's pre-processing tasks take the session's 2 CPUs.
 NO_CPU = {"memory": 1}
-STREAM_NAMESPACE = "eagle-data-tests"  # the stream's report actor: ray.get_actor(name, namespace=...)
+STREAM_NAMESPACE = "eagle-data-tests"  # the stream's gate: ray.get_actor(name, namespace=...)
 
 
-def stream_into_trainer(ray_local, out: Path, cfg, save: Path, report: str, workers: int = 2,
+def stream_into_trainer(ray_local, out: Path, cfg, save: Path, gate: str, workers: int = 2,
                         max_failures: int = 0, batch_size: int = 3, env: dict | None = None,
                         runtime_env: dict | None = None, **stream_args) -> tuple[list[list[dict]], dict]:
     """As a user's training job: a driver process of its own, attached to the session's Ray
     (its actors, Ray Train's included, end with it), runs `eagle_data.training.stream.features(out,
-    cfg, report=report, **stream_args)` into a TorchTrainer of `workers` workers running
+    cfg, gate=gate, **stream_args)` into a TorchTrainer of `workers` workers running
     `stream_train_loop` (Ray Train restarting them up to `max_failures` times). What each
-    worker of the last attempt got, by rank, and the stream's report. `env`: the driver's
+    worker of the last attempt got, by rank, and the stream's gate's summary. `env`: the driver's
     environment (default: attached to the session's Ray); `runtime_env`, its ray.init's. While
     it runs, save/checked.txt holds the rows the stream's checks have seen (repeats included)."""
     import torch
 
-    run_job("stream", {"out": str(out), "config": cfg.model_dump(mode="json"), "save": str(save), "report": report,
+    run_job("stream", {"out": str(out), "config": cfg.model_dump(mode="json"), "save": str(save), "gate": gate,
                        "workers": workers, "max_failures": max_failures, "batch_size": batch_size,
                        "runtime_env": runtime_env, "stream": stream_args},
             env={**(env or attached(ray_local)), "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}, timeout=900)
@@ -470,16 +470,17 @@ def _stream_job(job: dict) -> None:
 
     from eagle_data.config import Config
     from eagle_data.reader import OutReader
-    from eagle_data.training.stream import features, stream_report
+    from eagle_data.training.stream import features
+    from eagle_data.training.stream_gate import gate_summary
 
     ray.init(namespace=STREAM_NAMESPACE, log_to_driver=False, runtime_env=job["runtime_env"])
     Path(job["save"], "job_id.txt").write_text(ray.get_runtime_context().get_job_id())
     cfg = Config.model_validate(job["config"])
-    ds = features(job["out"], cfg, report=job["report"], **job["stream"])
+    ds = features(job["out"], cfg, gate=job["gate"], **job["stream"])
 
     def progress() -> None:  # for a test that kills a process once some rows, not all, are checked
         while True:
-            checked = stream_report(job["report"])["checked"]
+            checked = gate_summary(job["gate"])["checked"]
             tmp = Path(job["save"], "checked.txt.tmp")
             tmp.write_text(str(checked))
             tmp.replace(Path(job["save"], "checked.txt"))
@@ -487,13 +488,13 @@ def _stream_job(job: dict) -> None:
 
     threading.Thread(target=progress, daemon=True).start()
     config = {"pad_id": OutReader(job["out"]).pad_id, "dtype": cfg.hidden_states.dtype, "save": job["save"],
-              "report": job["report"], "batch_size": job["batch_size"]}
+              "gate": job["gate"], "batch_size": job["batch_size"]}
     TorchTrainer(stream_train_loop, train_loop_config=config, datasets={"train": ds},
                  scaling_config=ScalingConfig(num_workers=job["workers"],
                                               resources_per_worker={**NO_CPU, **cfg.train.worker_resources}),
                  run_config=RunConfig(storage_path=str(Path(job["save"]) / "ray-train"), name="stream",
                                       failure_config=FailureConfig(max_failures=job["max_failures"]))).fit()
-    Path(job["save"], "report.json").write_text(json.dumps(stream_report(job["report"])))
+    Path(job["save"], "report.json").write_text(json.dumps(gate_summary(job["gate"])))
 
 
 def speculative_generate(target: Path, draft: Path, prompt_ids: list[int], max_tokens: int) -> dict:

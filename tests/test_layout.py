@@ -16,7 +16,8 @@ from eagle_data.storage.contract import SCHEMAS, data_schema
 # is in the layer of the first prefix here that it starts with.
 LAYERS = [
     ("eagle_data.errors", 0), ("eagle_data.config", 0), ("eagle_data.config_doc", 0), ("eagle_data.model_files", 0),
-    ("eagle_data.storage", 1), ("eagle_data.reader", 2), ("eagle_data.training.batches", 2), ("eagle_data.tools", 3),
+    ("eagle_data.feature_shape", 0),
+    ("eagle_data.storage", 1), ("eagle_data.reader", 2), ("eagle_data.tools", 3),
     ("eagle_data.job.ray_internals", 4), ("eagle_data.job.stages.columns", 4),  # what the stages build on
     ("eagle_data.job.stages.engines", 5),  # the engine stage: its backends and what they share
     ("eagle_data.job.phases.run", 8), ("eagle_data.job.phases", 7),
@@ -142,10 +143,10 @@ def test_storage_knows_no_config():
         assert banned == set(), path
 
 
-@pytest.mark.parametrize("module", ["eagle_data.reader", "eagle_data.training.batches"])
+@pytest.mark.parametrize("module", ["eagle_data.reader", "eagle_data.reader.batches"])
 def test_what_a_training_script_imports_loads_no_config_pydantic_yaml_or_ray(module):
     """What a training script loads with `import eagle_data.reader` (or the stream's batches,
-    `eagle_data.training.batches`): the OUT contract and pyarrow."""
+    `eagle_data.reader.batches`): the OUT contract and pyarrow."""
     import subprocess
     import sys
 

@@ -29,8 +29,8 @@ import pyarrow.dataset as pads
 from eagle_data.config import Config
 from eagle_data.errors import ConfigError, EmptyResult, ForeignFiles, MissingInput, NotWritable
 from eagle_data.evaluation import acceptance_report
+from eagle_data.feature_shape import target_shape
 from eagle_data.job.phases.generate import target_tokens
-from eagle_data.job.phases.hidden_states import target_shape
 from eagle_data.job.phases.run import run
 from eagle_data.job.stages.engines import engine_start_errors
 from eagle_data.job.stages.engines.vllm_backend import vllm_stage

@@ -2,6 +2,7 @@
 
     from eagle_data.reader import OutReader, Samples    # no torch needed
     from eagle_data.reader import OutDataset, OutIterableDataset, collate   # imports torch
+    from eagle_data.reader.batches import collate, pack   # the feature stream's rows -> torch
 
 Alignment of `loss_mask` with `input_ids` (the contract every trainer must follow):
 

@@ -60,6 +60,7 @@ log-probabilities -inf, token_logprobs 0. data/ itself stores one entry per GENE
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from typing import Iterator, Sequence
 
@@ -130,6 +131,17 @@ class OutReader:
         with self.fs.open_input_file(file) as f:
             return pq.ParquetFile(f).read_row_group(group, columns=list(columns))
 
+    def hidden_states_index(self) -> Index:
+        """hidden_states/'s shard headers (storage's Index), read once per reader: the Samples of
+        each side of a split made from one reader share it."""
+        if getattr(self, "_hidden_states_index", None) is None:
+            self._hidden_states_index = Index.read(self.fs, f"{self.root}/{HIDDEN_STATES}")
+        return self._hidden_states_index
+
+    def __getstate__(self):
+        # What a Samples pickled to a worker carries: not the headers, which its index already holds.
+        return {k: v for k, v in self.__dict__.items() if k != "_hidden_states_index"}
+
 
 def keeps_a_loss_token(max_len: int, train_on: str | None, expr: pc.Expression | None) -> pc.Expression:
     """Rows that still have a loss token when cut to max_len tokens: the first one is at
@@ -190,7 +202,7 @@ class Samples:
         pickle into DataLoader workers); every tensor must be [tokens, layers, H] alike."""
         folder = f"{self.out.root}/{HIDDEN_STATES}"
         try:
-            index = Index.read(self.out.fs, folder)
+            index = self.out.hidden_states_index()
         except ShardHeaderError as e:
             raise EagleDataError(f"{folder}: {e}; run `python -m eagle_data verify {self.out.root}`") from None
         if not index.entries:
@@ -324,6 +336,16 @@ class Samples:
 
     def __len__(self) -> int:
         return len(self.order)
+
+    def for_rank(self, rank: int, world_size: int) -> "Samples":
+        """These samples as rank `rank` of `world_size` reads them, without reading OUT again
+        (the same index, filters, split and order)."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} not in [0, world_size={world_size})")
+        other = copy.copy(self)
+        other.rank, other.world_size, other._cache = rank, world_size, OrderedDict()
+        other.set_epoch(self.epoch)
+        return other
 
     def sample(self, pos: int) -> dict:
         """The sample at index position `pos` (not a rank-local number)."""

@@ -3,10 +3,11 @@ extra), with what the stream decides filled in (the target, its aux layer ids, t
 dtype), checked before anything starts: speculators' config ignores unknown keys, and a
 key in the wrong place would train with a silent default.
 
-`trainer.save_path` must be new or empty, or hold only what a start of the trainer that
-made no step left there (MARKER says the trainer made the folder and lists what it wrote
-before its first step; save_path_leftovers): the same command then runs again without a
-hand-made cleanup."""
+`trainer.save_path` must be new or empty, hold only what a start of the trainer that made no
+step left there (MARKER says the trainer made the folder and lists what it wrote before its
+first step; save_path_leftovers): the same command then runs again without a hand-made
+cleanup; or hold a run of the same settings that did not finish (MARKER records them:
+run_settings), which the same command resumes (save_path_run)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ import os
 
 from eagle_data.config import Config
 from eagle_data.errors import ConfigError, MissingPackage
-from eagle_data.job.phases.hidden_states import layer_ids, target_shape
+from eagle_data.feature_shape import FeatureShape, feature_shape
 
 # Written first into trainer.save_path by the trainer (the folder is the project's), then
-# again with the names speculators' run files took ({"start": [...]}).
+# again with the names speculators' run files took ({"start": [...]}); with the run's settings
+# ({"config": run_settings}) and, once it is done, {"finished": true}.
 MARKER = ".eagle-data-draft"
 # What else a start leaves before its first step: Ray Train's folder and an empty
 # metrics.jsonl. A step-<N>/ or final/ is never a leftover.
@@ -51,8 +53,9 @@ INSTEAD = {  # why a refused key is not needed here, or what stands for it
 }
 
 
-def speculators_config(cfg: Config):
-    """`train.speculators` as speculators' TrainConfig; refused where it cannot train from the stream."""
+def speculators_config(cfg: Config, shape: FeatureShape | None = None):
+    """`train.speculators` as speculators' TrainConfig; refused where it cannot train from the
+    stream. `shape`: the target's, where the caller has read it (else read here)."""
     if "train" not in cfg.model_fields_set:
         raise ConfigError("the config has no `train:` section: the draft trainer's settings (train.workers, "
                           "train.speculators with trainer.save_path, ...; docs/streaming.md, configs/kimi-k2.5.yaml)")
@@ -66,8 +69,8 @@ def speculators_config(cfg: Config):
     given = dict(cfg.train.speculators)
     unknown_keys(TrainConfig, given, "train.speculators")
     refuse_unhonoured(given)
-    num_layers, _ = target_shape(cfg)
-    ids = layer_ids(cfg, num_layers)
+    shape = shape or feature_shape(cfg)
+    num_layers, ids = shape.num_layers, list(shape.layer_ids)
     if ids[-1] != num_layers or len(ids) < 2:
         raise ConfigError(f"hidden_states.layer_ids {ids}: speculators takes the last layer as the final state "
                           f"(layer id {num_layers}) and at least one aux layer before it")
@@ -97,6 +100,7 @@ def speculators_config(cfg: Config):
     except ValidationError as e:
         raise ConfigError("train.speculators: " + "; ".join(
             f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())) from None
+    scheduler(spec.scheduler)
     if spec.speculator_type != "eagle3":
         raise ConfigError(f"train.speculators.speculator_type {spec.speculator_type}: the stream carries EAGLE-3 "
                           "features; only eagle3 trains from it")
@@ -104,10 +108,82 @@ def speculators_config(cfg: Config):
     if not save_path or not os.path.isabs(save_path):
         raise ConfigError(f"train.speculators.trainer.save_path {save_path!r}: give an absolute folder for the "
                           "draft checkpoints (on storage rank 0's node writes and you read)")
-    if os.path.exists(save_path) and (not os.path.isdir(save_path) or save_path_leftovers(save_path) is None):
-        raise ConfigError(f"train.speculators.trainer.save_path {save_path} exists and is not an empty folder: "
-                          "choose a new one (nothing in it is replaced)")
+    save_path_run(save_path, run_settings(cfg, spec, shape))
     return spec
+
+
+def run_settings(cfg: Config, spec, shape: FeatureShape) -> dict:
+    """The settings a run's steps depend on, as flattened `section.key: value`: the target
+    and its features, OUT and the rows selected, the workers' shares and speculators' whole
+    resolved config (its save_path aside). A run in save_path resumes only with each alike."""
+    settings = {"model.path": cfg.model.path, "output.path": cfg.output.path,
+                "hidden_states.layer_ids": list(shape.layer_ids), "hidden_states.dtype": cfg.hidden_states.dtype,
+                "hidden_states.finish_reason": cfg.hidden_states.finish_reason,
+                "hidden_states.source": cfg.hidden_states.source, "train.source": cfg.train.source,
+                "train.workers": cfg.train.workers, "train.batch_size": cfg.train.batch_size}
+
+    def flatten(value, key: str) -> None:
+        if isinstance(value, dict):
+            for name, inner in value.items():
+                flatten(inner, f"{key}.{name}")
+        elif key != "train.speculators.trainer.save_path":
+            settings[key] = value
+
+    flatten(spec.model_dump(mode="json"), "train.speculators")
+    return json.loads(json.dumps(settings))  # as it reads back from the marker
+
+
+def save_path_run(save_path: str, settings: dict) -> bool:
+    """Whether save_path holds a run to resume: one the trainer started with these
+    `settings` that did not finish. False where it is new, empty or holds only what a start
+    that made no step left; refused (one line) where it holds anything else: another run's
+    files (the settings that differ named), a finished run, files the trainer did not write."""
+    if not os.path.exists(save_path):
+        return False
+    key = f"train.speculators.trainer.save_path {save_path}"
+    if os.path.isdir(save_path) and save_path_leftovers(save_path) is not None:
+        return False
+    marker = read_marker(save_path) if os.path.isdir(save_path) else None
+    if marker is None:
+        raise ConfigError(f"{key} exists and is not an empty folder: choose a new one (nothing in it is replaced)")
+    if marker.get("finished"):
+        raise ConfigError(f"{key} holds a finished run (final/): nothing to resume; choose a new folder to train "
+                          "again")
+    made = marker.get("config")
+    if not isinstance(made, dict):  # a start that recorded no settings: nothing says what it ran
+        raise ConfigError(f"{key} exists and is not an empty folder: choose a new one (nothing in it is replaced)")
+    changed = sorted(k for k in set(made) | set(settings) if made.get(k) != settings.get(k))
+    if changed:
+        raise ConfigError(f"{key} holds another run's steps, made with other settings (changed: {', '.join(changed)}): "
+                          "set them back to resume it, or choose a new folder (nothing in it is replaced)")
+    return True
+
+
+def read_marker(save_path: str) -> dict | None:
+    """MARKER's record, or None where there is none that the trainer wrote."""
+    try:
+        with open(os.path.join(save_path, MARKER)) as f:
+            marker = json.load(f)
+    except (OSError, ValueError):
+        return None
+    start = marker.get("start") if isinstance(marker, dict) else None
+    return marker if isinstance(start, list) and all(isinstance(name, str) for name in start) else None
+
+
+def scheduler(settings) -> None:
+    """speculators' schedule settings within what they mean (draft_loop.schedule_steps): a
+    warmup ratio is a fraction of the steps, a total at least one step."""
+    key = "train.speculators.scheduler"
+    ratio, total, warmup = (settings.scheduler_warmup_ratio, settings.scheduler_total_steps,
+                            settings.scheduler_warmup_steps)
+    if ratio is not None and not 0 <= ratio <= 1:
+        raise ConfigError(f"{key}.scheduler_warmup_ratio {ratio}: the share of the schedule's steps that warm up, "
+                          "in [0, 1]")
+    if total is not None and total < 1:
+        raise ConfigError(f"{key}.scheduler_total_steps {total}: the schedule's steps, at least 1 (null: the run's)")
+    if warmup is not None and warmup < 0:
+        raise ConfigError(f"{key}.scheduler_warmup_steps {warmup}: at least 0 (null: from the ratio, or 1% of the "
+                          "schedule's steps)")
 
 
 def save_path_leftovers(save_path: str) -> list[str] | None:
@@ -117,12 +193,11 @@ def save_path_leftovers(save_path: str) -> list[str] | None:
     names = os.listdir(save_path)
     if not names:
         return []
-    try:
-        with open(os.path.join(save_path, MARKER)) as f:
-            started = set(json.load(f)["start"])
-    except (OSError, ValueError, KeyError, TypeError):  # no marker, or not the trainer's
+    marker = read_marker(save_path)
+    if marker is None:  # no marker, or not the trainer's
         return None
-    if not set(names) <= {MARKER, *RUN_FILES, *started}:
+    started = set(marker["start"])
+    if not set(names) <= {MARKER, f"{MARKER}.tmp", *RUN_FILES, *started}:
         return None
     metrics = os.path.join(save_path, "metrics.jsonl")
     if os.path.exists(metrics) and os.path.getsize(metrics):

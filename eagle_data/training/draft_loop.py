@@ -16,14 +16,15 @@ the draft's k-th step is right, all earlier ones right too), logged in metrics.j
 the job log. The rows of one epoch do not arrive together from the stream, so an epoch's
 end is the step count: the run's steps / trainer.epochs.
 
-Checkpoints (train.checkpoint_every): rank 0 writes `step-<N>/`, speculators' draft and
-`trainer_state.pt` (the optimizers', the schedules' and the step; on the stream, the places
-of each epoch's order that every worker had trained on by step N; on hidden_states/ the step
-says where each rank is), and every worker reports it to Ray Train (`ray.train.report`, a
-pointer to the folder). A worker group Ray Train starts again (train.max_failures) starts
-from the latest one: the model, the optimizers, the schedules, the step, metrics.jsonl cut
-back to it, and the stream's place (the places trained on are not asked again: what is
-left of every epoch, in the epochs' order, whatever the lost workers had prefetched).
+Checkpoints (train.checkpoint_every; checkpoints.py): rank 0 writes `step-<N>/`, speculators'
+draft and `trainer_state.pt` (the optimizers', the schedules' and the step; on the stream,
+the places of each epoch's order that every worker had trained on by step N; on
+hidden_states/ the step says where each rank is), and every worker reports it to Ray Train
+(`ray.train.report`, a pointer to the folder). A worker group Ray Train starts again
+(train.max_failures) starts from the latest one: the model, the optimizers, the schedules,
+the step, metrics.jsonl cut back to it, and the stream's place (the places trained on are
+not asked again: what is left of every epoch, in the epochs' order, whatever the lost
+workers had prefetched).
 """
 
 from __future__ import annotations
@@ -32,22 +33,14 @@ import argparse
 import contextlib
 import json
 import logging
-import math
 import os
-import shutil
-import tempfile
-import uuid
 from typing import Iterator
 
-from eagle_data.errors import DraftStartFailed, EagleDataError
-from eagle_data.training.batches import pack, stream_items
+from eagle_data.errors import DraftStartFailed
+from eagle_data.reader.batches import pack, stream_items
+from eagle_data.training.checkpoints import checkpoint, restore, save
 
 log = logging.getLogger("eagle_data")
-
-# What a checkpoint holds besides speculators' draft (config.json, model.safetensors).
-TRAINER_STATE = "trainer_state.pt"
-# The draft's weights a checkpoint leaves out: the verifier's, which build_draft loads again.
-NOT_SAVED = ("verifier_",)
 
 
 def train_loop(config: dict) -> None:
@@ -87,22 +80,20 @@ def train_loop(config: dict) -> None:
                 log.info("train: validation after epoch %d (step %d): %s", epoch, step,
                          ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
 
-    restored = restore(ray.train.get_checkpoint(), draft, optimizers, schedulers, config, rank)
+    restored = restore(ray.train.get_checkpoint(), draft, optimizers, schedulers, config, rank, world)
     step = restored["step"] if restored else 0
     validated.update(e for end, e in ends.items() if end <= step)  # done before the checkpoint was written
     consumed = restored.get("consumed") if restored else None  # the stream's places trained on, all workers
-    trained: list[tuple[int, int]] = []  # this worker's places since the last checkpoint
+    # This worker's places since the last checkpoint; kept only where a checkpoint takes them:
+    # without checkpoints the list would grow with every row of the run.
+    trained: list[tuple[int, int]] = []
     with open(os.path.join(save_path, "metrics.jsonl"), "a") if rank == 0 else contextlib.nullcontext() as file:
         def write(record: dict) -> None:
             file.write(json.dumps(record) + "\n")
             file.flush()
 
         for items, epochs, places in train_items(config, rank, world, step, consumed):
-            packed = {k: v.to(device) if isinstance(v, torch.Tensor) else v
-                      for k, v in pack(items, config["hidden_size"], dtype).items()}
-            autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
-            with autocast:
-                _, loss, metrics = model(**packed, **train_kwargs)
+            loss, metrics = forward(model, items, config["hidden_size"], dtype, device, train_kwargs)
             for opt in optimizers:
                 opt.zero_grad()
             loss.backward()
@@ -113,7 +104,8 @@ def train_loop(config: dict) -> None:
             for scheduler in schedulers:
                 scheduler.step()
             step += 1
-            trained.extend(places)
+            if every:
+                trained.extend(places)
             if rank == 0 and (step % args.log_freq == 0 or step == config["total_steps"]):
                 write({"step": step, "epochs": epochs, "rows": len(items), "lr": lr, **scalars(metrics)})
             if step in ends:
@@ -149,24 +141,45 @@ def build_draft(args, config: dict):
 
 def optimizers_and_schedules(model, args, total_steps: int) -> tuple[list, list]:
     """speculators' optimizers and, one per optimizer, its learning-rate schedule: the kind
-    (`scheduler.scheduler_type`) and warmup and total steps as speculators' trainer resolves
-    them (its `_resolve_scheduler_steps`: 1% warmup by default), over this run's steps."""
+    (`scheduler.scheduler_type`), over schedule_steps' warmup and total steps."""
     from speculators.train.optimizers import build_optimizers
-    from speculators.train.trainer import TrainerConfig, _resolve_scheduler_steps
     from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
     optimizers = build_optimizers(model, args)
     if args.scheduler_type == "none":
         return optimizers, []
-    settings = TrainerConfig(lr=args.lr, num_epochs=args.epochs, save_path=args.save_path, max_steps=args.max_steps,
-                             scheduler_warmup_steps=args.scheduler_warmup_steps,
-                             scheduler_warmup_ratio=args.scheduler_warmup_ratio,
-                             scheduler_total_steps=args.scheduler_total_steps or total_steps)
-    warmup, total = _resolve_scheduler_steps(settings, math.ceil(total_steps / args.epochs))
+    warmup, total = schedule_steps(args, total_steps)
     if args.scheduler_type == "linear":
         return optimizers, [get_linear_schedule_with_warmup(opt, warmup, total) for opt in optimizers]
     return optimizers, [get_cosine_schedule_with_warmup(opt, warmup, total, num_cycles=args.scheduler_num_cosine_cycles)
                         for opt in optimizers]
+
+
+def schedule_steps(args, run_steps: int) -> tuple[int, int]:
+    """(warmup, total) steps of the learning-rate schedule, with the meaning speculators'
+    settings document (`scheduler.*`): total is `scheduler_total_steps`, or else the run's
+    steps (`trainer.max_steps` where it cuts the epochs' steps short: its trainer's default);
+    warmup is `scheduler_warmup_steps`, or else `scheduler_warmup_ratio` of total, or else 1%
+    of total. draft_config refuses a ratio outside [0, 1] and totals below 1."""
+    total = args.scheduler_total_steps if args.scheduler_total_steps is not None else run_steps
+    if args.scheduler_warmup_steps is not None:
+        return args.scheduler_warmup_steps, total
+    if args.scheduler_warmup_ratio is not None:
+        return int(total * args.scheduler_warmup_ratio), total
+    return total // 100, total
+
+
+def forward(model, items: list[tuple], hidden_size: int, dtype, device, call_kwargs: dict) -> tuple:
+    """speculators' draft on rows (input_ids, loss_mask, hidden_states), packed as its own
+    dataset packs them (batches.pack), in autocast for a states' dtype below float32: (loss,
+    its per-step metrics)."""
+    import torch
+
+    packed = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in pack(items, hidden_size, dtype).items()}
+    autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
+    with autocast:
+        _, loss, metrics = model(**packed, **call_kwargs)
+    return loss, metrics
 
 
 def train_items(config: dict, rank: int, world: int, start: int = 0,
@@ -180,10 +193,10 @@ def train_items(config: dict, rank: int, world: int, start: int = 0,
     if config["source"] == "stream":
         import ray.train
 
-        from eagle_data.training.stream import stream_batches
+        from eagle_data.training.stream_gate import stream_batches
 
         shard = ray.train.get_dataset_shard("train")
-        for batch in stream_batches(shard, config["report"], batch_size=config["batch_size"], consumed=consumed):
+        for batch in stream_batches(shard, config["gate"], batch_size=config["batch_size"], consumed=consumed):
             yield (stream_items(batch, config["stream_dtype"]), sorted({int(e) for e in batch["epoch"]}),
                    [(int(e), int(p)) for e, p in zip(batch["epoch"], batch["position"])])
         return
@@ -222,11 +235,9 @@ def validation_items(config: dict, rank: int, world: int) -> Iterator[list[tuple
 
 
 def offline_samples(config: dict, side: str, rank: int, world: int):
-    """The rows of OUT's hidden_states/ on one side of the split, as the reader serves them."""
-    from eagle_data.reader import Samples
-
-    return Samples(config["out"], hidden_states=True, rank=rank, world_size=world, seed=config["seed"],
-                   shuffle=side == "train", holdout=(side, *config["holdout"]), **config["filters"])
+    """The rows of OUT's hidden_states/ on one side of the split, as the reader serves rank
+    `rank` of `world` (the driver's index: OUT is not read again)."""
+    return config["samples"][side].for_rank(rank, world)
 
 
 def reader_item(sample: dict) -> tuple:
@@ -246,11 +257,7 @@ def evaluate(model, batches, hidden_size: int, dtype, device, call_kwargs: dict,
     model.eval()
     with torch.no_grad():
         for items in batches:
-            packed = {k: v.to(device) if isinstance(v, torch.Tensor) else v
-                      for k, v in pack(items, hidden_size, dtype).items()}
-            autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
-            with autocast:
-                _, _, metrics = model(**packed, **call_kwargs)
+            _, metrics = forward(model, items, hidden_size, dtype, device, call_kwargs)
             for k, v in metrics.items():
                 if k.endswith(("_sum", "_total")):
                     sums[k] = sums.get(k, 0.0) + v.detach().float().cpu()
@@ -273,107 +280,3 @@ def scalars(metrics: dict) -> dict:
     from speculators.train.utils import normalize_counted_metrics
 
     return normalize_counted_metrics({k: v.item() for k, v in metrics.items() if getattr(v, "numel", lambda: 0)() == 1})
-
-
-def save(draft, save_path: str, name: str, state: dict | None = None) -> str:
-    """A speculators checkpoint folder (config.json, model.safetensors; with `state`, also
-    TRAINER_STATE), written aside and renamed into place: a kill leaves a hidden .tmp folder,
-    never half a checkpoint. A folder of that name from a lost attempt (written after the
-    checkpoint its successor restored) is replaced."""
-    import torch
-
-    final = os.path.join(save_path, name)
-    tmp = os.path.join(save_path, f".{name}.{uuid.uuid4().hex}.tmp")
-    draft.save_pretrained(tmp)
-    if state is not None:
-        torch.save(state, os.path.join(tmp, TRAINER_STATE))
-    if os.path.isdir(final):
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    log.info("train: the draft saved to %s", final)
-    return final
-
-
-def checkpoint(draft, optimizers, schedulers, config: dict, step: int, consumed, trained: list, rank: int,
-               world: int):
-    """step-<N>/ with the trainer's state (rank 0), reported to Ray Train by every worker as
-    the run's latest checkpoint (a pointer to the folder: the draft is written once). On the
-    stream, the places every worker trained on since the last checkpoint are gathered into
-    `consumed` ([epochs, per_epoch] bools), which is returned."""
-    import numpy as np
-    import ray.train
-    import torch.distributed as dist
-
-    if config["source"] == "stream":
-        gathered = [None] * world
-        if world > 1:
-            dist.all_gather_object(gathered, trained)
-        else:
-            gathered = [trained]
-        if consumed is None:
-            consumed = np.zeros((config["epochs"], config["per_epoch"]), bool)
-        for places in gathered:
-            for epoch, position in places:
-                consumed[epoch, position] = True
-    with tempfile.TemporaryDirectory() as pointer:
-        if rank == 0:
-            folder = save(draft, config["save_path"], f"step-{step}", {
-                "step": step, "optimizers": [opt.state_dict() for opt in optimizers],
-                "schedulers": [s.state_dict() for s in schedulers], "consumed": consumed})
-            with open(os.path.join(pointer, "checkpoint.json"), "w") as f:
-                json.dump({"path": folder, "step": step}, f)
-        ray.train.report({"step": step},
-                         checkpoint=ray.train.Checkpoint.from_directory(pointer) if rank == 0 else None)
-    return consumed
-
-
-def restore(latest, draft, optimizers, schedulers, config: dict, rank: int) -> dict | None:
-    """The state of Ray Train's latest checkpoint (this run's, from a worker group that was
-    lost), loaded into the draft, the optimizers and the schedules; None on a first start.
-    Rank 0 cuts metrics.jsonl back to the checkpoint's step."""
-    import torch
-    from safetensors.torch import load_file
-
-    if latest is None:
-        metrics = os.path.join(config["save_path"], "metrics.jsonl")
-        if rank == 0 and os.path.exists(metrics) and os.path.getsize(metrics):
-            # A group Ray Train started again before any checkpoint of this run was reported (a new run's
-            # save_path starts empty): from step 0, without the lost group's steps.
-            log.info("train: a new group of workers starts from step 0 (no checkpoint reported yet)")
-            cut_metrics(config["save_path"], 0)
-        return None
-    with latest.as_directory() as pointer:
-        with open(os.path.join(pointer, "checkpoint.json")) as f:
-            folder = json.load(f)["path"]
-    try:
-        state = torch.load(os.path.join(folder, TRAINER_STATE), weights_only=False)
-        weights = load_file(os.path.join(folder, "model.safetensors"))
-    except OSError as e:
-        raise EagleDataError(f"train: the checkpoint to resume from, {folder}, cannot be read ({e}): "
-                             "trainer.save_path must be storage every trainer node reads") from None
-    missing, unexpected = draft.load_state_dict(weights, strict=False)
-    if unexpected or any(not k.startswith(NOT_SAVED) for k in missing):
-        raise EagleDataError(f"train: {folder} is not this draft's checkpoint (missing {missing}, unexpected "
-                             f"{unexpected})")
-    for opt, saved in zip(optimizers, state["optimizers"], strict=True):
-        opt.load_state_dict(saved)
-    for schedule, saved in zip(schedulers, state["schedulers"], strict=True):
-        schedule.load_state_dict(saved)
-    if rank == 0:
-        cut_metrics(config["save_path"], state["step"])
-        consumed = state["consumed"]
-        log.info("train: a new group of workers resumes from %s: step %d of %d%s", folder, state["step"],
-                 config["total_steps"], "" if consumed is None else
-                 f", {int(consumed.sum())} places of the stream's epochs trained on")
-    return state
-
-
-def cut_metrics(save_path: str, step: int) -> None:
-    """metrics.jsonl without the records of steps after `step` (the lost workers' steps
-    after the checkpoint, made again), written aside and renamed into place."""
-    path = os.path.join(save_path, "metrics.jsonl")
-    with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
-    with open(path + ".tmp", "w") as f:
-        f.writelines(kept)
-    os.replace(path + ".tmp", path)

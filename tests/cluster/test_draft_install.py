@@ -55,7 +55,8 @@ TORCH_CPU_INDEX = os.environ.get("TORCH_CPU_INDEX", "https://download.pytorch.or
 # driver (`python -m ray_jobs.train_draft`) or a Ray Train worker makes.
 TRAINER_FILES = ["ray_jobs/train_draft.py", "eagle_data/training/draft_config.py",
                  "eagle_data/training/draft_trainer.py", "eagle_data/training/draft_loop.py",
-                 "eagle_data/training/batches.py"]
+                 "eagle_data/training/checkpoints.py", "eagle_data/reader/batches.py",
+                 "eagle_data/training/stream_gate.py"]
 
 # Run by the fresh venv's python in the uploaded copy: argv[1] the train config, argv[2] the
 # trainer's files. Prints one JSON line: what failed to import, where modules came from, the
@@ -92,7 +93,7 @@ if not failed:
     import ray.train, ray.train.torch, torch
     from ray.data.block import BlockAccessor
     from eagle_data.config import load_config
-    from eagle_data.job.phases.hidden_states import layer_ids, target_shape
+    from eagle_data.feature_shape import feature_shape
     from eagle_data.training.draft_config import speculators_config
     from eagle_data.training.draft_loop import train_loop
     from eagle_data.model_files import check_weights
@@ -100,12 +101,13 @@ if not failed:
 
     # The driver's steps before Ray Train starts (draft_trainer.train), then the workers' config.
     cfg = load_config(config_path, [])
-    spec = speculators_config(cfg)  # speculators' TrainConfig
+    shape = feature_shape(cfg)
+    spec = speculators_config(cfg, shape)  # speculators' TrainConfig
     prepare_save_path(spec.trainer.save_path)
     check_weights(cfg.model.path)
-    d2t, t2d, vocab_size = draft_vocabulary(cfg, spec)  # speculators' vocab mapping of OUT's counts
-    config = loop_config(cfg, spec, d2t, t2d, Plan.of(cfg, spec))
-    layers, hidden = len(layer_ids(cfg, target_shape(cfg)[0])), config["hidden_size"]
+    d2t, t2d, vocab_size = draft_vocabulary(cfg, spec, shape)  # speculators' vocab mapping of OUT's counts
+    config = loop_config(cfg, spec, d2t, t2d, Plan.of(cfg, spec, shape))
+    layers, hidden = len(shape.layer_ids), config["hidden_size"]
     rng = np.random.default_rng(0)
     rows = [{"sample_id": f"s{i}", "epoch": 0, "position": i, "input_ids": rng.integers(0, vocab_size, n).tolist(),
              "loss_mask": [0] * 3 + [1] * (n - 3),
@@ -126,8 +128,8 @@ if not failed:
     ray.train.torch.get_device = lambda: torch.device("cpu")
     ray.train.get_checkpoint = lambda: None  # a first run: nothing to resume from
     ray.train.report = lambda metrics, checkpoint=None: None  # no controller to report to
-    import eagle_data.training.stream as stream  # the stream's gate is a Ray actor of a running stream: its batches as they are
-    stream.stream_batches = lambda shard, name, *, batch_size, **kwargs: shard.iter_batches(batch_size=batch_size)
+    import eagle_data.training.stream_gate as stream_gate  # the gate is a Ray actor of a running stream: its batches as they are
+    stream_gate.stream_batches = lambda shard, name, *, batch_size, **kwargs: shard.iter_batches(batch_size=batch_size)
     train_loop(config)
     with open(os.path.join(config["save_path"], "metrics.jsonl")) as f:
         result["metrics"] = [json.loads(line) for line in f]

@@ -40,6 +40,10 @@ def test_the_stream_decides_the_verifier_and_the_aux_layers(deep_qwen3, tmp_path
     # 0 trained with 32,000 (an `or 32_000`); null is speculators' whole vocabulary.
     ({"draft": {"draft_vocab_size": 0}}, "train.speculators.draft.draft_vocab_size 0: the draft's vocabulary"),
     ({"draft": {"draft_vocab_size": -5}}, "train.speculators.draft.draft_vocab_size -5: the draft's vocabulary"),
+    # a ratio out of range was speculators' ValueError in every worker, a traceback
+    ({"scheduler": {"scheduler_warmup_ratio": 1.5}}, "train.speculators.scheduler.scheduler_warmup_ratio 1.5: the share"),
+    ({"scheduler": {"scheduler_total_steps": 0}}, "train.speculators.scheduler.scheduler_total_steps 0: the schedule's"),
+    ({"scheduler": {"scheduler_warmup_steps": -1}}, "train.speculators.scheduler.scheduler_warmup_steps -1: at least 0"),
 ])
 def test_refused(deep_qwen3, tmp_path, speculators, message):
     if "save_path" not in message:
@@ -114,6 +118,40 @@ def test_what_a_start_that_made_no_step_left_is_taken_over_and_nothing_else(deep
         assert sorted(p.name for p in folder.rglob("*")) == before, why
 
 
+def test_a_run_of_the_same_settings_is_resumed_and_another_or_a_finished_one_refused(deep_qwen3, tmp_path):
+    """The marker records the run's settings (run_settings): the same ones resume the folder as
+    it is (but a checkpoint a kill cut short while it was written aside); other ones are
+    refused naming the keys that differ; a finished run is refused. Nothing is touched then."""
+    from eagle_data.feature_shape import feature_shape
+    from eagle_data.training.draft_config import run_settings
+    from eagle_data.training.draft_trainer import mark
+
+    save = started(tmp_path / "d", metrics='{"step": 1}\n')
+    (save / "step-2").mkdir()
+    aside = save / f".step-4.{'0' * 32}.tmp"  # a save cut short
+    aside.mkdir()
+    cfg = config(tmp_path / "out", deep_qwen3, trainer={"save_path": str(save)}, seed=7)
+    mark(str(save), ["run.yaml", "speculators.patch", "train_command.txt"],
+         run_settings(cfg, speculators_config(config(tmp_path / "out", deep_qwen3, seed=7,
+                                                     trainer={"save_path": str(tmp_path / "new")})), feature_shape(cfg)))
+    spec = speculators_config(cfg)  # accepted: the same settings
+    assert prepare_save_path(str(save), run_settings(cfg, spec, feature_shape(cfg))) is True
+    assert not aside.exists() and (save / "step-2").is_dir() and (save / "metrics.jsonl").exists()
+
+    before = sorted(p.name for p in save.rglob("*"))
+    with pytest.raises(ConfigError) as other:
+        speculators_config(config(tmp_path / "out", deep_qwen3, trainer={"save_path": str(save)}, seed=8,
+                                  loss={"loss_implementation": "eager"}))
+    assert str(other.value) == (f"train.speculators.trainer.save_path {save} holds another run's steps, made with other "
+                                "settings (changed: train.speculators.loss.loss_implementation, train.speculators.seed): "
+                                "set them back to resume it, or choose a new folder (nothing in it is replaced)")
+    marker = json.loads((save / MARKER).read_text())
+    mark(str(save), marker["start"], marker["config"], finished=True)
+    with pytest.raises(ConfigError, match="holds a finished run \\(final/\\): nothing to resume; choose a new folder"):
+        speculators_config(cfg)
+    assert sorted(p.name for p in save.rglob("*")) == before
+
+
 @pytest.mark.parametrize("speculators, message", [
     # Valid keys that only speculators' own trainer reads: they passed and were silently ignored.
     ({"trainer": {"checkpoint_freq": 0.5}}, "trainer.checkpoint_freq: not used by this trainer "
@@ -144,3 +182,29 @@ def test_the_keys_it_honours_are_taken(deep_qwen3, tmp_path):
     assert (spec.seed, spec.loss.ttt_steps, spec.optimizer.lr, spec.scheduler.scheduler_type,
             spec.scheduler.scheduler_warmup_steps, spec.data.train_data_ratio, spec.trainer.log_freq,
             spec.trainer.gradient_checkpointing) == (3, 2, 0.02, "cosine", 2, 0.8, 2, True)
+
+
+@pytest.mark.parametrize("warmup_steps, warmup_ratio, total_steps, max_steps", [
+    (None, None, None, None), (5, None, None, None), (None, 0.25, None, None), (3, 0.5, None, None),
+    (None, None, 40, None), (None, 0.1, 40, None), (None, None, None, 7), (2, None, 40, 7)])
+def test_the_schedules_steps_mean_what_speculators_settings_say(warmup_steps, warmup_ratio, total_steps, max_steps):
+    """draft_loop.schedule_steps resolves speculators' `scheduler.*` settings itself (speculators'
+    own resolver is private): the same (warmup, total) as speculators' trainer for a run of 250
+    steps (50 a loader epoch, 5 epochs; max_steps, where set, cuts the run to it). This fails
+    when speculators changes what its settings mean."""
+    import warnings
+    from argparse import Namespace
+
+    from speculators.train.trainer import TrainerConfig, _resolve_scheduler_steps
+
+    from eagle_data.training.draft_loop import schedule_steps
+
+    run_steps = max_steps or 250  # the trainer's plan: the epochs' steps, max_steps where it is fewer
+    args = Namespace(scheduler_warmup_steps=warmup_steps, scheduler_warmup_ratio=warmup_ratio,
+                     scheduler_total_steps=total_steps)
+    settings = TrainerConfig(lr=1e-4, num_epochs=5, save_path="/x", max_steps=max_steps,
+                             scheduler_warmup_steps=warmup_steps, scheduler_warmup_ratio=warmup_ratio,
+                             scheduler_total_steps=total_steps)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # speculators' "both set" warning
+        assert schedule_steps(args, run_steps) == _resolve_scheduler_steps(settings, 50)

@@ -20,7 +20,7 @@ import pytest
 import torch
 import yaml
 
-from support import REPO, ray_processes_of, read, train_settings
+from support import REPO, as_config, ray_processes_of, read, train_settings
 from eagle_data.errors import (DamagedModel, DraftStartFailed, NoTrainingResources, NotWritable, Stopped,
                                stop_on_signals)
 from eagle_data.storage.selection import held_out
@@ -67,10 +67,45 @@ def test_a_truncated_target_is_named_before_ray_starts_and_the_command_then_runs
     assert sorted(p.name for p in (tmp_path / "draft").iterdir()) == [MARKER]
 
 
+def test_a_split_that_holds_out_nothing_while_validation_is_asked_is_refused(deep_qwen3, tmp_path, capsys, caplog,
+                                                                             own_signal_handlers):
+    """data.train_data_ratio 0.999 on 12 rows holds out none of them (a seeded hash per
+    prompt): the run trained without validation, silently. Now refused before Ray starts,
+    one line naming the key and the counts; with a ratio that holds rows out, the log says
+    how many each side got; 1.0 asks for no validation and is not refused."""
+    import logging
+
+    from support import synthetic_row, write_out
+    from eagle_data.errors import ConfigError
+
+    out = write_out(tmp_path / "out", [synthetic_row(i, 3, 1, 4, "stop", "a") for i in range(12)], rows_per_shard=4)
+    settings = train_settings(out, deep_qwen3, tmp_path / "draft", data={"train_data_ratio": 0.999})
+    code, err = train_draft(settings, tmp_path, capsys=capsys)
+    assert code == ConfigError.exit_code == 2
+    assert err == ("error: train.speculators.data.train_data_ratio 0.999 holds out no row of the 12 selected (prompts "
+                   "are held out whole, by a seeded hash of their prompt_id): lower it to validate, or set it to 1 to "
+                   "train without validation\n")
+    from eagle_data.feature_shape import feature_shape
+    from eagle_data.training.draft_config import speculators_config
+    from eagle_data.training.draft_trainer import Plan
+
+    for ratio, held in ((0.5, 6), (1.0, 0)):  # 6 of 12 on seed 42's hash
+        cfg = as_config({**settings, "train": {**settings["train"], "speculators": {
+            **settings["train"]["speculators"], "data": {"train_data_ratio": ratio},
+            "trainer": {"save_path": str(tmp_path / f"draft-{ratio}")}}}})
+        shape = feature_shape(cfg)
+        with caplog.at_level(logging.INFO, logger="eagle_data"):
+            plan = Plan.of(cfg, speculators_config(cfg, shape), shape)
+        assert (plan.train_rows, plan.validation_rows) == (12 - held, held)
+        assert f"train: data.train_data_ratio {ratio:g}: {12 - held} rows to train on, {held} held out for " \
+               "validation" in caplog.messages
+
+
 def test_draft_vocab_size_null_is_the_targets_whole_vocabulary_and_more_is_clamped(deep_qwen3, tmp_path):
     """null trained with 32,000 (an `or 32_000`); speculators' own null is the verifier's
     whole vocabulary, without a mapping."""
     from support import job_config
+    from eagle_data.feature_shape import feature_shape
     from eagle_data.training.draft_config import speculators_config
 
     cfg = job_config(tmp_path / "out", deep_qwen3)
@@ -79,8 +114,57 @@ def test_draft_vocab_size_null_is_the_targets_whole_vocabulary_and_more_is_clamp
         speculators = {"trainer": {"save_path": str(tmp_path / "d")}, "draft": {"draft_vocab_size": asked}}
         spec = speculators_config(cfg.model_copy(update={"train": cfg.train.model_copy(
             update={"speculators": speculators})}))
-        assert draft_vocabulary(cfg, spec) == (None, None, vocab)
+        assert draft_vocabulary(cfg, spec, feature_shape(cfg)) == (None, None, vocab)
         assert spec.draft.draft_vocab_size == vocab
+
+
+def test_a_training_start_reads_the_targets_config_and_outs_index_once(ray_local, deep_qwen3, tmp_path, monkeypatch):
+    """The driver's start, from the config to what the workers are given (the target's shape,
+    speculators' config, the vocabulary, the split, the stream's datasets, the loop's config):
+    the target's config.json was read 4 times (once in speculators_config, once per stream,
+    once for the loop's hidden size) and OUT's shard list and index 4 times (each side of the
+    split, then again per stream); now once each (one index per side)."""
+    import builtins
+
+    from support import as_config, job_settings, synthetic_row, write_out
+    from eagle_data.feature_shape import feature_shape
+    from eagle_data.reader.samples import OutReader, Samples
+    from eagle_data.training.draft_config import speculators_config
+    from eagle_data.training.draft_trainer import Plan, loop_config, stream_datasets
+
+    out = write_out(tmp_path / "out", [synthetic_row(i, 3, 1, 4, "stop", "a") for i in range(12)], rows_per_shard=4)
+    settings = job_settings(out, deep_qwen3, hidden_states__dtype="float32")
+    settings["train"] = {"workers": 2, "device": "cpu", "speculators": {"trainer": {"save_path": str(tmp_path / "d")},
+                                                                         "data": {"train_data_ratio": 1.0}}}
+    cfg = as_config(settings)
+    counts = {"config.json": 0, "OutReader": 0, "index": 0}
+    opened = builtins.open
+
+    def counting_open(file, *args, **kwargs):
+        counts["config.json"] += str(file) == str(deep_qwen3 / "config.json")
+        return opened(file, *args, **kwargs)
+
+    def counted(key, method):
+        def call(self, *args, **kwargs):
+            counts[key] += 1
+            return method(self, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    monkeypatch.setattr(OutReader, "__init__", counted("OutReader", OutReader.__init__))
+    monkeypatch.setattr(Samples, "_build_index", counted("index", Samples._build_index))
+    shape = feature_shape(cfg)
+    spec = speculators_config(cfg, shape)
+    d2t, t2d, vocab = draft_vocabulary(cfg, spec, shape)
+    plan = Plan.of(cfg, spec, shape)
+    datasets = stream_datasets(cfg, plan)
+    try:
+        config = loop_config(cfg, spec, d2t, t2d, plan)
+    finally:
+        ray_local.kill(ray_local.get_actor(plan.gate))
+    assert counts == {"config.json": 1, "OutReader": 1, "index": 2}  # the train side's and the held-out side's
+    assert set(datasets) == {"train"} and config["hidden_size"] == shape.hidden_size
+    assert vocab == json.loads((deep_qwen3 / "config.json").read_text())["vocab_size"]
 
 
 def test_workers_the_cluster_cannot_hold_fail_with_a_message_after_the_wait(ray_local, deep_qwen3, tmp_path):
@@ -222,18 +306,30 @@ def test_only_rays_overload_warning_tracebacks_are_left_out():
 def offline_config(out, seed: int = 0, batch_size: int = 2) -> dict:
     """draft_loop's config for train.source: hidden_states, as draft_trainer.fit makes it
     (what the reading of rows needs)."""
-    return {"source": "hidden_states", "out": str(out), "seed": seed, "epochs": 2, "batch_size": batch_size,
-            "holdout": (0.3, seed), "filters": {"finish_reason": None, "source": None, "max_len": None}}
+    from eagle_data.training.draft_trainer import split_samples
+
+    samples = split_samples(str(out), (0.3, seed), {"finish_reason": None, "source": None, "max_len": None}, True)
+    return {"source": "hidden_states", "epochs": 2, "batch_size": batch_size, "samples": samples}
 
 
 @pytest.mark.slow
-def test_the_offline_rows_are_the_readers_split_and_order_the_same_for_a_seed(hidden_out):
+def test_the_offline_rows_are_the_readers_split_and_order_the_same_for_a_seed(hidden_out, monkeypatch):
     """train.source: hidden_states: each worker's batches are its rank's slice of the
     reader's (seed, epoch) order of the train side, every epoch; the held-out rows never
     among them; each held-out row on one worker only; the same seed the same rows in the
-    same order, another seed another order; resumed at step N, the batches from the N-th on."""
+    same order, another seed another order; resumed at step N, the batches from the N-th on.
+    The split is read once (hidden_states/'s headers once for both sides), and the workers
+    take their shares of it without reading OUT again (it was once per side on the driver,
+    and again per side in every worker)."""
     from eagle_data.reader import Samples
+    from eagle_data.storage.hidden_states import Index
     from eagle_data.training.draft_loop import train_items, validation_items
+
+    reads = []
+    monkeypatch.setattr(Index, "read", classmethod(lambda cls, *a, _read=Index.read: reads.append(a) or _read(*a)))
+    config = offline_config(hidden_out)
+    list(train_items(config, 1, 2)), list(validation_items(config, 1, 2))
+    assert len(reads) == 1
 
     def ids(items) -> list[tuple]:
         return [tuple(item[0].tolist()) for item in items]

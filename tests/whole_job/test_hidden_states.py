@@ -20,7 +20,7 @@ import yaml
 
 from support import REPO, attached, data_rows, job_config, job_settings, read
 from eagle_data.errors import ConfigError, EagleDataError, EmptyResult, NotEnoughSpace, OutputMismatch
-from eagle_data.job.phases.hidden_states import eagle3_layer_ids
+from eagle_data.feature_shape import eagle3_layer_ids
 from eagle_data.job.phases.run import run
 from eagle_data.job.stages.engines.state_files import as_columns, with_state_columns
 from eagle_data.job.stages.pack_hidden_states import check_states

@@ -28,7 +28,8 @@ import pyarrow.fs as pafs
 import ray
 
 from eagle_data.config import Config
-from eagle_data.errors import ConfigError, MissingInput, NotEnoughSpace, NotWritable
+from eagle_data.errors import MissingInput, NotEnoughSpace, NotWritable
+from eagle_data.feature_shape import layer_ids, target_shape
 from eagle_data.job.fingerprints import hidden_states_config
 from eagle_data.job.phases.phase import Phase
 from eagle_data.job.progress import EngineWatch, PeriodicLine
@@ -37,7 +38,6 @@ from eagle_data.job.stages.engines import ENGINE_CLASSES, apply_hidden_states_en
 from eagle_data.job.stages.engines.state_files import scratch_folder
 from eagle_data.job.stages.pack_hidden_states import HiddenStatesPacker
 from eagle_data.job.stages.requests import HiddenStatesRequests
-from eagle_data.model_files import model_config, text_config_value
 from eagle_data.storage.contract import FAILED_SCHEMA, HIDDEN_FAILED, HIDDEN_STATES, IDS
 from eagle_data.storage.folder import Output
 from eagle_data.storage.hidden_states import layer_bytes
@@ -47,35 +47,6 @@ from eagle_data.storage.status import SampleStatus
 from eagle_data.storage.damage import missing_data_rows, quarantine_hidden_states
 
 log = logging.getLogger("eagle_data")
-
-def eagle3_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's choice (speculators', SpecForge's and Model-Optimizer's, as vLLM ids): the
-    states after decoder layers 2, L/2 and L-3, and the final one (L); fewer on a model
-    too shallow for four distinct ones."""
-    return sorted({min(max(k, 1), num_layers) for k in (2, num_layers // 2, num_layers - 3, num_layers)})
-
-
-def target_shape(cfg: Config) -> tuple[int, int]:
-    """(decoder layers L, hidden size H) of the target, from its config."""
-    config, where = model_config(cfg.model.path, cfg.model.trust_remote_code)
-    if config is None:
-        raise MissingInput(f"model.path {cfg.model.path!r}: the target's config (its layers and hidden size, "
-                           f"for the hidden states) cannot be read: {where}")
-    layers, hidden = text_config_value(config, "num_hidden_layers"), text_config_value(config, "hidden_size")
-    if not layers or not hidden:
-        raise MissingInput(f"{where} has no num_hidden_layers / hidden_size")
-    return int(layers), int(hidden)
-
-
-def layer_ids(cfg: Config, num_layers: int) -> list[int]:
-    ids = cfg.hidden_states.layer_ids
-    if ids is None:
-        return eagle3_layer_ids(num_layers)
-    too_deep = [k for k in ids if k > num_layers]
-    if too_deep:
-        raise ConfigError(f"hidden_states.layer_ids {too_deep} exceed the target's {num_layers} layers "
-                          f"(ids go from 0, the embeddings, to {num_layers}, the final state)")
-    return sorted(ids)
 
 
 def run_hidden_states(cfg: Config, out: Output, engine=None) -> dict:

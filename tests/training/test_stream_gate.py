@@ -1,6 +1,6 @@
-"""The feature stream's failure path and its selection (eagle_data/training/stream.py),
-iterated by the test process on the session's Ray, without Ray Train: the report actor's
-counts (each place of an epoch's order once, with its reason), a stream whose stand-in
+"""The feature stream's gate and failure path (eagle_data/training/stream_gate.py,
+stream.py) and its selection, iterated by the test process on the session's Ray, without Ray
+Train: the gate's counts (each place of an epoch's order once, with its reason), a stream whose stand-in
 engine hands over bad rows, and drop_last / max_len. The stand-in engine answers each row
 with states the test chooses (no model), on a synthetic OUT (tests/support.py write_out)."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import threading
 import time
@@ -23,7 +24,8 @@ from support import job_config, synthetic_row, write_out
 from eagle_data.errors import ConfigError, MissingInput
 from eagle_data.job.stages.engines.outputs import ENGINE_ERROR_COLUMN
 from eagle_data.job.stages.engines.state_files import with_state_columns
-from eagle_data.training.stream import StreamReport, features, reasons, stream_report
+from eagle_data.training.stream import features
+from eagle_data.training.stream_gate import StreamGate, consumed_places, gate_summary, reasons
 
 LAYERS, H = 8, 4  # the stand-in target: 8 decoder layers, hidden size 4 -> layer ids [2, 4, 5, 8]
 LAYER_IDS = [2, 4, 5, 8]
@@ -34,17 +36,17 @@ SAMPLES = [f"s{i:04d}" for i in range(len(LENGTHS))]
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-# --- the report actor ---------------------------------------------------------------------
+# --- the gate's count ---------------------------------------------------------------------
 
-def test_the_report_counts_each_place_once_with_its_latest_reason(ray_local):
+def test_the_gate_counts_each_place_once_with_its_latest_reason(ray_local):
     """A place of an epoch's order that passed once stays passed (a restarted stream computes
     it again); one that failed and then passed is no failure; one that failed twice is one
     failure, with the latest reason; the epochs count apart; `checked` counts every row."""
-    report = StreamReport.remote("report-test", 4, 2, 3600.0)
+    gate = StreamGate.remote("gate-test", 4, 2, 3600.0)
     try:
         def add(ok, failed):
-            ray_local.get(report.add.remote(ok, failed))
-            got = ray_local.get(report.summary.remote())
+            ray_local.get(gate.add.remote(ok, failed))
+            got = ray_local.get(gate.summary.remote())
             assert got.pop("figures")["rows_taken"] == 0  # no trainer took rows
             return got
 
@@ -63,29 +65,29 @@ def test_the_report_counts_each_place_once_with_its_latest_reason(ray_local):
         assert got["failures"] == [(0, "s3", "EngineError: boom"), (1, "s1", "check: a")]
         assert got["checked"] == 11
     finally:
-        ray_local.kill(report)
+        ray_local.kill(gate)
 
 
-def test_the_report_logs_each_epoch_once_when_all_its_places_are_in(caplog):
+def test_the_gate_logs_each_epoch_once_when_all_its_places_are_in(caplog):
     """The class behind the actor, in this process: its log lines."""
-    report = StreamReport.__ray_actor_class__("r", 3, 2, 0.0)  # every_s 0: a progress line at every add
+    gate = StreamGate.__ray_actor_class__("r", 3, 2, 0.0)  # every_s 0: a progress line at every add
     with caplog.at_level(logging.INFO, logger="eagle_data"):
-        report.add([(0, 0)], [(0, 1, "s1", "check: a")])
+        gate.add([(0, 0)], [(0, 1, "s1", "check: a")])
         assert "epoch 0 done" not in caplog.text
         assert caplog.messages[-1].startswith("stream r: 1/6 samples passed, 1 failed, ")
-        report.add([], [(0, 2, "s2", "check: b"), (1, 0, "s0", "check: a")])
-        report.add([(0, 1)], [])  # computed again: the epoch is logged once, not again
+        gate.add([], [(0, 2, "s2", "check: b"), (1, 0, "s0", "check: a")])
+        gate.add([(0, 1)], [])  # computed again: the epoch is logged once, not again
     done = [m for m in caplog.messages if "done" in m]
     assert done == ["stream r: epoch 0 done: 1 samples passed, 2 failed (1 x check: a; 1 x check: b)"]
     assert reasons(Counter({"check: b": 1, "check: a": 3})) == " (3 x check: a; 1 x check: b)"
     assert reasons(Counter()) == ""
 
 
-# --- the gate -----------------------------------------------------------------------------
+# --- the gate's bound -----------------------------------------------------------------------------
 
 def gate(limit: int, world_size: int = 2, chunk: int = 2, max_row_bytes: int = 10):
     """The class behind the actor, in this process, bounded to `limit` bytes."""
-    return StreamReport.__ray_actor_class__("g", 8, 2, 3600.0, {"limit": limit, "world_size": world_size,
+    return StreamGate.__ray_actor_class__("g", 8, 2, 3600.0, {"limit": limit, "world_size": world_size,
                                                                  "chunk": chunk, "replicas": 1,
                                                                  "max_row_bytes": max_row_bytes})
 
@@ -128,8 +130,6 @@ def test_a_new_trainer_group_starts_the_count_afresh_and_resumed_places_are_not_
     """Ray Train started its workers again: the rows the lost execution had in flight leave
     the count (the new execution asks again). The places a restored trainer had trained on
     (stream_batches' `consumed`) are left out of every chunk after."""
-    from eagle_data.training.stream import consumed_places
-
     g = gate(limit=1000)
     g.join(0, "w0", 2, None)
     g.join(1, "w1", 2, None)
@@ -152,12 +152,26 @@ def test_the_prefetch_stream_batches_takes_is_what_fits_half_the_limit():
     assert gate(limit=10).join(0, "w", 4, 6)["prefetch_batches"] == 6  # asked for: as asked
 
 
+def test_the_summary_line_is_the_gates_counts_and_figures():
+    """What the draft trainer's summary prints of its stream: one line from the gate's summary."""
+    from eagle_data.training.stream_gate import summary_line
+
+    g = gate(limit=2**20)
+    g.join(0, "w0", 1, 1)
+    g.admit([(0, 0), (0, 1)], [100, 100], [5, 5], 0.0)
+    g.add([(0, 0)], [(0, 1, "s1", "check: a")])
+    line = summary_line(g.summary())  # its speeds depend on the machine's: not asserted
+    assert re.fullmatch(r"8 samples an epoch, 1 failed checks; [\d.]+ rows/s, \d+ tokens/s, peak 0\.0 MiB in flight "
+                        r"\(bound 1\.0 MiB\), engines busy \d+%, trainers waited -; 1 trainer group \(more than 1: "
+                        r"Ray Train started its workers again\)", line), line
+
+
 # --- the stream, with a stand-in engine ----------------------------------------------------
 
 @pytest.fixture(scope="module")
 def synthetic(tmp_path_factory):
     """(OUT, config): the synthetic OUT and a config whose target is a config.json only."""
-    root = tmp_path_factory.mktemp("stream-report")
+    root = tmp_path_factory.mktemp("stream-gate")
     rows = [synthetic_row(i, 3, 1, n - 4, "stop", "a") for i, n in enumerate(LENGTHS)]
     out = write_out(root / "out", rows, rows_per_shard=2)
     model = root / "model"
@@ -202,16 +216,16 @@ def stand_in_engine(bad: dict):
 
 
 def run_stream(cfg, out, name: str, bad: dict = {}, **stream_args) -> tuple[list[dict], dict]:
-    """The stream's rows, iterated here, and its report once every place is counted."""
-    ds = features(str(out), cfg, report=name, shuffle=False, engine=stand_in_engine(bad), **stream_args)
+    """The stream's rows, iterated here, and its gate's summary once every place is counted."""
+    ds = features(str(out), cfg, gate=name, shuffle=False, engine=stand_in_engine(bad), **stream_args)
     try:
         rows = ds.take_all()
-        deadline = time.monotonic() + 60  # the checks' report calls may still be on their way
+        deadline = time.monotonic() + 60  # the checks' add calls may still be on their way
         while True:
-            report = stream_report(name)
-            counted = sum(e["ok"] + sum(e["failed"].values()) for e in report["epochs"].values())
-            if counted == report["per_epoch"] * len(report["epochs"]) or time.monotonic() > deadline:
-                return rows, report
+            summary = gate_summary(name)
+            counted = sum(e["ok"] + sum(e["failed"].values()) for e in summary["epochs"].values())
+            if counted == summary["per_epoch"] * len(summary["epochs"]) or time.monotonic() > deadline:
+                return rows, summary
             time.sleep(0.1)
     finally:
         ray.kill(ray.get_actor(name))
@@ -228,11 +242,11 @@ def per_epoch(rows: list[dict]) -> dict[int, Counter]:
 def test_rows_that_fail_a_check_never_reach_the_trainer_and_are_counted_with_their_reason(ray_local, synthetic):
     """Over 2 epochs the stand-in engine fails 2 rows of epoch 0 and 3 of epoch 1, each a
     way the phase's checks know: those rows are not in the stream, the others are, with the
-    states the engine gave; the report names each failure with its reason, per epoch."""
+    states the engine gave; the gate names each failure with its reason, per epoch."""
     out, cfg = synthetic
     bad = {("s0001", 0): "error", ("s0002", 0): "short", ("s0002", 1): "short", ("s0004", 1): "zeros",
            ("s0005", 1): "tokens"}
-    rows, report = run_stream(cfg, out, "stream-report-failures", bad, epochs=2)
+    rows, report = run_stream(cfg, out, "stream-gate-failures", bad, epochs=2)
     assert per_epoch(rows) == {0: Counter(dict.fromkeys(set(SAMPLES) - {"s0001", "s0002"}, 1)),
                                1: Counter(dict.fromkeys(set(SAMPLES) - {"s0002", "s0004", "s0005"}, 1))}
     for row in rows:  # a passing row's states reach the trainer as the engine handed them over
@@ -260,11 +274,11 @@ def test_max_len_and_drop_last_select_the_rows_of_each_epoch(ray_local, syntheti
     out, cfg = synthetic
     kept = [s for s, n in zip(SAMPLES, LENGTHS) if n <= 9]
     assert kept == ["s0000", "s0001", "s0002", "s0004", "s0005"]
-    rows, report = run_stream(cfg, out, "stream-report-drop-last", epochs=2, world_size=2, max_len=9,
+    rows, report = run_stream(cfg, out, "stream-gate-drop-last", epochs=2, world_size=2, max_len=9,
                               drop_last=True)
     assert per_epoch(rows) == {e: Counter(dict.fromkeys(kept[:4], 1)) for e in (0, 1)}
     assert report["per_epoch"] == 4 and report["epochs"] == {e: {"ok": 4, "failed": {}} for e in (0, 1)}
-    rows, report = run_stream(cfg, out, "stream-report-padded", world_size=2, max_len=9)
+    rows, report = run_stream(cfg, out, "stream-gate-padded", world_size=2, max_len=9)
     assert per_epoch(rows) == {0: Counter(kept) + Counter(kept[:1])}
     assert report["per_epoch"] == 6 and report["epochs"] == {0: {"ok": 6, "failed": {}}}
 

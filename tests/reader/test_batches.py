@@ -1,4 +1,4 @@
-"""Stream rows -> torch (eagle_data/training/batches.py), on a hand-made batch as Ray Train's
+"""Stream rows -> torch (eagle_data/reader/batches.py), on a hand-made batch as Ray Train's
 `iter_batches(batch_format="numpy")` gives it (Ray's own Arrow -> numpy conversion, no Ray
 instance): `collate` pads it as the reader does, `pack` makes speculators' packed batch.
 Every expected value is computed here from the rows' own numbers, not with the module's code
@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from eagle_data.training.batches import collate, pack, stream_items
+from eagle_data.reader.batches import collate, pack, stream_items
 
 LAYERS, H = 4, 2  # 4 layer ids: 3 aux inputs and the final (pre-norm) state
 ROWS = [  # (sample_id, epoch, prompt tokens, generated tokens): lengths 5, 3, 6
