@@ -23,20 +23,20 @@ VLLM = dict(engine__backend="vllm", engine__device="cpu", engine__num_cpus=1, en
             engine__engine_kwargs={"dtype": "float32", "enforce_eager": True, "max_num_seqs": 8})
 
 
-def engine_processes() -> list:
-    """The vLLM replicas' actors on the session's Ray and every process below them (EngineCore,
-    Worker, the resource tracker), as psutil processes: once a replica is gone, what it left
-    is no longer below the raylet, so it is looked at by these."""
+REPLICA = "MapWorker(MapBatches(VLLMEngine))"
+
+
+def below(replica: int) -> list:
+    """A vLLM replica's actor process and every process below it (EngineCore, Worker, the
+    resource tracker), as psutil processes: once the replica is gone, what it left is no
+    longer below the raylet, so it is looked at by these."""
     import psutil
 
-    found = []
-    for pid in ray_processes("MapWorker(MapBatches(VLLMEngine))"):
-        try:
-            replica = psutil.Process(pid)
-            found += [replica, *replica.children(recursive=True)]
-        except psutil.Error:
-            pass
-    return found
+    try:
+        process = psutil.Process(replica)
+        return [process, *process.children(recursive=True)]
+    except psutil.Error:
+        return []
 
 
 def alive(processes: list) -> list[str]:
@@ -103,12 +103,33 @@ class Job:
         return self.process.returncode, self.log.read_text()
 
 
-def draft_engine_started(before: set[int]):
-    """A function true once an EngineCore that was not among `before` (the target pass's) runs."""
-    def found():
-        cores = set(ray_processes("VLLM::EngineCore")) - before
-        return engine_processes() if cores and ray_processes("VLLM::Worker") else None
-    return found
+def draft_engine(job: Job) -> list:
+    """Once the job has said that the draft's pass starts and that pass's replica (one that
+    was not up before: the target's may still be exiting) runs vLLM's Worker: the replica and
+    every process below it."""
+    earlier: set[int] = set()
+
+    def draft_pass_started() -> bool:
+        earlier.update(ray_processes(REPLICA))
+        return "acceptance: draft trained: measuring" in job.log.read_text()
+
+    job.wait_for("the draft's pass", draft_pass_started)
+    earlier.update(ray_processes(REPLICA))  # the target's replica, up until the line, may outlive it
+
+    def started() -> list | None:
+        import psutil
+
+        for replica in set(ray_processes(REPLICA)) - earlier:
+            processes = below(replica)
+            for p in processes:
+                try:
+                    if "VLLM::Worker" in " ".join(p.cmdline()):
+                        return processes
+                except psutil.Error:
+                    pass
+        return None
+
+    return job.wait_for("the draft's engine", started)
 
 
 @pytest.mark.vllm
@@ -144,9 +165,8 @@ def test_the_job_measures_a_trained_draft_at_two_temperatures_survives_its_stops
 
     # 1. SIGKILL while the draft's engine starts.
     job = Job(settings, tmp_path, ray_local, "killed")
-    job.wait_for("the target's pass kept", lambda: (passes / "target.json").exists())
-    target_cores = set(ray_processes("VLLM::EngineCore"))
-    engine = job.wait_for("the draft's engine starting", draft_engine_started(target_cores))
+    engine = draft_engine(job)
+    assert (passes / "target.json").exists()  # kept before the draft's pass started
     job.stop(signal.SIGKILL)
     left = left_after(engine, 30)
     assert left == [], f"the killed driver's engine processes still run 30 s after: {left}"
@@ -154,7 +174,7 @@ def test_the_job_measures_a_trained_draft_at_two_temperatures_survives_its_stops
 
     # 2. SIGTERM during the draft's pass.
     job = Job(settings, tmp_path, ray_local, "stopped")
-    engine = job.wait_for("the draft's engine", draft_engine_started(set(ray_processes("VLLM::EngineCore"))))
+    engine = draft_engine(job)
     stopped = time.monotonic()
     code, log = job.stop(signal.SIGTERM)
     print(f"\nSIGTERM during the draft's pass: the job exited {time.monotonic() - stopped:.1f} s after the signal")
