@@ -71,11 +71,11 @@ def check(cfg: Config) -> None:
                           "answer's first token comes from the prompt's prefill, and a draft proposes only at the "
                           "steps after it; give 2 or more (k + 1 lets a draft propose all its k tokens at once)")
     sampled_on_cpu(cfg)  # refuses engine kwargs that would undo what sampled passes need on CPU
-    report_folder.prepare(settings.path)
     num_layers, hidden_size = target_shape(cfg)
     vocab, _ = model_vocab_size(cfg.model.path, cfg.model.trust_remote_code)
     for name, folder in settings.drafts.items():
         check_draft(name, folder, num_layers, hidden_size, vocab)
+    report_folder.prepare(settings.path)  # last: a run refused above makes no folder
 
 
 def check_draft(name: str, folder: str, num_layers: int, hidden_size: int, vocab: int | None) -> None:

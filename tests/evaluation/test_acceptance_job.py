@@ -332,7 +332,7 @@ def test_a_draft_cut_in_its_tensors_is_refused_in_one_line_before_any_engine(ray
         f"error: acceptance.drafts.cut {draft}: {weights} is truncated ({size - 1000} bytes; its header says {size}); "
         "copy or save the draft again, or give another (the draft trainer's final/ or a step-<N>/ checkpoint)")
     assert "Traceback" not in done.stderr and "VLLM" not in done.stderr and "Ray" not in done.stderr, done.stderr
-    assert not (tmp_path / "prompts").exists()  # nothing started
+    assert not (tmp_path / "prompts").exists() and not (tmp_path / "report").exists()  # nothing started or made
 
 
 def test_every_flag_the_jobs_messages_name_is_accepted(tmp_path, own_signal_handlers, capsys):
