@@ -191,7 +191,8 @@ def main() -> None:
     from eagle_data.evaluation.acceptance_report import table
 
     print(table(report))
-    gain = report["differences"]["regenerated - dataset"]
+    greedy = {name: d["by_temperature"]["0"] for name, d in report["drafts"].items()}  # acceptance.temperatures [0]
+    gain = report["differences"]["0"]["regenerated - dataset"]
     metrics = [json.loads(line) for name in ("regenerated", "dataset")
                for line in (work / "drafts" / name / "metrics.jsonl").read_text().splitlines()]
     print(f"work folder: {work}")
@@ -200,11 +201,11 @@ def main() -> None:
                   "steps": args.steps, "k": args.k, "seed": args.seed},
         "seconds": seconds, "total_seconds": sum(seconds.values()),
         "tau": {name: {"all": d["tau"], **{s: f["tau"] for s, f in d["by_source"].items()}}
-                for name, d in report["drafts"].items()},
-        "tau_95": {name: d["tau_95"] for name, d in report["drafts"].items()},
+                for name, d in greedy.items()},
+        "tau_95": {name: d["tau_95"] for name, d in greedy.items()},
         "gain": {"all": [gain["difference"], *gain["difference_95"]],
                  **{s: [d["difference"], *d["difference_95"]] for s, d in gain["by_source"].items()}},
-        "lossless": {name: [d["lossless"]["equal"], d["lossless"]["of"]] for name, d in report["drafts"].items()},
+        "lossless": {name: [d["lossless"]["equal"], d["lossless"]["of"]] for name, d in greedy.items()},
         "steps_trained": max(m["step"] for m in metrics if "step" in m),
         "tokens_per_s": {"target": report["target"]["tokens_per_s"],
                          **{name: d["tokens_per_s"] for name, d in report["drafts"].items()}}}))

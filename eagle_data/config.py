@@ -478,7 +478,8 @@ class TrainConfig(_Section):
 
 class AcceptanceConfig(_Section):
     """The acceptance job (ray_jobs/acceptance.py, docs/acceptance.md): the target with a
-    draft under vLLM's EAGLE-3 speculative decoding, greedy, over output.path's prompts."""
+    draft under vLLM's EAGLE-3 speculative decoding, at each of acceptance.temperatures,
+    over output.path's prompts."""
 
     drafts: dict[str, str] = Field(
         json_schema_extra=RUN_ONLY, default_factory=dict,
@@ -488,10 +489,18 @@ class AcceptanceConfig(_Section):
     num_speculative_tokens: Int = Field(
         json_schema_extra=RUN_ONLY, default=3, ge=1,
         description="k: the draft tokens proposed for each step of the target")
+    temperatures: list[Annotated[Finite, Field(ge=0)]] = Field(
+        json_schema_extra=RUN_ONLY, default=[0.0], min_length=1,
+        description="the sampling temperatures each prompt is asked at, every one in the same engine pass of a draft "
+                    "(its model loads once): 0 is greedy, where the output with a draft must equal the target's "
+                    "own (the lossless check); above 0, top_p 1 and a seed per prompt (from acceptance.seed and "
+                    "its sample_id, the same for every draft and the target), e.g. `[0, 0.7]` for the serving "
+                    "temperature too")
     path: str | None = Field(
         json_schema_extra=RUN_ONLY, default=None, pattern=r"^/",
-        description="an absolute folder for the report (report.json, per_prompt.jsonl, acceptance.png); made if "
-                    "missing; a report there is replaced only if this job wrote it")
+        description="an absolute folder for the report (report.json, per_prompt.jsonl, acceptance.png) and each "
+                    "finished pass (passes/: a rerun of the same command reuses them); made and written to at start; "
+                    "a report there is replaced only if this job wrote it")
     compare_target: bool = Field(
         json_schema_extra=RUN_ONLY, default=True,
         description="also run the target alone over the prompts: every output with a draft must equal it (greedy "
@@ -500,7 +509,15 @@ class AcceptanceConfig(_Section):
     bootstrap: Int = Field(
         json_schema_extra=RUN_ONLY, default=2000, ge=100,
         description="resamples of the prompts for each 95% confidence interval (percentile bootstrap)")
-    seed: Int = Field(json_schema_extra=RUN_ONLY, default=0, description="seed of the bootstrap's resamples")
+    seed: Int = Field(json_schema_extra=RUN_ONLY, default=0,
+                      description="seed of the bootstrap's resamples and of each sampled request (temperatures above 0)")
+
+    @field_validator("temperatures")
+    @classmethod
+    def _distinct(cls, temperatures: list[float]) -> list[float]:
+        if len(set(temperatures)) != len(temperatures):
+            raise ValueError(f"{temperatures} names a temperature twice")
+        return temperatures
 
 
 class Config(_Section):

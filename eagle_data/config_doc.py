@@ -88,6 +88,8 @@ def type_name(annotation: Any) -> str:
         return "list, each " + type_name(args[0])
     if origin is list and isinstance(args[0], type) and issubclass(args[0], BaseModel):
         return "list of sections (below)"
+    if origin is list:
+        return f"list of {type_name(args[0])}s"
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return "section"
     return {"str": "string", "int": "integer", "float": "number", "bool": "boolean"}.get(

@@ -13,12 +13,13 @@ The lowest layer: this module imports nothing from the project.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
 import sys
 import threading
-from typing import Callable, NoReturn
+from typing import Callable, Iterator, NoReturn
 
 
 class EagleDataError(Exception):
@@ -174,6 +175,34 @@ def ignore_stop_signals() -> None:
             signal.signal(s, _ignore)
 
 
+@contextlib.contextmanager
+def stop_signals_kept() -> Iterator[None]:
+    """Around a call that installs its own SIGTERM handler: the handlers as they were before
+    it, after it. Ray's `build_processor` (every vLLM pass builds one) calls
+    `ray.init(ignore_reinit_error=True)`, which installs Ray's SIGTERM handler before it
+    finds Ray started: a later SIGTERM then raised SystemExit(15), which no `except` of the
+    job's took for a stop: exit 15, no `error:` line, the interpreter's slow finalization
+    with Ray loaded (issue 63). A SIGTERM while the call runs, met by that handler, is a
+    Stopped too."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    try:
+        yield
+    except SystemExit as e:
+        if e.code != signal.SIGTERM or signal.getsignal(signal.SIGTERM) is saved[signal.SIGTERM]:
+            raise
+        _stopped_by.append(signal.SIGTERM)
+        ignore_stop_signals()
+        raise Stopped(signal.SIGTERM) from None
+    finally:
+        if signal.getsignal(signal.SIGTERM) is not _ignore:  # a stop met meanwhile keeps ignoring further ones
+            for s, handler in saved.items():
+                if handler is not None:
+                    signal.signal(s, handler)
+
+
 def _stop(signum: int, frame) -> None:
     _stopped_by.append(signum)
     ignore_stop_signals()
@@ -182,6 +211,13 @@ def _stop(signum: int, frame) -> None:
 
 def _ignore(signum: int, frame) -> None:
     pass
+
+
+def stop_signal(e: KeyboardInterrupt) -> int:
+    """The stop signal behind `e`: its own number, also where what came is a plain
+    KeyboardInterrupt (a stop raised inside a call that turned it into one); Ctrl-C before
+    the handlers were installed."""
+    return getattr(e, "signum", None) or (_stopped_by[0] if _stopped_by else signal.SIGINT)
 
 
 def user_error(e: BaseException | None) -> EagleDataError | None:
@@ -231,9 +267,7 @@ def cli(command: Callable[[], int], writing: Callable[[], str | None] = lambda: 
         return e.exit_code
     except KeyboardInterrupt as e:
         ignore_stop_signals()  # the process is on its way out: no second message or traceback
-        # The signal's own number, also where what reached here is a plain KeyboardInterrupt
-        # (a stop raised inside a call that turned it into one); Ctrl-C before the handlers.
-        signum = getattr(e, "signum", None) or (_stopped_by[0] if _stopped_by else signal.SIGINT)
+        signum = stop_signal(e)
         print(f"error: stopped by {signal.Signals(signum).name}{on_stop}", file=sys.stderr)
         return 128 + signum
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import math
 import os
 import socket
 import sys
@@ -75,30 +76,56 @@ def check_weights(path: str) -> None:
         return  # a hub id or a single (GGUF) file
     for name in sorted(os.listdir(folder)):
         if name.endswith(".safetensors"):
-            problem = safetensors_problem(os.path.join(folder, name))
-            if problem:
-                raise DamagedModel(f"model.path {path!r}: {name} {problem}; download or convert the model again")
+            try:
+                safetensors_header(os.path.join(folder, name))
+            except ValueError as e:
+                raise DamagedModel(f"model.path {path!r}: {name} {e}; download or convert the model again") from None
 
 
-def safetensors_problem(file: str) -> str | None:
-    """What is wrong with a safetensors file, from its size and header only (a truncated
-    download, a file cut short by a kill, bytes that are not one): None when its header parses
-    and every tensor lies within the file."""
-    try:
-        size = os.path.getsize(file)
-        with open(file, "rb") as f:
-            length = int.from_bytes(f.read(8), "little")
-            if 8 + length > size:
-                raise ValueError(f"a header of {length} bytes")
+# safetensors' dtypes and their bytes per element (the format's spec, huggingface/safetensors).
+SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+                      "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+def safetensors_header(file: str) -> dict:
+    """A safetensors file's header (each tensor's dtype, shape and byte range), checked
+    against the file itself without reading a tensor: a ValueError saying what is wrong,
+    worded to follow the file's name (`is truncated (N bytes; its header says M)`, `is not
+    a readable safetensors file (...)`). An OSError where the file cannot be read at all."""
+    size = os.path.getsize(file)
+
+    def unreadable(why: str) -> ValueError:
+        return ValueError(f"is not a readable safetensors file ({why})")
+
+    with open(file, "rb") as f:
+        if size < 8:
+            raise unreadable(f"{size} bytes, fewer than the 8 of its header's length")
+        length = int.from_bytes(f.read(8), "little")
+        if 8 + length > size:  # random bytes, or a file cut inside its header
+            raise unreadable(f"a header of {length} bytes in a file of {size}")
+        try:
             header = json.loads(f.read(length))
-        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-    except OSError as e:
-        return f"cannot be read ({type(e).__name__}: {e.strerror or e})"
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
-        return f"is not a readable safetensors file ({e})"
+        except ValueError as e:  # not UTF-8, or not JSON
+            raise unreadable(f"its header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise unreadable("its header is not a JSON object")
+    end = 0
+    for name, tensor in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            itemsize = SAFETENSORS_DTYPES[tensor["dtype"]]
+            begin, stop = tensor["data_offsets"]
+            shape = tensor["shape"]
+            if not (all(isinstance(n, int) and n >= 0 for n in shape) and isinstance(begin, int)
+                    and isinstance(stop, int) and 0 <= begin <= stop and stop - begin == math.prod(shape) * itemsize):
+                raise ValueError
+        except (KeyError, TypeError, ValueError):
+            raise unreadable(f"tensor {name!r} has no valid dtype, shape and data_offsets: {tensor}") from None
+        end = max(end, stop)
     if 8 + length + end > size:
-        return f"is truncated ({size} bytes; its header says {8 + length + end})"
-    return None
+        raise ValueError(f"is truncated ({size} bytes; its header says {8 + length + end})")
+    return header
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:

@@ -25,15 +25,16 @@ holding a file it did not write (`is_ours`), so --fresh and every delete touch o
 
 manifest.json (`schema_version` MANIFEST_VERSION):
     out_id:          this OUT's identity, drawn when the manifest is made; every shard carries it
-    phases.prompts:  status (running | complete | damaged), counts (selected = prompts +
+    phases.prompts:  status (running | complete | stopped | damaged), counts (selected = prompts +
                      skipped dataset rows; conversations = prompts/ rows = prompts x
                      answers_per_prompt; per variant), prompt_config, runs
     phases.generate: counts, generate_config, answered_by (target | dataset), tokenizer (path,
                      vocab_size, eos_ids, pad_id, reasoning_start_id, reasoning_end_id), runs
     phases.hidden_states: counts, hidden_states_config, features (layer_ids, final_norm,
                      dtype, hidden_size, num_layers), runs (each with its storage estimate)
-    a run: run_id, started_at, finished_at, status (running | complete), config (the whole
-           resolved config of that run), versions (libraries), counts of that run;
+    a run: run_id, started_at, finished_at, status (running | complete | stopped: by a stop
+           signal, with stopped_at and stopped_by; a killed run stays running), config (the
+           whole resolved config of that run), versions (libraries), counts of that run;
            a generate run also: answered_by, replica_nodes (the Ray node ids its engine
            replicas ran on, when Ray's state API could tell)
 Read it through storage/manifest.py's accessors, not by key chains.

@@ -62,6 +62,7 @@ class Manifest:
         """`check_version` False: --fresh, which deletes an OUT of another version too."""
         self.fs, self.out = fs, out
         self.path = f"{out}/{MANIFEST}"
+        self._started: set[str] = set()  # the run ids this process started (stop_runs)
         found, self.damaged = read_manifest(fs, self.path)
         # A manifest.json of ours has `phases`; another one (a user's) is not ours.
         self.foreign = found is not None and "phases" not in found
@@ -105,11 +106,24 @@ class Manifest:
         record, `run_fields` into the run's."""
         run = {"run_id": new_run_id(), "started_at": now(), "status": "running",
                "config": config, "versions": library_versions(), **run_fields}
+        self._started.add(run["run_id"])
         record = self._phase(phase)
         record.update(phase_fields or {}, status="running", run_id=run["run_id"], started_at=run["started_at"])
         record.setdefault("runs", []).append(run)
         self.save()
         return run
+
+    def stop_runs(self, signal_name: str) -> None:
+        """A stop signal (SIGTERM, Ctrl-C) ended this process: every run it started and did
+        not finish, and its phase, say `stopped` (a killed run stays `running`); saved."""
+        stopped = [record for record in self.data["phases"].values()
+                   if record.get("status") == "running" and record.get("runs")
+                   and record["runs"][-1].get("run_id") in self._started]
+        for record in stopped:
+            record["runs"][-1].update(status="stopped", stopped_at=now(), stopped_by=signal_name)
+            record["status"] = "stopped"
+        if stopped:
+            self.save()
 
     def finish_run(self, phase: str, run: dict, counts: dict, **fields) -> None:
         """Mark `run` and its phase complete, with the run's own figures (`fields`); `counts`
@@ -129,7 +143,7 @@ class Manifest:
         return json.loads(json.dumps(self.data["phases"].get(name, {})))
 
     def status(self, phase: str) -> str | None:
-        """running | complete | damaged; None before it ran. A record without a status
+        """running | complete | stopped | damaged; None before it ran. A record without a status
         (written before phases had one) has its latest run's."""
         record = self.data["phases"].get(phase, {})
         runs = record.get("runs", [])
@@ -137,7 +151,7 @@ class Manifest:
 
     def finished(self, phase: str) -> bool:
         """The phase's latest run finished and nothing since made its rows doubtful (a
-        killed run stays `running`)."""
+        killed run stays `running`, a stopped one says `stopped`)."""
         return self.status(phase) == "complete"
 
     def counts(self, phase: str) -> dict:

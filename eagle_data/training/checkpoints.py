@@ -22,8 +22,8 @@ import tempfile
 import uuid
 import zipfile
 
+from eagle_data.draft_files import check_draft_folder
 from eagle_data.errors import EagleDataError
-from eagle_data.model_files import safetensors_problem
 from eagle_data.training.stream_gate import consumed_places
 
 log = logging.getLogger("eagle_data")
@@ -175,27 +175,11 @@ def damage(folder: str) -> str | None:
     is loaded: None where speculators' draft and TRAINER_STATE are whole."""
     if not os.path.isdir(folder):
         return "it is missing"
-    return draft_files_problem(folder) or state_problem(os.path.join(folder, TRAINER_STATE))
-
-
-def draft_files_problem(folder: str) -> str | None:
-    """speculators' draft in a folder: config.json a JSON object, model.safetensors a whole
-    safetensors file (its header parses, its tensors lie within the file). The one check of a
-    draft's files here: where another check of a draft folder is the project's, it goes here."""
     try:
-        with open(os.path.join(folder, "config.json")) as f:
-            config = json.load(f)
-    except OSError as e:
-        return f"config.json cannot be read ({type(e).__name__}: {e.strerror or e})"
-    except ValueError as e:
-        return f"config.json is not JSON ({e})"
-    if not isinstance(config, dict):
-        return f"config.json holds a {type(config).__name__}, not speculators' config"
-    weights = os.path.join(folder, "model.safetensors")
-    if not os.path.isfile(weights):
-        return "model.safetensors is missing"
-    problem = safetensors_problem(weights)
-    return f"model.safetensors {problem}" if problem else None
+        check_draft_folder(folder, "the checkpoint")  # the acceptance job's check of a draft (draft_files.py)
+    except EagleDataError as e:
+        return str(e).removeprefix("the checkpoint: ")
+    return state_problem(os.path.join(folder, TRAINER_STATE))
 
 
 def state_problem(path: str) -> str | None:

@@ -15,9 +15,11 @@ from eagle_data.evaluation.acceptance_report import Counts, difference, lossless
 K = 3
 
 
-def row(sample_id: str, source: str, accepted: list[int], drafted: list[int] | None = None, tokens=None) -> dict:
+def row(sample_id: str, source: str, accepted: list[int], drafted: list[int] | None = None, tokens=None,
+        temperature: float = 0.0) -> dict:
     drafted = [K] * len(accepted) if drafted is None else drafted
-    return {"sample_id": sample_id, "source": source, "spec_accepted": accepted, "spec_drafted": drafted,
+    return {"sample_id": sample_id, "source": source, "temperature": temperature, "spec_accepted": accepted,
+            "spec_drafted": drafted,
             "generated_tokens": tokens if tokens is not None else list(range(1 + sum(a + 1 for a in accepted))),
             "engine_started": 100.0, "engine_finished": 102.0}
 
@@ -41,7 +43,7 @@ def test_tau_and_acceptance_by_position_are_vllms():
             stats.observe_draft(K, a)
         assert tau(counts.steps[i], counts.accepted[i]) == pytest.approx(metrics.to_dict()["mean_acceptance_length"])
     assert float(tau(counts.steps, counts.accepted)) == pytest.approx(1 + stats.num_accepted_tokens / stats.num_drafts)
-    figures = report({"d": rows}, None, K, times=200, seed=0)["drafts"]["d"]
+    figures = report({"d": rows}, None, K, [0.0], times=200, seed=0)["drafts"]["d"]["by_temperature"]["0"]
     assert figures["acceptance_by_position"] == pytest.approx(
         [n / stats.num_drafts for n in stats.num_accepted_tokens_per_pos])
     # Fewer tokens proposed at some steps (a short draft near max_tokens): counted per position drafted.
@@ -59,7 +61,7 @@ def test_the_95_percent_interval_covers_tau_about_95_times_in_100():
     covered = 0
     for draw in range(200):
         rows = [row(f"p{i}", "s", list(rng.choice(4, size=rng.integers(5, 40), p=odds))) for i in range(60)]
-        lo, hi = report({"d": rows}, None, K, times=400, seed=draw)["drafts"]["d"]["tau_95"]
+        lo, hi = report({"d": rows}, None, K, [0.0], times=400, seed=draw)["drafts"]["d"]["by_temperature"]["0"]["tau_95"]
         covered += lo <= truth <= hi
     assert 176 <= covered <= 198, covered
 
@@ -84,15 +86,46 @@ def test_an_output_that_differs_from_the_targets_is_named_with_its_first_differe
                                      {"sample_id": "p2", "first_difference": 1, "tokens": [1, 2]}]
 
 
-def test_the_report_files_and_table(tmp_path):
-    rows = {name: [row(f"p{i}", "gsm8k" if i % 2 else "mt_bench", [i % 4 if name == "a" else 0] * 3)
-                   for i in range(6)] for name in ("a", "b")}
+def test_the_report_files_and_table_per_temperature(tmp_path):
+    """Two drafts at temperatures 0 and 0.7 over the same prompts: figures and differences per
+    temperature, the lossless check at 0 only, one throughput per pass (every temperature)."""
+    rows = {name: [row(f"p{i}", "gsm8k" if i % 2 else "mt_bench", [i % 4 if name == "a" else 0] * 3, temperature=t)
+                   for i in range(6) for t in (0.0, 0.7)] for name in ("a", "b")}
     target = [{**r, "engine_started": 100.0, "engine_finished": 104.0} for r in rows["a"]]
-    figures = report(rows, target, K, 300, 0)
+    target[1] = {**target[1], "generated_tokens": [t + 1 for t in target[1]["generated_tokens"]]}  # p0 at 0.7:
+    # sampled outputs are not compared
+    figures = report(rows, target, K, [0.0, 0.7], 300, 0)
     write(figures, rows, str(tmp_path))
-    assert json.loads((tmp_path / "report.json").read_text())["drafts"]["a"]["lossless"]["equal"] == 6
+    written = json.loads((tmp_path / "report.json").read_text())
+    assert written["temperatures"] == [0.0, 0.7] and "temperature 0 only" in written["lossless"]
+    a = written["drafts"]["a"]
+    assert a["by_temperature"]["0"]["lossless"]["equal"] == 6 and "lossless" not in a["by_temperature"]["0.7"]
+    assert a["by_temperature"]["0"]["tau"] == a["by_temperature"]["0.7"]["tau"] > 1  # the same counts at both
+    assert set(written["differences"]) == {"0", "0.7"} and written["differences"]["0.7"]["a - b"]["difference"] > 0
     assert figures["drafts"]["a"]["speedup"] == pytest.approx(2.0)  # the same tokens in half the target's span
-    assert len((tmp_path / "per_prompt.jsonl").read_text().splitlines()) == 12
+    lines = [json.loads(line) for line in (tmp_path / "per_prompt.jsonl").read_text().splitlines()]
+    assert len(lines) == 24 and {line["temperature"] for line in lines} == {0.0, 0.7}
     assert (tmp_path / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["acceptance.png", "per_prompt.jsonl", "report.json"]
     text = table(figures)
+    assert "temperature 0 (greedy)" in text and "temperature 0.7 (sampled" in text
     assert "tau(a) - tau(b) = +" in text and "mt_bench" in text and "lossless 6/6" in text
+
+
+def test_no_step_that_proposed_a_token_is_a_sentence_never_nan(tmp_path):
+    """Every answer ended at its first token (sampling.max_tokens 1, or a stop token first):
+    no step, so no tau: null in report.json (strict JSON: NaN is refused), a note and a line
+    in the table, and a plot without it. Was: tau `nan [nan, nan]` and `NaN` in report.json."""
+    rows = {"a": [row(f"p{i}", "s", [], tokens=[1]) for i in range(4)],
+            "b": [row(f"p{i}", "s", [1, 2]) for i in range(4)]}
+    figures = report(rows, None, K, [0.0], 300, 0)
+    write(figures, rows, str(tmp_path))
+    text = (tmp_path / "report.json").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    json.loads(text, parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))
+    a = figures["drafts"]["a"]["by_temperature"]["0"]
+    assert a["tau"] is None and a["tau_95"] is None and a["acceptance_by_position"] == [None] * K
+    assert a["note"].startswith("no step proposed a draft token") and a["by_source"]["s"]["tau"] is None
+    assert figures["differences"]["0"]["a - b"]["difference"] is None
+    assert "nan" not in table(figures).lower() and "no step proposed a draft token" in table(figures)
+    assert (tmp_path / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -160,8 +160,9 @@ def test_a_stream_trainer_whose_driver_is_killed_resumes_at_the_streams_place(ra
 
 
 def test_a_checkpoints_files_are_checked_before_it_is_loaded(tmp_path):
-    """damage(): speculators' draft (config.json an object, model.safetensors whole) and
-    trainer_state.pt a whole archive; intact() skips the damaged ones, newest first."""
+    """damage(): speculators' draft (draft_files.check_draft_folder: config.json an object,
+    model.safetensors whole) and trainer_state.pt a whole archive; intact() skips the damaged
+    ones, newest first."""
     from safetensors.torch import save_file
 
     def checkpoint(step: int) -> Path:
@@ -176,12 +177,12 @@ def test_a_checkpoints_files_are_checked_before_it_is_loaded(tmp_path):
     assert [damage(str(f)) for f in folders] == [None, None, None]
     weights, state = folders[2] / "model.safetensors", folders[2] / "trainer_state.pt"
     os.truncate(weights, weights.stat().st_size - 8)
-    assert damage(str(folders[2])) == f"model.safetensors is truncated ({weights.stat().st_size} bytes; its " \
-                                      f"header says {weights.stat().st_size + 8})"
+    assert damage(str(folders[2])).startswith(f"{weights} is truncated ({weights.stat().st_size} bytes; its header "
+                                              f"says {weights.stat().st_size + 8})")
     os.truncate(state, 100)
     assert state_problem(str(state)).startswith("trainer_state.pt is not a whole archive (BadZipFile: ")
     (folders[1] / "config.json").write_text("[1, 2]")
-    assert damage(str(folders[1])) == "config.json holds a list, not speculators' config"
+    assert damage(str(folders[1])) == f"{folders[1] / 'config.json'} holds a JSON list, not an object: not a draft's config"
     (folders[0] / "trainer_state.pt").unlink()
     assert damage(str(folders[0])) == "trainer_state.pt is missing"
     assert damage(str(tmp_path / "step-8")) == "it is missing"

@@ -4,6 +4,7 @@ processes it started behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -51,7 +52,8 @@ def test_a_stopped_job_exits_128_plus_the_signal_with_one_line_and_leaves_no_ray
     has published a data shard: rc 128 + signum, one `error:` line and no traceback nor
     C++ stack (Ray's own SIGTERM handler aborted, exit 134), the published data valid, and
     no process of its Ray instance alive a few seconds later (two Ctrl-Cs cut ray.shutdown
-    short and left the dashboard and runtime-env agents running)."""
+    short and left the dashboard and runtime-env agents running); the manifest's run says
+    it was stopped, and by which signal."""
     out = tmp_path / "out"
     config = tmp_path / "job.yaml"
     # One row per engine batch and shard, so that the stop lands between shards.
@@ -86,8 +88,87 @@ def test_a_stopped_job_exits_128_plus_the_signal_with_one_line_and_leaves_no_ray
     assert "run the same command to resume" in errors[0]
     problems, counts = verify(str(out))
     assert problems == [] and counts["ok"] >= 1, problems
+    record = json.loads((out / "manifest.json").read_text())["phases"]["generate"]
+    assert (record["status"], record["runs"][-1]["status"], record["runs"][-1]["stopped_by"]) == ("stopped", "stopped",
+                                                                                                   name), record
     deadline = time.monotonic() + 10
     while ray_processes_of(ray_tmpdir) and time.monotonic() < deadline:
         time.sleep(0.2)
     left = [" ".join(p.cmdline()[:1]) or p.pid for p in ray_processes_of(ray_tmpdir)]
+    assert left == [], left
+
+
+# vLLM's CPU build, as tests/vllm's: fp32, one engine thread, small KV cache.
+VLLM = dict(engine__backend="vllm", engine__device="cpu", engine__num_cpus=1, engine__cpu_kv_cache_gib=0.25,
+            engine__cpu_threads=1, engine__resource_wait_s=30,
+            engine__engine_kwargs={"dtype": "float32", "enforce_eager": True, "max_num_seqs": 8})
+
+
+def wait_for_process(ray_tmpdir: str, title: str, job: subprocess.Popen, timeout_s: float = 600) -> None:
+    """Until a process of the job's Ray instance has `title` in its command line."""
+    deadline = time.monotonic() + timeout_s
+    while job.poll() is None and time.monotonic() < deadline:
+        for p in ray_processes_of(ray_tmpdir):
+            try:
+                if title in " ".join(p.cmdline()):
+                    return
+            except Exception:  # gone meanwhile
+                continue
+        time.sleep(0.1)
+    raise AssertionError(f"no {title} process (the job {'exited' if job.poll() is not None else 'still runs'})")
+
+
+def left_after(ray_tmpdir: str, timeout_s: float) -> list[str]:
+    """The job's Ray instance's processes still alive `timeout_s` after now (none sooner: returns
+    as soon as all are gone)."""
+    deadline = time.monotonic() + timeout_s
+    while ray_processes_of(ray_tmpdir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = []
+    for p in ray_processes_of(ray_tmpdir):
+        try:
+            left.append(f"{p.pid} {' '.join(p.cmdline())[:60]}")
+        except Exception:
+            pass
+    return left
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_sigterm_while_vllm_loads_the_model_is_a_stop_with_its_line_and_leaves_nothing(tmp_path, deep_qwen3,
+                                                                                        ray_tmpdir):
+    """The generate job on vLLM, its own local Ray instance, SIGTERMed while its engine
+    replica loads the model (vLLM's EngineCore is up): exit 143 and the one line, the
+    manifest's generate run `stopped` (by SIGTERM), and nothing of its Ray instance (vLLM's
+    processes included) left 30 s after the job exited. Was (issue 63): exit 15, no line, the
+    manifest `running`: Ray's build_processor had installed Ray's SIGTERM handler."""
+    out = tmp_path / "out"
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump(job_settings(out, deep_qwen3, source__sample=4, **VLLM)))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(PYTHONPATH=str(REPO), RAY_TMPDIR=ray_tmpdir)
+    log = tmp_path / "stderr.txt"
+    with open(log, "w") as stderr_file:
+        job = subprocess.Popen([sys.executable, "-m", "ray_jobs.generate", "--config", str(config)], cwd=REPO, env=env,
+                               stdout=subprocess.DEVNULL, stderr=stderr_file, process_group=0)
+    try:
+        wait_for_process(ray_tmpdir, "VLLM::EngineCore", job)
+        stopped = time.monotonic()
+        job.send_signal(signal.SIGTERM)
+        job.wait(timeout=120)
+        exited = time.monotonic()
+        left = left_after(ray_tmpdir, 30)
+        print(f"\nSIGTERM while vLLM loads: the job exited {exited - stopped:.1f} s after the signal; its Ray "
+              f"instance gone {time.monotonic() - exited:.1f} s after that")
+    finally:
+        if job.poll() is None:
+            job.kill()
+    stderr = log.read_text()
+    assert job.returncode == 143, (job.returncode, stderr[-3000:])
+    assert "Traceback" not in stderr, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [stderr.strip().splitlines()[-1]] and errors[0].startswith("error: stopped by SIGTERM"), errors
+    record = json.loads((out / "manifest.json").read_text())["phases"]["generate"]
+    assert record["status"] == "stopped" and record["runs"][-1]["status"] == "stopped", record
+    assert record["runs"][-1]["stopped_by"] == "SIGTERM"
     assert left == [], left

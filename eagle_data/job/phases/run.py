@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 
 from eagle_data.config import Config
-from eagle_data.errors import ConfigError, EmptyResult, MissingInput, NotWritable, OutputMismatch
+from eagle_data.errors import ConfigError, EmptyResult, MissingInput, NotWritable, OutputMismatch, stop_signal
 from eagle_data.job.phases import PHASE_BY_NAME, PHASES
 from eagle_data.job.ray_session import start_ray
 from eagle_data.job.stages.engines import check_engine_kwargs
@@ -95,19 +96,33 @@ def run(cfg: Config, phase: str = "all", fresh: bool = False, engine=None, allow
         quarantine_corrupt(out)
         check_prompts_record(out)
         result = {"seconds": {"ray start": start_ray(cfg.output.ray_data_progress)}}
-        for p in chosen:
-            # 0 prompts is a wrong result, not a success: refused before a phase would work
-            # from it, and after the phase that made it (its report written), unless allowed.
-            refuse_empty(cfg, out, allow_empty, PHASES[:PHASES.index(p)])
-            started = time.monotonic()
-            result[p.name] = p.run(cfg, out, engine)
-            report(out)
-            result["seconds"][p.name] = time.monotonic() - started
-            loads = (out.manifest.runs(p.name) or [{}])[-1].get("engine_load_s")
-            if loads:  # the first replica's model load, within the phase
-                result["seconds"][f"of which {p.name} loading the model"] = loads[0]
+        try:
+            for p in chosen:
+                # 0 prompts is a wrong result, not a success: refused before a phase would work
+                # from it, and after the phase that made it (its report written), unless allowed.
+                refuse_empty(cfg, out, allow_empty, PHASES[:PHASES.index(p)])
+                started = time.monotonic()
+                result[p.name] = p.run(cfg, out, engine)
+                report(out)
+                result["seconds"][p.name] = time.monotonic() - started
+                loads = (out.manifest.runs(p.name) or [{}])[-1].get("engine_load_s")
+                if loads:  # the first replica's model load, within the phase
+                    result["seconds"][f"of which {p.name} loading the model"] = loads[0]
+        except KeyboardInterrupt as e:  # a stop signal (errors.Stopped) or Ctrl-C
+            record_stop(out, e)
+            raise
         refuse_empty(cfg, out, allow_empty, PHASES[:PHASES.index(chosen[-1]) + 1])
     return result
+
+
+def record_stop(out: Output, stop: KeyboardInterrupt) -> None:
+    """The manifest says that the run a stop signal ended was stopped, not that it still
+    runs; a manifest that cannot be written then leaves it `running`, as a kill does."""
+    try:
+        out.manifest.stop_runs(signal.Signals(stop_signal(stop)).name)
+    except Exception as e:  # the stop is what the job reports
+        log.warning("the stopped run could not be recorded in %s/manifest.json (%s: %s)", out.root,
+                    type(e).__name__, e)
 
 
 def check_dataset(out: Output, phase: str, layout, keep: bool) -> None:

@@ -4,7 +4,13 @@ every one of them end with the replica however it ends.
 `die_with_this_process()` (an engine replica calls it before it starts anything) marks what
 this process starts from then on, and everything those start in turn, with a token in their
 environment, and starts a watchdog: a small process of its own session, this file run with
-Python's standard library only, that holds a pipe from this process. When this process ends
+Python's standard library only, that holds a pipe from this process. It is not this process's
+child (it forks away from the process started to start it, which exits): Ray SIGKILLs an
+exiting worker's children (`kill_child_processes_on_worker_exit`), and a watchdog among them
+was gone before it could act, leaving what vLLM's EngineCore had started (its Worker, a
+grandchild of the replica) to run on wherever Ray's process-group cleanup did not reach it
+(`RAY_process_group_cleanup_enabled=0`: a stand-in Worker outlived its replica by 20 s and
+more). When this process ends
 (SIGKILL included: the kernel closes the pipe) the watchdog stops every marked process:
 SIGTERM (vLLM's EngineCore shuts its workers down on it), SIGKILL after `GRACE_S`; a
 multiprocessing resource tracker is left to exit by itself once the processes that wrote to it
@@ -73,11 +79,14 @@ def die_with_this_process() -> None:
         return
     token = f"{os.getpid()}-{uuid.uuid4().hex}"
     read_end, write_end = os.pipe()  # neither inherited by what this process starts
-    watchdog = subprocess.Popen(
+    starter = subprocess.Popen(
         [sys.executable, "-I", "-S", os.path.abspath(__file__), token, str(os.getpid()), start_time(os.getpid()),
          str(read_end)],
         pass_fds=[read_end], start_new_session=True, env={"PATH": os.environ.get("PATH", "")},
-        stdin=subprocess.DEVNULL)
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+    watchdog = int(starter.stdout.readline())  # the starter's child: the watchdog; then the starter exits
+    starter.stdout.close()
+    starter.wait()
     os.close(read_end)
     _watchdog.extend([watchdog, write_end])
     os.environ[OWNER_ENV] = token
@@ -85,7 +94,7 @@ def die_with_this_process() -> None:
 
 def watchdogs() -> set[int]:
     """This process's watchdog (it ends after this process, not before)."""
-    return {_watchdog[0].pid} if _watchdog else set()
+    return {_watchdog[0]} if _watchdog else set()
 
 
 def start_time(pid: int) -> str:
@@ -157,5 +166,10 @@ def watch(token: str, owner: int, owner_start: str, fd: int) -> None:
               f"{sorted(found)}", file=sys.stderr, flush=True)
 
 
-if __name__ == "__main__":  # die_with_this_process's watchdog
+if __name__ == "__main__":  # die_with_this_process's starter, then in its child the watchdog
+    child = os.fork()
+    if child:
+        print(child, flush=True)
+        os._exit(0)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # the starter's pipe is read once; stderr stays the owner's log
     watch(sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))

@@ -19,7 +19,7 @@ import os
 from typing import Any
 
 from eagle_data.config import Config
-from eagle_data.errors import NoReplicaResources
+from eagle_data.errors import NoReplicaResources, stop_signals_kept
 from eagle_data.job.ray_internals import undeclared_hint, wait_for_nodes
 from eagle_data.job.stages.engines.kwargs import with_passed
 from eagle_data.job.stages.engines.vllm_udf import check_threads_bind, vllm_stage_udf
@@ -165,7 +165,8 @@ def vllm_stage(ds, cfg: Config, extra_engine_kwargs: dict | None = None):
 def build_vllm_processor(cfg: Config, extra_engine_kwargs: dict | None = None):
     from ray.data.llm import build_processor
 
-    processor = build_processor(processor_config(cfg, extra_engine_kwargs))
+    with stop_signals_kept():  # its ray.init replaces the job's SIGTERM handler (errors.stop_signals_kept)
+        processor = build_processor(processor_config(cfg, extra_engine_kwargs))
     # model_copy: an assignment would run the stage's validator again, which pops its own settings.
     stage = processor.get_stage_by_name("vLLMEngineStage")
     processor.stages["vLLMEngineStage"] = stage.model_copy(update={"fn": vllm_stage_udf(cfg.engine.cpu_threads)})
