@@ -172,30 +172,6 @@ def multi_turn_loads(output: str) -> None:
     sane(r["wall_s"], r["generate_s"], *r["load_spells"])
 
 
-def one_pass(output: str) -> None:
-    cost, answers, distribution = tables(output)
-    assert [row["sampling"] for row in cost] == ["greedy", "sampled"]
-    for row in cost:
-        plain, second, both, one = (number(row[k]) for k in ("plain s", "second pass s", "two passes s", "one pass s"))
-        sane(plain, one, both, number(row["one pass / two passes"]))
-        sane(second, zero=True)
-        assert abs(both - plain - second) <= 0.011
-    [row] = answers
-    same, rows = numbers(row["greedy answers equal plain's"])
-    differ, states = numbers(row["rows whose states differ from a second pass (> 1e-5 relative)"])
-    assert rows == 4 and states == 8 and 0 <= same <= rows and 0 <= differ <= states
-    sane(number(row["largest difference"]), zero=True)
-    assert [row["against plain (temperature 1.0)"] for row in distribution] == [
-        "one pass", "plain, other seeds", "plain, temperature 0.8"]
-    for row in distribution:
-        tests = number(row["tests"])
-        assert tests == 8  # 2 prompts x (token 1, 2, 3, (1, 2))
-        assert 0 <= number(row["p < 0.01"]) <= tests
-        smallest, median = number(row["smallest p"]), number(row["median p"])
-        share(smallest, median)
-        assert smallest <= median
-        again, requests = numbers(row["token 2 = token 1"])
-        assert requests == 200 and 0 <= again <= requests
 
 
 def postprocess_throughput(output: str) -> None:
@@ -334,5 +310,5 @@ def vocab_count(output: str) -> None:
 
 
 FIGURES = {f.__name__ + ".py": f for f in (
-    acceptance_loop, driver_memory, engine_feeding, hidden_states_throughput, multi_turn_loads, one_pass, postprocess_throughput,
+    acceptance_loop, driver_memory, engine_feeding, hidden_states_throughput, multi_turn_loads, postprocess_throughput,
     prompts_memory, reader_memory, resume_cost, server_vs_job, stream_balance, stream_scale, vocab_count)}
