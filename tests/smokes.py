@@ -37,7 +37,6 @@ SMOKE = {
     # Every path ran: the breakdown's header names each.
     "server_vs_job.py": (["--smoke"],
                          "| bare vLLM (LLM.generate) | job, default feeding | server C=2, tight timeout |"),
-    "stream_balance.py": (["--smoke", "--steps", "2"], "| trainer step (x engine) |"),
     # A bound that the 48 rows pass (~180 MB; above the gate's floor, 2 workers' windows and the
     # split: 20 rows, at most 110 MB): the gate holds them to it (test_benchmarks.stream_scale).
     "stream_scale.py": (["--smoke", "--max-bytes", "120000000"], "| trainer step (x engine) |"),
@@ -47,8 +46,7 @@ SMOKE = {
 
 # Each smoke run of a whole job, or of 20 s or more, is `slow`; vLLM's is `vllm`.
 VLLM = {"acceptance_loop.py", "hidden_states_throughput.py", "server_vs_job.py", "multi_turn_loads.py"}
-SLOW = {"driver_memory.py", "prompts_memory.py", "engine_feeding.py", "postprocess_throughput.py", "stream_balance.py",
-        "stream_scale.py"}
+SLOW = {"driver_memory.py", "prompts_memory.py", "engine_feeding.py", "postprocess_throughput.py", "stream_scale.py"}
 # The costliest smoke leads the other lane (the module's docstring).
 OTHER_LANE_FIRST = {"acceptance_loop.py"}
 MARKS = {**{s: pytest.mark.slow for s in SLOW}, **{s: pytest.mark.vllm for s in VLLM}}
@@ -72,7 +70,7 @@ NICENESS = 19
 # down to NICENESS with it (_workload.SMOKE_NICENESS). Under `nice` a start got so little of the
 # cores that it missed Ray's fixed 30 s wait for the raylet (CI, 2026-12-06).
 STEP_DOWN_ONCE_RAY_IS_UP = {"acceptance_loop.py", "driver_memory.py", "engine_feeding.py", "hidden_states_throughput.py",
-                            "prompts_memory.py", "stream_balance.py", "stream_scale.py"}
+                            "prompts_memory.py", "stream_scale.py"}
 # Beside the tests a smoke gets only the cores they leave: the whole run's length, not its own.
 SMOKE_TIMEOUT_S = 3600
 

@@ -234,22 +234,6 @@ def server_vs_job(output: str) -> None:
                 sane(*numbers(cell.split("[")[0]), zero=True)  # "[nice 0,15]": niceness, not a figure
 
 
-def stream_balance(output: str) -> None:
-    steps, memory = tables(output)
-    [row] = steps  # --steps 2
-    assert number(row["trainer step (x engine)"]) == 2 and number(row["rows"]) == 40
-    sane(number(row["wall s"]), number(row["engine ms a row (median batch)"]))
-    share(number(row["trainer waits (share of its time)"]) / 100,
-          number(row["engine idles (share of its window)"]) / 100)
-    assert [number(row["rows"]) for row in memory] == [8, 40]
-    for row in memory:  # MiB; the shared pages and the object store hold about nothing at this size
-        small = ("worker's shared (RssShmem)", "object store peak")
-        sane(*(number(cell) for name, cell in row.items() if name not in ("rows", *small)))
-        sane(*(number(row[name]) for name in small), zero=True)
-    calibration = re.search(r"engine busy (\S+) ms a row, idle (\S+)% of its (\S+) s window", output)
-    assert calibration, "no calibration line"
-    sane(float(calibration.group(1)), float(calibration.group(3)))
-    share(float(calibration.group(2)) / 100)
 
 
 def stream_scale(output: str) -> None:
@@ -311,4 +295,4 @@ def vocab_count(output: str) -> None:
 
 FIGURES = {f.__name__ + ".py": f for f in (
     acceptance_loop, driver_memory, engine_feeding, hidden_states_throughput, multi_turn_loads, postprocess_throughput,
-    prompts_memory, reader_memory, resume_cost, server_vs_job, stream_balance, stream_scale, vocab_count)}
+    prompts_memory, reader_memory, resume_cost, server_vs_job, stream_scale, vocab_count)}
