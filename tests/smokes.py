@@ -27,8 +27,6 @@ SMOKE = {
     "engine_feeding.py": (["--slots", "4", "--rows", "40", "--measure-s", "2", "--settings", "4x4", "naive",
                            "--no-model-table"], "util"),
     "hidden_states_throughput.py": (["--smoke"], "| on OUT's storage (baseline) |"),
-    # --logprobs: about 13 s more, nearly all of it importing Ray's vLLM stage (torch, vllm).
-    "multi_turn_loads.py": (["--smoke"], "loads per run (this checkout)"),
     "postprocess_throughput.py": (["--rows", "40", "--repeats", "1", "--logprobs", "2", "--logprobs-rows", "4"],
                                   "ours (Postprocessor)"),
     "prompts_memory.py": (["--smoke"], "driver peak RSS growth"),
@@ -45,7 +43,7 @@ SMOKE = {
 
 
 # Each smoke run of a whole job, or of 20 s or more, is `slow`; vLLM's is `vllm`.
-VLLM = {"acceptance_loop.py", "hidden_states_throughput.py", "server_vs_job.py", "multi_turn_loads.py"}
+VLLM = {"acceptance_loop.py", "hidden_states_throughput.py", "server_vs_job.py"}
 SLOW = {"driver_memory.py", "prompts_memory.py", "engine_feeding.py", "postprocess_throughput.py", "stream_scale.py"}
 # The costliest smoke leads the other lane (the module's docstring).
 OTHER_LANE_FIRST = {"acceptance_loop.py"}

@@ -163,15 +163,6 @@ def hidden_states_throughput(output: str) -> None:
     assert written and 0.9 < float(written.group(1)) < 1.5, written  # the estimate is near what was written
 
 
-def multi_turn_loads(output: str) -> None:
-    [line] = [line for line in output.splitlines() if line.startswith("this checkout: {")]
-    r = json.loads(line.removeprefix("this checkout: "))
-    assert 4 <= r["ok"] <= 8  # 4 conversations x 2 turns: every first turn, and the second ones not stopped
-    assert r["tokens"] >= r["ok"]
-    assert len(r["load_spells"]) == r["engines_started"] == 1  # what the script measures: one load a run
-    sane(r["wall_s"], r["generate_s"], *r["load_spells"])
-
-
 
 
 def postprocess_throughput(output: str) -> None:
@@ -294,5 +285,5 @@ def vocab_count(output: str) -> None:
 
 
 FIGURES = {f.__name__ + ".py": f for f in (
-    acceptance_loop, driver_memory, engine_feeding, hidden_states_throughput, multi_turn_loads, postprocess_throughput,
+    acceptance_loop, driver_memory, engine_feeding, hidden_states_throughput, postprocess_throughput,
     prompts_memory, reader_memory, resume_cost, server_vs_job, stream_scale, vocab_count)}
