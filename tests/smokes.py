@@ -38,7 +38,6 @@ SMOKE = {
     # A bound that the 48 rows pass (~180 MB; above the gate's floor, 2 workers' windows and the
     # split: 20 rows, at most 110 MB): the gate holds them to it (test_benchmarks.stream_scale).
     "stream_scale.py": (["--smoke", "--max-bytes", "120000000"], "| trainer step (x engine) |"),
-    "vocab_count.py": (["--smoke"], "counts equal: True"),
 }
 
 
