@@ -31,7 +31,6 @@ SMOKE = {
                                   "ours (Postprocessor)"),
     "prompts_memory.py": (["--smoke"], "driver peak RSS growth"),
     "reader_memory.py": (["--rows", "400", "--tokens", "50", "--rows-per-shard", "100"], "samples"),
-    "resume_cost.py": (["--rows", "2000", "--rows-per-shard", "500", "--failed", "50", "--repeats", "1"], "resume reads what it needs"),
     # Every path ran: the breakdown's header names each.
     "server_vs_job.py": (["--smoke"],
                          "| bare vLLM (LLM.generate) | job, default feeding | server C=2, tight timeout |"),

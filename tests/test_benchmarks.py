@@ -198,11 +198,6 @@ def reader_memory(output: str) -> None:
     sane(r["index_s"], r["iterate_s"], r["data_on_disk_mib"], zero=True)  # rounded: 0.0 at 400 rows
 
 
-def resume_cost(output: str) -> None:
-    r = result(output)
-    assert r["finished"] == r["rows_read"] == r["rows"] == 2000  # every sample has an ok row
-    assert set(r["seconds"]) == {"resume cold", "resume warm", "full cold", "full warm"}
-    sane(*r["seconds"].values())
 
 
 def server_vs_job(output: str) -> None:
@@ -275,4 +270,4 @@ def stream_scale(output: str) -> None:
 
 FIGURES = {f.__name__ + ".py": f for f in (
     acceptance_loop, driver_memory, engine_feeding, hidden_states_throughput, postprocess_throughput,
-    prompts_memory, reader_memory, resume_cost, server_vs_job, stream_scale)}
+    prompts_memory, reader_memory, server_vs_job, stream_scale)}
