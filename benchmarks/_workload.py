@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
 MIN_TOKENS, MAX_TOKENS, MEAN_TOKENS, SIGMA = 16, 8192, 1300, 1.0
@@ -87,7 +86,7 @@ def one_engine_thread() -> int:
 
 
 def qwen3_dir(dest: Path) -> Path:
-    from support import extract_tokenizer
+    from eagle_data.tiny_models import extract_tokenizer
 
     return extract_tokenizer("qwen-3", Path(dest) / "qwen3")
 

@@ -318,9 +318,6 @@ def main() -> None:
     if args.smoke:
         args.rows, args.gen, args.slots = 8, [16, 48], 4
 
-    sys.path.insert(0, str(REPO / "tests"))
-    from support import build_tiny_model
-
     import ray
 
     from eagle_data.config import load_config
@@ -333,6 +330,7 @@ def main() -> None:
     from eagle_data.model_files import load_tokenizer
     from eagle_data.storage.folder import Output
     from eagle_data.storage.hidden_states import layer_bytes
+    from eagle_data.tiny_models import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)

@@ -483,15 +483,13 @@ def main() -> None:
     if "bare" in args.skip and "job" in args.skip:
         raise SystemExit("--skip: keep bare or the job, the reference the others are compared with")
 
-    sys.path.insert(0, str(REPO / "tests"))
-    from support import build_babbling_model
-
     import ray
 
     from eagle_data.config import load_config
     from eagle_data.job.phases.generate import target_tokens
     from eagle_data.job.phases.run import run
     from eagle_data.model_files import load_tokenizer
+    from eagle_data.tiny_models import build_babbling_model
 
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)

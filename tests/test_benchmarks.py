@@ -8,6 +8,7 @@ The runs start with the session (tests/smokes.py)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import re
@@ -21,6 +22,27 @@ from support import REPO, prompt_sets_missing, vllm_unavailable
 def test_every_benchmark_has_a_smoke_size_and_its_figures_checked():
     scripts = {p.name for p in (REPO / "benchmarks").glob("*.py") if not p.name.startswith("_")}
     assert scripts == set(SMOKE) == set(FIGURES)
+
+
+def test_no_benchmark_imports_tests():
+    """benchmarks/ imports the package, never tests/ (what both need lives in the package, such
+    as eagle_data/tiny_models.py): no import of a module of tests/ (support, smokes, ...), and
+    no path to tests/ spelled out (a "tests" path part), which is how a script puts it on sys.path."""
+    modules = {p.stem for p in (REPO / "tests").glob("*.py")}
+    found = []
+    for path in sorted((REPO / "benchmarks").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                names = []
+            found += [f"{path.name}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in modules]
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                    re.fullmatch(r"(.*/)?tests/?", node.value):
+                found.append(f"{path.name}:{node.lineno} names the folder tests/ ({node.value!r})")
+    assert found == []
 
 
 @pytest.mark.parametrize("script", [pytest.param(s, marks=MARKS.get(s, ())) for s in sorted(SMOKE)],
