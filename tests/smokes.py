@@ -27,8 +27,7 @@ SMOKE = {
     "engine_feeding.py": (["--slots", "4", "--rows", "40", "--measure-s", "2", "--settings", "4x4", "naive",
                            "--no-model-table"], "util"),
     "hidden_states_throughput.py": (["--smoke"], "| on OUT's storage (baseline) |"),
-    "postprocess_throughput.py": (["--rows", "40", "--repeats", "1", "--logprobs", "2", "--logprobs-rows", "4"],
-                                  "ours (Postprocessor)"),
+    "postprocess_throughput.py": (["--rows", "40", "--repeats", "1"], "| ours (Postprocessor) |"),
     "prompts_memory.py": (["--smoke"], "driver peak RSS growth"),
     "reader_memory.py": (["--rows", "400", "--tokens", "50", "--rows-per-shard", "100"], "samples"),
     # Every path ran: the breakdown's header names each.
@@ -42,7 +41,7 @@ SMOKE = {
 
 # Each smoke run of a whole job, or of 20 s or more, is `slow`; vLLM's is `vllm`.
 VLLM = {"acceptance_loop.py", "hidden_states_throughput.py", "server_vs_job.py"}
-SLOW = {"driver_memory.py", "prompts_memory.py", "engine_feeding.py", "postprocess_throughput.py", "stream_scale.py"}
+SLOW = {"driver_memory.py", "prompts_memory.py", "engine_feeding.py", "stream_scale.py"}
 # The costliest smoke leads the other lane (the module's docstring).
 OTHER_LANE_FIRST = {"acceptance_loop.py"}
 MARKS = {**{s: pytest.mark.slow for s in SLOW}, **{s: pytest.mark.vllm for s in VLLM}}

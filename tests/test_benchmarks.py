@@ -16,7 +16,7 @@ import re
 import pytest
 
 from smokes import MARKS, NEEDS_PROMPT_SETS, SMOKE
-from support import REPO, prompt_sets_missing, vllm_unavailable
+from support import REPO, prompt_sets_missing
 
 
 def test_every_benchmark_has_a_smoke_size_and_its_figures_checked():
@@ -189,16 +189,12 @@ def hidden_states_throughput(output: str) -> None:
 
 def postprocess_throughput(output: str) -> None:
     r = result(output)
-    assert r["rows"] == 40 and r["same_prompt_lengths"] is True
-    sane(r["generated_tokens"], *r["cpu_s"].values(), *r["wall_s"].values())
-    assert set(r["cpu_s"]) == set(r["wall_s"]) == {"ours (Postprocessor)", "floor (a): batch_decode only",
-                                                   "floor (a'): Rust decode_batch only",
-                                                   "retokenize (b): template + tokenize"}
-    if vllm_unavailable() is None:  # --logprobs 2 measures with vLLM's own output classes
-        assert list(r["logprobs_us_per_token"]) == ["2"]
-        totals = r["logprobs_us_per_token"]["2"]
-        assert len(totals) == 4
-        sane(*totals.values())
+    assert r["rows"] == 40 and r["kept_every_token"] is True and r["generated_tokens"] > 0
+    methods = {"ours (Postprocessor)", "floor (a): batch_decode only", "floor (a'): Rust decode_batch only"}
+    assert set(r["cpu_s"]) == set(r["wall_s"]) == methods
+    sane(*r["cpu_s"].values(), *r["wall_s"].values())
+    [table] = tables(output)
+    assert {row["method"] for row in table} == methods
 
 
 def prompts_memory(output: str) -> None:
