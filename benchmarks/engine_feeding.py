@@ -1,9 +1,10 @@
-"""Engine feeding: slot utilisation of a simulated continuous-batching engine placed where the
-engine stage sits, for several batch_size x max_concurrent_batches settings.
+"""Does the job keep the engine's slots busy at a batch_size x max_concurrent_batches setting?
+Slot utilisation of a simulated continuous-batching engine placed where the engine stage
+sits, for several settings (the project's rule: eagle_data/job/stages/engines/vllm_backend.py
+`feed_factor`).
 
     .venv/bin/python benchmarks/engine_feeding.py [--slots 64] [--token-ms 1] [--measure-s 16]
-        [--rows 2000] [--settings 64x1 16x6 4x24 16x16 16x64 naive] [--no-model-table]
-        [--ray-cpus 2]
+        [--rows 2000] [--settings 64x1 16x6 4x24 16x16 16x64 naive]
 
 The real job runs (`eagle_data.job.phases.run.run`: prompts phase once with the real Qwen3
 tokenizer on synthetic English prompts, then the generate phase per setting on a copy of
@@ -34,8 +35,7 @@ Baselines, measured in the same run: the naive setting, one batch holding every 
 utilisation the engine allows (its cost: nothing is returned before every row is done);
 and "model", the same engine and lengths fed ideally without Ray (C batches always in
 flight, a batch replaced the instant it returns; a discrete-event simulation), i.e. what
-the feeding rule alone allows. The model table at the end (skip: --no-model-table) gives
-that utilisation for several batch sizes and B x C / N over 200 mean row times.
+the feeding rule alone allows.
 
 Columns: "avg held" is the time-averaged number of rows inside the engine stage (queued,
 decoding, or finished and waiting for their batch) in the window, i.e. how many rows Ray
@@ -232,27 +232,6 @@ def model_calls(lengths, b: int, c: int, slots: int, token_s: float) -> list[dic
             submit(t)
 
 
-def model_table(slots: int, token_s: float, mean_row_times: float = 200, seed: int = 1) -> list[str]:
-    """Model-only utilisation for B x C = f x N: which feed factor f each batch size needs."""
-    from _workload import completion_lengths
-
-    factors, sizes = (1, 1.5, 2, 3, 4, 6, 8), (1, 4, 8, 16, 32)
-    lines = [f"model (no Ray), N = {slots}: steady-state utilisation by batch size B (rows) and "
-             f"B x C / N (columns), {mean_row_times:.0f} mean row times measured",
-             f"{'B':>4s} " + " ".join(f"{f:>6g}N" for f in factors)]
-    rng = np.random.default_rng(seed)
-    measure_s = mean_row_times * MEAN_TOKENS * token_s
-    lengths = completion_lengths(rng, int(slots * mean_row_times * 1.2 + 8 * slots * 8))
-    for b in sizes:
-        row = []
-        for f in factors:
-            c = max(1, int(np.ceil(f * slots / b)))
-            calls = model_calls(lengths, b, c, slots, token_s)
-            row.append(f"{100 * analyse(calls, slots, measure_s, b * c)['util']:6.1f}%")
-        lines.append(f"{b:4d} " + " ".join(row))
-    return lines
-
-
 def parse_setting(text: str, rows: int) -> tuple[int, int, str]:
     if text == "naive":
         return rows, 1, "naive (all rows x 1)"
@@ -270,12 +249,6 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+",
                         default=["64x1", "16x6", "4x24", "16x16", "16x64", "naive"],
                         help="BxC (batch_size x max_concurrent_batches) or naive")
-    parser.add_argument("--ray-cpus", type=int, default=2,
-                        help="CPUs Ray may schedule on (default 2, this machine's cores); more lets "
-                             "more small Ray tasks run at once (oversubscribed), to tell this "
-                             "machine's task throughput from the feeding rule")
-    parser.add_argument("--no-model-table", action="store_true",
-                        help="skip the model-only table of utilisation by batch size and feed factor")
     args = parser.parse_args()
 
     import ray
@@ -293,7 +266,7 @@ def main() -> None:
         base = [f"source.dataset={tmp / 'rows.jsonl'}", f"model.path={tok}", "engine.backend=transformers",
                 "engine.max_model_len=16384", f"sampling.max_tokens={MAX_TOKENS}",
                 "output.rows_per_shard=200", "output.log_every_s=3600"]
-        own_ray(num_cpus=args.ray_cpus)
+        own_ray(num_cpus=2)
         for name in ("ray", "ray.data"):
             logging.getLogger(name).setLevel(logging.WARNING)
         warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -338,24 +311,15 @@ def main() -> None:
 
     naive = next((r for r in results if r["setting"].startswith("naive")), None)
     print(f"\nN = {args.slots} slots, {args.token_ms} ms/token; utilisation in the steady-state window "
-          f"(engine first holds min(N, B x C) rows -> last admission or first admission +{args.measure_s:.0f} s)")
-    print(f"{'B x C':22s} {'in flight':>9s} {'/N':>5s} {'avg held':>8s} {'util':>6s} {'vs naive':>8s} "
-          f"{'model':>6s} {'vs model':>8s} {'rows/s':>7s} {'ramp s':>6s} {'window s':>8s} "
-          f"{'1st return s':>12s} {'held peak':>9s} {'ok':>5s}")
+          f"(engine first holds min(N, B x C) rows -> last admission or first admission +{args.measure_s:g} s)")
+    print("\n| B x C | rows in flight | / N | rows held (avg) | utilisation | vs naive | model (no Ray) | rows/s | "
+          "ramp s | window s | first return s | held peak | ok |\n" + "|---" * 13 + "|")
     for r in results:
         ratio = f"{r['util'] / naive['util']:.2f}x" if naive else "-"
         in_flight = r["in_flight"] if not r["setting"].startswith("naive") else r["b"]
-        print(f"{r['setting']:22s} {in_flight:9d} {in_flight / args.slots:5.1f} {r['avg_in_flight']:8.0f} "
-              f"{100 * r['util']:5.1f}% {ratio:>8s} {100 * r['model_util']:5.1f}% "
-              f"{r['util'] / r['model_util']:7.2f}x {r['rows_per_s']:7.1f} {r['ramp_s']:6.1f} "
-              f"{r['window_s']:8.1f} {r['first_return_s']:12.1f} {r['held_peak']:9d} {r['ok']:5d}")
-    default = next((r for r in results if (r["b"], r["c"]) == (16, 64)), None)
-    if default:
-        print(f"\nproject default 16 x 64 (B x C = {16 * 64} = {16 * 64 / args.slots:.1f} N): "
-              f"{100 * default['util']:.1f}% steady-state utilisation (target >= 90%)")
-    if not args.no_model_table:
-        print()
-        print("\n".join(model_table(args.slots, args.token_ms / 1000)))
+        print(f"| {r['setting']} | {in_flight} | {in_flight / args.slots:.1f} | {r['avg_in_flight']:.0f} | "
+              f"{100 * r['util']:.1f}% | {ratio} | {100 * r['model_util']:.1f}% | {r['rows_per_s']:.1f} | "
+              f"{r['ramp_s']:.1f} | {r['window_s']:.1f} | {r['first_return_s']:.1f} | {r['held_peak']} | {r['ok']} |")
 
 
 if __name__ == "__main__":

@@ -24,8 +24,8 @@ SMOKE = {
     # Every stage ran: the last line of its table names the two trained drafts' difference.
     "acceptance_loop.py": (["--smoke"], "tau(regenerated) - tau(dataset)"),
     "driver_memory.py": (["--rows", "200", "400"], "driver peak RSS"),
-    "engine_feeding.py": (["--slots", "4", "--rows", "40", "--measure-s", "2", "--settings", "4x4", "naive",
-                           "--no-model-table"], "util"),
+    "engine_feeding.py": (["--slots", "4", "--rows", "40", "--measure-s", "2", "--settings", "4x4", "naive"],
+                          "| naive (all rows x 1) |"),
     "hidden_states_throughput.py": (["--smoke"], "| on OUT's storage (baseline) |"),
     "postprocess_throughput.py": (["--rows", "40", "--repeats", "1"], "| ours (Postprocessor) |"),
     "prompts_memory.py": (["--smoke"], "driver peak RSS growth"),

@@ -157,6 +157,8 @@ def engine_feeding(output: str) -> None:
         sane(r["ramp_s"], r["first_return_s"], zero=True)
         share(r["util"], r["model_util"])
         assert r["util"] > 0
+    [table] = tables(output)
+    assert [row["B x C"] for row in table] == [r["setting"] for r in runs]
 
 
 def hidden_states_throughput(output: str) -> None:
