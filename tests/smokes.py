@@ -23,7 +23,7 @@ from support import REPO, prompt_sets_missing, vllm_unavailable
 SMOKE = {
     # Every stage ran: the last line of its table names the two trained drafts' difference.
     "acceptance_loop.py": (["--smoke"], "tau(regenerated) - tau(dataset)"),
-    "driver_memory.py": (["--rows", "200", "400"], "driver peak RSS"),
+    "driver_memory.py": (["--smoke"], "rows x2: driver peak RSS"),
     "engine_feeding.py": (["--slots", "4", "--rows", "40", "--measure-s", "2", "--settings", "4x4", "naive"],
                           "| naive (all rows x 1) |"),
     "hidden_states_throughput.py": (["--smoke"], "| on OUT's storage (baseline) |"),

@@ -141,11 +141,19 @@ def acceptance_loop(output: str) -> None:
 
 def driver_memory(output: str) -> None:
     runs = json_lines(output)
-    assert [r["rows"] for r in runs] == [200, 400]
+    assert [(r["rows"], r["sample"], list(r["wall_s"])) for r in runs] == [
+        (200, None, ["prompts", "generate"]), (400, None, ["prompts", "generate"]), (400, 100, ["prompts"])]
     for r in runs:
-        assert r["prompts"] == r["ok"] == r["rows"]  # every synthetic row is a prompt, and answered
-        sane(r["wall_s"], r["driver_peak_rss_mib"], *r["peaks_mib"].values())
-        sane(r["arrow_pool_peak_mib"], zero=True)
+        # Every synthetic row is a prompt (or the sample's), and each is answered.
+        assert r["prompts"] == (r["sample"] or r["rows"]) and r["ok"] == (None if r["sample"] else r["rows"])
+        assert list(r["phases_mib"]) == list(r["wall_s"])
+        sane(*r["wall_s"].values(), r["driver_cpu_s"], r["worker_cpu_s"], r["driver_peak_rss_mib"], r["workers"],
+             r["worker_peak_max_mib"], r["worker_peak_anon_max_mib"])
+        for peaks in r["phases_mib"].values():
+            sane(peaks["VmRSS"], peaks["RssAnon"])
+            sane(peaks["RssShmem"], zero=True)  # the object store's pages: next to nothing at this size
+    [table] = tables(output)
+    assert [(row["rows"], row["source.sample"]) for row in table] == [("200", "null"), ("400", "null"), ("400", "100")]
 
 
 def engine_feeding(output: str) -> None:
