@@ -28,7 +28,6 @@ SMOKE = {
                           "| naive (all rows x 1) |"),
     "hidden_states_throughput.py": (["--smoke"], "| on OUT's storage (baseline) |"),
     "postprocess_throughput.py": (["--rows", "40", "--repeats", "1"], "| ours (Postprocessor) |"),
-    "prompts_memory.py": (["--smoke"], "driver peak RSS growth"),
     "reader_memory.py": (["--rows", "400", "--tokens", "50", "--rows-per-shard", "100"], "samples"),
     # Every path ran: the breakdown's header names each.
     "server_vs_job.py": (["--smoke"],
@@ -41,7 +40,7 @@ SMOKE = {
 
 # Each smoke run of a whole job, or of 20 s or more, is `slow`; vLLM's is `vllm`.
 VLLM = {"acceptance_loop.py", "hidden_states_throughput.py", "server_vs_job.py"}
-SLOW = {"driver_memory.py", "prompts_memory.py", "engine_feeding.py", "stream_scale.py"}
+SLOW = {"driver_memory.py", "engine_feeding.py", "stream_scale.py"}
 # The costliest smoke leads the other lane (the module's docstring).
 OTHER_LANE_FIRST = {"acceptance_loop.py"}
 MARKS = {**{s: pytest.mark.slow for s in SLOW}, **{s: pytest.mark.vllm for s in VLLM}}
@@ -65,7 +64,7 @@ NICENESS = 19
 # down to NICENESS with it (_workload.SMOKE_NICENESS). Under `nice` a start got so little of the
 # cores that it missed Ray's fixed 30 s wait for the raylet (CI, 2026-12-06).
 STEP_DOWN_ONCE_RAY_IS_UP = {"acceptance_loop.py", "driver_memory.py", "engine_feeding.py", "hidden_states_throughput.py",
-                            "prompts_memory.py", "stream_scale.py"}
+                            "stream_scale.py"}
 # Beside the tests a smoke gets only the cores they leave: the whole run's length, not its own.
 SMOKE_TIMEOUT_S = 3600
 

@@ -207,15 +207,6 @@ def postprocess_throughput(output: str) -> None:
     assert {row["method"] for row in table} == methods
 
 
-def prompts_memory(output: str) -> None:
-    runs = json_lines(output)
-    assert [(r["rows"], r["sample"]) for r in runs] == [(100, None), (200, None), (200, 50)]
-    for r in runs:
-        assert r["selected"] == (r["sample"] or r["rows"])
-        assert 0 < r["prompts"] <= r["selected"] and r["prompt_tokens"] > r["prompts"]
-        sane(r["wall_s"], r["driver_cpu_s"], r["worker_cpu_s"], r["driver_start_rss_mib"], r["driver_peak_rss_mib"],
-             r["driver_peak_anon_mib"], r["workers"], r["worker_peak_max_mib"], r["worker_peak_sum_mib"])
-        sane(r["driver_peak_shmem_mib"], r["duplicates"], zero=True)
 
 
 def reader_memory(output: str) -> None:
@@ -298,4 +289,4 @@ def stream_scale(output: str) -> None:
 
 FIGURES = {f.__name__ + ".py": f for f in (
     acceptance_loop, driver_memory, engine_feeding, hidden_states_throughput, postprocess_throughput,
-    prompts_memory, reader_memory, server_vs_job, stream_scale)}
+    reader_memory, server_vs_job, stream_scale)}
