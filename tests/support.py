@@ -442,7 +442,10 @@ def _speculative_job(job: dict) -> None:
 
 
 def run_job(kind: str, job: dict, env: dict | None, timeout: float) -> subprocess.CompletedProcess:
-    """This file run as a process of its own: JOBS[kind](job); its output, once it exited 0."""
+    """This file run as a process of its own: JOBS[kind](job); its output, once it exited 0.
+    `env` (default: this process's) gets the checkout on PYTHONPATH: this file imports the package."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, __file__, kind, json.dumps(job)], cwd=REPO, capture_output=True,
                           text=True, env=env, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
