@@ -164,6 +164,26 @@ def text_pool_ids(tokenizer) -> np.ndarray:
     return arr[~np.isin(arr, list(specials))]
 
 
+def engine_output(batch, generated: list[np.ndarray]):
+    """The columns Ray's vLLM stage emits for a batch of the job's requests, answered with
+    `generated` (token ids, one array per row): what a stand-in engine in the job's place hands on."""
+    import pyarrow as pa
+
+    n, lengths = batch.num_rows, [len(g) for g in generated]
+    prompt = batch.column("tokenized_prompt")
+    carried = batch.drop_columns(["tokenized_prompt", "sampling_params"])
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    return pa.table({
+        **{name: carried.column(name) for name in carried.column_names},
+        "prompt": pa.array([""] * n), "prompt_token_ids": prompt,
+        "num_input_tokens": pa.array([len(p) for p in prompt.to_pylist()], pa.int64()),
+        "generated_tokens": pa.ListArray.from_arrays(offsets, pa.array(np.concatenate(generated), pa.int64())),
+        "generated_text": pa.array([""] * n), "num_generated_tokens": pa.array(lengths, pa.int64()),
+        "embeddings": pa.nulls(n), "metrics": pa.nulls(n), "logprobs": pa.nulls(n),
+        "prompt_logprobs": pa.nulls(n), "__inference_error__": pa.array([""] * n),
+    })
+
+
 def write_chat_rows(path: Path, n: int, words: tuple[int, int], seed: int = 0) -> None:
     """Synthetic open-perfectblend rows: one user turn of real English text with a word
     count drawn from [words[0], words[1]), five sources in turn."""

@@ -63,7 +63,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
-from _workload import MAX_TOKENS, MEAN_TOKENS, length_of, own_ray, qwen3_dir, write_chat_rows  # noqa: E402
+from _workload import MAX_TOKENS, MEAN_TOKENS, engine_output, length_of, own_ray, qwen3_dir, write_chat_rows  # noqa: E402
 
 VOCAB_TEXT = 151643  # Qwen3: ids below this are ordinary text tokens
 
@@ -114,22 +114,7 @@ class SimEngine:
             f.write(json.dumps({"called": called, "returned": returned, "lengths": lengths,
                                 "spans": spans}) + "\n")
 
-        gen = [self._tokens(s, n, p["max_tokens"]) for s, n, p in zip(sample_ids, lengths, params)]
-        offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
-        n = batch.num_rows
-        prompt = batch.column("tokenized_prompt")
-        num_input = [len(p) for p in prompt.to_pylist()]
-        carried = batch.drop_columns(["tokenized_prompt", "sampling_params"])
-        out = {name: carried.column(name) for name in carried.column_names}
-        out.update({
-            "prompt": pa.array([""] * n), "prompt_token_ids": prompt,
-            "num_input_tokens": pa.array(num_input, pa.int64()),
-            "generated_tokens": pa.ListArray.from_arrays(offsets, pa.array(np.concatenate(gen), pa.int64())),
-            "generated_text": pa.array([""] * n), "num_generated_tokens": pa.array(lengths, pa.int64()),
-            "embeddings": pa.nulls(n), "metrics": pa.nulls(n), "logprobs": pa.nulls(n),
-            "prompt_logprobs": pa.nulls(n), "__inference_error__": pa.array([""] * n),
-        })
-        yield pa.table(out)
+        yield engine_output(batch, [self._tokens(s, n, p["max_tokens"]) for s, n, p in zip(sample_ids, lengths, params)])
 
 
 def sim_stage_factory(slots: int, token_s: float, measure_s: float, events: str, special,

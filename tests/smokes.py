@@ -26,12 +26,12 @@ SMOKE = {
     "driver_memory.py": (["--smoke"], "rows x2: driver peak RSS"),
     "engine_feeding.py": (["--slots", "4", "--rows", "40", "--measure-s", "2", "--settings", "4x4", "naive"],
                           "| naive (all rows x 1) |"),
-    "hidden_states_throughput.py": (["--smoke"], "| on OUT's storage (baseline) |"),
+    # Every step ran: the CPU table's header names each window, and the bytes line comes last.
+    "hidden_states_throughput.py": (["--smoke"], "| bare vLLM | phase on vLLM | floor (no engine) |"),
     "postprocess_throughput.py": (["--rows", "40", "--repeats", "1"], "| ours (Postprocessor) |"),
     "reader_memory.py": (["--rows", "400", "--tokens", "50", "--rows-per-shard", "100"], "samples"),
     # Every path ran: the breakdown's header names each.
-    "server_vs_job.py": (["--smoke"],
-                         "| bare vLLM (LLM.generate) | job, default feeding | server C=2, tight timeout |"),
+    "server_vs_job.py": (["--smoke"], "| bare vLLM (LLM.generate) | job, default feeding | server C=2 |"),
     # A bound that the 48 rows pass (~180 MB; above the gate's floor, 2 workers' windows and the
     # split: 20 rows, at most 110 MB): the gate holds them to it (test_benchmarks.stream_scale).
     "stream_scale.py": (["--smoke", "--max-bytes", "120000000"], "| trainer step (x engine) |"),

@@ -112,6 +112,14 @@ def sane(*values: float, zero: bool = False) -> None:
         assert math.isfinite(v) and (v >= 0 if zero else v > 0), v
 
 
+def cpu_seconds(*values: float) -> None:
+    """CPU seconds inside a window: differences of sampled counters, the sampler's own thread
+    (timed to the nanosecond) taken out of its process's (counted in 10 ms ticks), so a figure
+    near 0 may dip a little below it."""
+    for v in values:
+        assert math.isfinite(v) and v >= -0.05, v
+
+
 def share(*values: float) -> None:
     for v in values:
         assert math.isfinite(v) and 0 <= v <= 1, v
@@ -170,27 +178,26 @@ def engine_feeding(output: str) -> None:
 
 
 def hidden_states_throughput(output: str) -> None:
-    paths, cpu, storage = tables(output)
-    assert len(paths) == 8  # bare vLLM x 3, the phase x 3, the floor, the transformers dump
+    paths, cpu = tables(output)
+    assert len(paths) == 7  # bare vLLM x 3, the phase x 3, the floor
     for row in paths:
         assert number(row["rows"]) == 8  # the script asserts every row's states were made and published
-        sane(number(row["tokens"]), number(row["seconds"]), number(row["prefill tok/s"]))
-        sane(number(row["vs bare vLLM"]), number(row["load s"]), zero=True)  # the wall's ratio rounds to 0.00
+        sane(number(row["tokens"]), number(row["seconds"]))
+        # Rounded: a slow run's rate, the wall's ratio and a quick load can print 0.
+        sane(number(row["prefill tok/s"]), number(row["vs bare vLLM"]), number(row["load s"]), zero=True)
     assert len({row["tokens"] for row in paths}) == 1
-    for row in cpu:  # CPU seconds: differences of sampled counters (10 ms ticks), which may dip below 0
+    assert [row["CPU s inside the window"] for row in cpu][-2:] == ["all processes",
+                                                                   "all but vLLM's two processes, per row (ms)"]
+    for row in cpu:
         label, *cells = row.values()
         for cell in (c for c in cells if c != "-"):
             seconds, *rest = numbers(cell)
-            assert math.isfinite(seconds) and seconds >= -0.05, (label, cell)
+            cpu_seconds(seconds)
             if label.startswith("all but"):  # "s (ms per row)": the same figure twice
                 [per_row_ms] = rest
                 assert per_row_ms == pytest.approx(1000 * seconds / 8, abs=1000 * 0.005 / 8 + 0.05), cell
             else:
                 sane(*rest)  # the window's cores and capacity
-    assert [row["scratch_dir"] for row in storage] == ["node-local (this run)", "on OUT's storage (baseline)"]
-    for row in storage:
-        sane(number(row["written"]), number(row["files written"]), number(row["published shards read"]))
-        sane(number(row["read back before publishing"]), number(row["files read back"]), zero=True)
     written = re.search(r"written/estimate (\S+)", output)
     assert written and 0.9 < float(written.group(1)) < 1.5, written  # the estimate is near what was written
 
@@ -221,22 +228,24 @@ def reader_memory(output: str) -> None:
 
 def server_vs_job(output: str) -> None:
     runs, breakdown = tables(output)
-    names = [row["run"] for row in runs]
-    assert names == ["bare vLLM (LLM.generate)", "job, default feeding", "server C=2, tight timeout"], names
+    assert [row["run"] for row in runs] == ["bare vLLM (LLM.generate)", "job, default feeding", "server C=2"]
     for row in runs:
         ok, lost = number(row["rows ok"]), sum(numbers(row["rows lost"]))  # lost: "0", or "1 timeout, 1 error"
-        assert ok + lost == 6 and (ok == 6 or row["run"].startswith("server"))  # the server may time out
+        assert ok + lost == 6
         exact, asked = numbers(row["exact rows"])[:2]  # "ids 6/6 ..." against bare vLLM's
         assert asked == ok and 0 <= exact <= asked
-        sane(number(row["seconds"]), number(row["load s"]))
-        # A loaded machine can make the tight timeout lose every row of the server's (CI, 2026-12-06).
-        sane(number(row["generated tokens"]), number(row["tokens/s"]), number(row[next(k for k in row if k.startswith("vs "))]),
-             zero=row["run"].startswith("server") and ok == 0)
-    assert runs[0]["generated tokens"] == runs[1]["generated tokens"]  # the job asked what bare vLLM was
+        # Rounded (a slow run's tokens/s can print 0), and a server that lost every row made none.
+        sane(number(row["seconds"]), number(row["generated tokens"]), number(row["tokens/s"]), number(row["load s"]),
+             number(row[next(k for k in row if k.startswith("vs "))]), zero=True)
+    bare, job, server = runs
+    # The same seeds on the same engine: the job stores bare vLLM's tokens, on every row.
+    assert number(bare["rows ok"]) == number(job["rows ok"]) == 6 and job["exact rows"] == "ids 6/6"
+    assert job["generated tokens"] == bare["generated tokens"]
+    assert "prompt ids differ" not in server["exact rows"]  # the server rendered the job's prompt ids
     for row in breakdown:
         for cell in list(row.values())[1:]:
             if cell != "-":
-                sane(*numbers(cell.split("[")[0]), zero=True)  # "[nice 0,15]": niceness, not a figure
+                cpu_seconds(*numbers(cell))
 
 
 
