@@ -30,10 +30,9 @@ SMOKE_NICENESS = "EAGLE_DATA_SMOKE_NICENESS"
 
 
 def start_ray(**local) -> str:
-    """Ray for a benchmark: the running instance at RAY_ADDRESS when that is set (the test
-    suite's smoke runs attach to the session's, a Ray start saved per script; the figures
-    then share that instance), else a local instance of its own, started with `local`
-    (num_cpus, _system_config, ...). Returns which, for the benchmark's output."""
+    """Ray for a benchmark: the running instance at RAY_ADDRESS when that is set (the figures
+    then share it with whatever else runs there), else a local instance of its own, started
+    with `local` (num_cpus, object_store_memory, ...). Returns which, for the output."""
     import ray
 
     address = os.environ.get("RAY_ADDRESS")
@@ -182,6 +181,23 @@ def engine_output(batch, generated: list[np.ndarray]):
         "embeddings": pa.nulls(n), "metrics": pa.nulls(n), "logprobs": pa.nulls(n),
         "prompt_logprobs": pa.nulls(n), "__inference_error__": pa.array([""] * n),
     })
+
+
+def metrics_recorder(path: str):
+    """A step after Ray's vLLM stage (`ds.map_batches(metrics_recorder(path), batch_format="pyarrow")`):
+    each batch's vLLM request metrics, one JSON line a batch: the first arrival (wall clock),
+    (queued, scheduled, last token) per request (the engine core's clock), and the rows."""
+    import json
+
+    def record(batch):
+        metrics = [m for m in batch.column("metrics").to_pylist() if m]
+        if metrics:
+            with open(path, "a") as f:
+                f.write(json.dumps({"arrival": min(m["arrival_time"] for m in metrics), "rows": len(metrics), "spans": [
+                    (m["queued_ts"], m["scheduled_ts"], m["last_token_ts"]) for m in metrics]}) + "\n")
+        return batch
+
+    return record
 
 
 def write_chat_rows(path: Path, n: int, words: tuple[int, int], seed: int = 0) -> None:

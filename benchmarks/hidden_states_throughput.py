@@ -1,49 +1,35 @@
 """Is the hidden-states phase near bare vLLM's prefill speed (target: 0.85 of it), and what
 stands between them? Prefill tokens per second (tokens = sum of len(input_ids)) of the phase
-and of bare vLLM over the same data/ rows, the job's machinery alone under the phase (an
-engine that computes nothing), CPU seconds by kind of process, and the bytes the phase wrote
-per token against its storage estimate. vLLM's CPU build, one replica.
+and of bare vLLM over the same data/ rows, the job's machinery alone (an engine that computes
+nothing), CPU seconds by kind of process, and the bytes written per token against the
+storage estimate. vLLM's CPU build, one replica.
 
     .venv/bin/python benchmarks/hidden_states_throughput.py [--rows 192] [--gen 256 1024]
         [--slots 16] [--feeding B C] [--dtype bfloat16|float32] [--smoke]
 
-The OUT is made once up front by the job itself (prompts phase on synthetic English chat
-rows with the real Qwen3 tokenizer, then the generate phase with a scripted engine in the
-engine's place: each row gets a seeded number of generated tokens, uniform in --gen, as
-<think> ... </think> ... <|im_end|>), so data/ is the job's own. The target is the tiny
-8-layer Qwen3 of the vLLM tests (head_dim 64, H 64, random weights), EAGLE-3 layer ids
-[2, 4, 5, 8]. Then, on those rows:
+The OUT is the job's own: the prompts phase on synthetic English chat rows (real Qwen3
+tokenizer), then the generate phase with a scripted engine (a seeded number of tokens a row,
+uniform in --gen). The target is the tiny 8-layer Qwen3 of the vLLM tests (head_dim 64 = H,
+random weights, layer ids [2, 4, 5, 8]). On those rows:
 
-1. bare `vllm.LLM.generate` in a child process: the same engine kwargs (the job's
-   `engine_kwargs(cfg)` + `hidden_states_engine_kwargs`, same connector and speculative
-   config), the same token ids, each request with its own hidden_states_path, max_tokens 1.
-   Timed: the generate call, and the generate call plus waiting until every file is
-   written (a shared flock on each `.lock`, as pack_hidden_states.load_request_file does).
-   The ratio column is against the latter. Before it, one 64-token warm-up request (tokens
-   no row starts with) takes the engine's first-call costs (about a second here), which the
-   phase's cold engine pays inside its run: the "cold" row adds that call back.
-2. the phase on vLLM (`run_hidden_states`: requests, Ray's vLLM stage with
-   extract_hidden_states + HiddenStatesConnector, packing into shards, publishing), with a
-   step after Ray's stage recording vLLM's per-request metrics (the phase's own stage drops
-   them), its scratch folder node-local. Three figures: engine = first request queued in the
-   engine to its last token (vLLM's clock); phase = first request arriving at the engine to
-   the phase returning (includes waiting for the connector's files, packing and publishing
-   the last shards); wall = the whole `run_hidden_states` call (Ray pipeline start and model
-   load included). `load s` = phase call start to first request arrival. And how many
-   requests the phase's engine held through its window (vLLM's per-request times), to tell
-   an engine short of work from an engine short of CPU.
-3. the floor: the same phase, on a copy of the OUT, with an engine that computes nothing
-   (`instant_engine`: an actor per replica, same batch size and concurrency, that hands each
-   row back at once with constant states of its shape, through row dicts as Ray's stage
-   does), after the vLLM replicas above have exited. It is the job's machinery alone (reads,
-   requests, the hand-over, packing, publishing, Ray Data, the driver): no engine can make
-   the phase faster than that on the same cores.
-4. CPU seconds by kind of process inside each window (`_cpu.CpuSampler`, every 0.1 s: bare
-   vLLM from its generate call to its last file, the phase and the floor from the first
-   request to the call returning), with each window's capacity (seconds x cores), and the
-   job's machinery per row (every process but vLLM's engine core and model worker).
-5. bytes: the sizes of hidden_states/*.safetensors against `layer_bytes` (tokens x layers x
-   H x dtype bytes), and their ratio (the excess is the shards' headers).
+1. bare `vllm.LLM.generate` (child process) with the job's engine kwargs and the phase's
+   (`hidden_states_engine_kwargs`: extract_hidden_states and the project's connector), one
+   hidden_states_path a request, max_tokens 1, timed until every file is written (a shared
+   flock on each `.lock`); the ratios are against this. A 64-token warm-up request first
+   takes the engine's first-call costs, which the phase's cold engine pays inside its run:
+   the "cold" row adds them back.
+2. the phase (`run_hidden_states`, its scratch folder node-local), a step after Ray's stage
+   recording vLLM's per-request metrics: engine = first request queued to last token; phase
+   = first request's arrival to the phase returning (files, packing, publishing included);
+   wall = the whole call; load = call start to first arrival. And how many requests the
+   engine held through its window (an engine short of work, or short of CPU).
+3. the floor: the same phase on a copy of the OUT with `instant_engine`, an actor per
+   replica (same batch size and concurrency) that hands each row back at once with constant
+   states of its shape through row dicts, as Ray's stage does, once the vLLM replicas have
+   exited: the job's machinery alone, which no engine can beat on the same cores.
+4. CPU seconds by kind of process inside each window (_cpu.py, every 0.1 s), each window's
+   capacity (seconds x cores) and the job's machinery per row (all but vLLM's two processes).
+5. bytes: hidden_states/*.safetensors against `layer_bytes` (the excess: the shards' headers).
 """
 
 from __future__ import annotations
@@ -68,7 +54,8 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
 from _cpu import ENGINE_KINDS, FRONT, KINDS, CpuSampler, total  # noqa: E402
-from _workload import REPO, engine_output, one_engine_thread, qwen3_dir, start_ray, write_chat_rows  # noqa: E402
+from _workload import (REPO, engine_output, metrics_recorder, one_engine_thread, qwen3_dir, start_ray,  # noqa: E402
+                       write_chat_rows)
 
 VOCAB_TEXT = 151643  # Qwen3: ids below this are ordinary text tokens
 
@@ -106,15 +93,6 @@ def timed_hidden_states_engine(events: str):
     """The phase's vLLM stage (vllm_hidden_states.vllm_hidden_states_stage's three steps) with
     a step after Ray's stage that records each batch's vLLM request metrics."""
 
-    def record(batch, path):
-        metrics = [m for m in batch.column("metrics").to_pylist() if m]
-        if metrics:
-            with open(path, "a") as f:
-                f.write(json.dumps({"arrival": min(m["arrival_time"] for m in metrics),
-                                    "spans": [(m["queued_ts"], m["scheduled_ts"], m["last_token_ts"]) for m in metrics],
-                                    "rows": len(metrics)}) + "\n")
-        return batch
-
     def stage(ds, cfg, layer_ids, dtype, scratch_dir):
         from eagle_data.job.stages.engines.vllm_backend import build_vllm_processor, wait_for_replica_resources
         from eagle_data.job.stages.engines.vllm_hidden_states import (
@@ -126,7 +104,7 @@ def timed_hidden_states_engine(events: str):
         wait_for_replica_resources(cfg)
         ds = ds.map_batches(ExtractRequests(), batch_format="pyarrow")
         ds = build_vllm_processor(cfg, hidden_states_engine_kwargs(layer_ids, dtype, scratch_dir))(ds)
-        ds = ds.map_batches(record, batch_format="pyarrow", fn_kwargs={"path": events})
+        ds = ds.map_batches(metrics_recorder(events), batch_format="pyarrow")
         return ds.map_batches(HiddenStatesRows(), batch_format="pyarrow")
 
     return stage

@@ -2,7 +2,7 @@
 against decoding the same tokens alone.
 
     .venv/bin/python benchmarks/postprocess_throughput.py [--rows 2000] [--batch 64] [--repeats 3]
-        [--train-on generated|response] [--profile]
+        [--train-on generated|response]
 
 Rows shaped like the engine stage's output (sample_id, source, messages, prompt_token_ids,
 generated_tokens as list<int64>, __inference_error__), built from real English text with
@@ -109,7 +109,6 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--train-on", choices=["generated", "response"], default="generated")
-    parser.add_argument("--profile", action="store_true", help="cProfile one pass of ours")
     args = parser.parse_args()
 
     from eagle_data.model_files import load_tokenizer, special_tokens
@@ -147,17 +146,6 @@ def main() -> None:
         == sum(len(p) + len(g) for p, g in zip(batches[0].column("prompt_token_ids").to_pylist(), gen_lists[0]))
     print(f"check: ours keeps every row and token of the first batch: {kept}")
     tokenizer.batch_decode(gen_lists[0])
-
-    if args.profile:
-        import cProfile
-        import pstats
-
-        prof = cProfile.Profile()
-        prof.enable()
-        for batch in batches:
-            ours(batch)
-        prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
 
     results = {name: [] for name in methods}
     for _ in range(args.repeats):

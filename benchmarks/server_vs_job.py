@@ -1,66 +1,48 @@
 """Does the job generate at least as fast as the peers' way (`vllm serve` + an OpenAI client
 at concurrency C), keeping the engine's exact tokens and losing no row, and how close is it to
-bare vLLM? One run on the same prompts, sampling and engine kwargs: bare `vllm.LLM.generate`,
-the job's generate phase (requests, Ray's vLLM stage, postprocess, shard writers) and the
-server. vLLM's CPU build, one engine.
+bare vLLM? Bare `vllm.LLM.generate`, the job's generate phase and the server, in one run on the
+same prompts, sampling and engine kwargs; vLLM's CPU build, one engine.
 
     .venv/bin/python benchmarks/server_vs_job.py [--rows 128] [--max-tokens 256] [--mean 48]
         [--slots 64] [--concurrency 4 16 64] [--timeout-s 600] [--repeats 3]
         [--skip bare|job|server ...] [--engine-cores C ...] [--smoke]
 
-Workload: a "babbling" Qwen3 (head_dim 64, real Qwen3 tokenizer) whose next-token
-distribution is fixed, p(eos) = 1/--mean: geometric, long-tailed lengths capped at
---max-tokens, on synthetic chat rows that the prompts phase tokenizes once (the job's
-`tokenized_prompt`). Every path asks for temperature 1, top_p 1, the job's per-row seed
-(`row_seed(0, sample_id)`) and its stop ids, so every path that keeps the engine's tokens
-stores the same ones. Same engine kwargs everywhere (bf16, enforce_eager, max_num_seqs =
---slots, max_num_batched_tokens 8192, max_model_len 1024, a 0.5 GiB KV cache).
-max_num_batched_tokens is set, not left to vLLM: its CPU default is 4096 for LLM and 2048
-for the server and Ray's stage, and a prefill split over two steps crashes a seeded request
-on the CPU build ("CPU Generator does not use offset"); 8192 holds every prefill of a step.
+Workload: a "babbling" Qwen3 (eagle_data/tiny_models.py, head_dim 64, real Qwen3 tokenizer)
+with p(eos) = 1/--mean: geometric, long-tailed lengths capped at --max-tokens, on synthetic
+chat rows that the prompts phase tokenizes once. Every path asks for temperature 1, top_p 1,
+the job's per-row seed and stop ids, so every path that keeps the engine's tokens stores the
+same ones; same engine kwargs everywhere (bf16, enforce_eager, max_num_seqs = --slots,
+max_model_len 1024, a 0.5 GiB KV cache, max_num_batched_tokens 8192: vLLM's CPU default
+differs between entry points, and a prefill split over two steps crashes a seeded request on
+the CPU build, "CPU Generator does not use offset").
 
-Paths, each run --repeats times, interleaved (bare, job, server; bare, job, server; ...) so
-that a slow spell of the machine hits every path; the tables give the median and the range.
+Paths, run --repeats times interleaved (bare, job, server; ...) so that a slow spell of the
+machine hits each; the tables give the median and the range:
 - bare: `LLM.generate` on the tokenized prompts (child process); seconds = the call.
-- job: `run(cfg, phase="generate")` with the project's feeding rule (batch 4, batch_size x
-  max_concurrent_batches = feed_factor(4) x slots rows in flight,
-  eagle_data/job/stages/engines/vllm_backend.py); seconds = first request queued in the
-  engine to its last token (vLLM's per-request metrics that Ray's stage returns: the engine
-  has one clock). Ray and the pipeline starting and the model load are reported apart.
-- server: `python -m vllm.entrypoints.openai.api_server` (what `vllm serve` runs) on a free
-  local port, started once per repeat for its sweep (start to /health apart);
-  `openai.AsyncOpenAI` chat.completions on the rows' messages, at most C in flight (an
-  asyncio.Semaphore), --timeout-s (the client's default, 600 s) and its default retries (2,
-  attempts counted per row by an httpx hook); seconds = the setting's wall time; tokens =
-  the successful rows' completion tokens. A row is lost when its request still fails after
-  the retries.
+- job: `run(cfg, phase="generate")` with the project's feeding rule (batch 4, feed_factor(4) x
+  slots rows in flight); seconds = first request queued in the engine to its last token
+  (vLLM's per-request metrics from Ray's stage). Ray, the pipeline start and the load apart.
+- server: `python -m vllm.entrypoints.openai.api_server` (what `vllm serve` runs), started
+  once per repeat (start to /health apart); `openai.AsyncOpenAI` chat.completions on the
+  rows' messages, at most C in flight, --timeout-s (the client's default, 600 s) and its
+  default retries; seconds = the setting's wall time. A row is lost when its request still
+  fails after the retries.
 
 Exactness, per row against the reference (bare vLLM; the job with `--skip bare`): the job's
-data/ ids and the server's `return_token_ids` (a vLLM extra field); the server's prompt ids
-against the job's `tokenized_prompt`.
+data/ ids and the server's `return_token_ids`; the server's prompt ids against the job's.
 
-Where the time goes, a second table, per path (median over repeats, range): the engine's
-idle time inside its window (no request between scheduled and last token) and its mean
-occupancy (running requests / max_num_seqs), from vLLM's per-request metrics (bare:
-`RequestOutput.metrics`, the job: Ray's `metrics` column; not over HTTP, so not for the
-server); the CPU seconds each kind of process used inside the window (bare and job: the
-engine's; the server: the setting's wall time; benchmarks/_cpu.py, every 0.5 s) and all of
-them per 1,000 generated tokens. Ray stays up (idle) while the server runs: its processes'
-CPU shows in the server's column.
+Where the time goes (second table): the engine's idle time and occupancy inside its window
+(vLLM's per-request metrics; not over HTTP, so not for the server), and the CPU seconds of
+each kind of process inside the window (the server: the setting's wall time; _cpu.py, every
+0.5 s), also per 1,000 generated tokens. Ray stays up, idle, while the server runs: its CPU
+shows in the server's column. The job's driver steps down to Ray's workers' niceness
+(eagle_data/job/driver_priority.py); this process goes back to its own after each run().
 
-Niceness: the job's driver steps down to Ray's workers' niceness when it starts
-(eagle_data/job/driver_priority.py); this process is the job's driver, so after each run()
-it goes back to the niceness it started with (root can; otherwise the later paths run at
-the job's, every process of a path alike).
-
-`--engine-cores 0` (with --skip bare) puts vLLM's two engine processes (model worker, engine
-core) on core 0 and every other process of the tree (the job's driver, Ray, its workers and
-the replica actor; the server's API process and its client) on the other cores, each thread,
-re-applied at every sample of a path: the engine on cores of its own, as on a GPU node whose
-spare cores hold everything else.
-
-With RAY_ADDRESS set the job runs on that Ray instance, whose workers are not this process's
-descendants: the job's CPU breakdown then misses them.
+`--engine-cores 0` (with --skip bare): vLLM's engine processes on core 0, every other
+process of the tree (the job's driver, Ray, the replica actor; the server's API process and
+client) on the others, re-applied at every sample: the engine on cores of its own, as on a
+GPU node whose spare cores hold everything else. With RAY_ADDRESS set the job runs on that
+Ray instance, whose workers are not this process's descendants: its CPU figures miss them.
 """
 
 from __future__ import annotations
@@ -87,7 +69,7 @@ import urllib.request  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from _cpu import FRONT, KINDS, SAMPLER, CpuSampler, total  # noqa: E402
-from _workload import REPO, one_engine_thread, qwen3_dir, start_ray, write_chat_rows  # noqa: E402
+from _workload import REPO, metrics_recorder, one_engine_thread, qwen3_dir, start_ray, write_chat_rows  # noqa: E402
 
 WORDS = [" the", " cat", " sat", " on", " mat", " and", " dog", " ran", "."]
 KV_CACHE_BYTES = 2**29  # = engine.cpu_kv_cache_gib 0.5, the job's setting
@@ -116,10 +98,6 @@ def occupancy(spans: list[tuple[float, float, float]], slots: int) -> dict:
     return {"start": start, "end": end, "window_s": window, "idle_s": idle, "occupancy": area / (window * slots)}
 
 
-def spans_of(metrics) -> list[tuple[float, float, float]]:
-    return [(m["queued_ts"], m["scheduled_ts"], m["last_token_ts"]) for m in metrics]
-
-
 def read_prompts(out: Path) -> list[dict]:
     import pyarrow.dataset as pads
 
@@ -130,8 +108,6 @@ def read_prompts(out: Path) -> list[dict]:
 def bare_vllm(spec_path: str, result_path: str) -> None:
     """The child process: vllm.LLM on the prompts of the base OUT (its engine process is
     spawned, so this runs under the __main__ guard)."""
-    import dataclasses
-
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -151,25 +127,18 @@ def bare_vllm(spec_path: str, result_path: str) -> None:
         outs = llm.generate([TokensPrompt(prompt_token_ids=list(p["tokenized_prompt"])) for p in prompts], params,
                             use_tqdm=False)
         engine_s = time.perf_counter() - t0
-    spans = spans_of([dataclasses.asdict(o.metrics) for o in outs]) if all(o.metrics for o in outs) else []
+    spans = [(o.metrics.queued_ts, o.metrics.scheduled_ts, o.metrics.last_token_ts) for o in outs if o.metrics]
     Path(result_path).write_text(json.dumps({
         "load_s": load, "engine_s": engine_s, "spans": spans, "samples": cpu.samples, "pid": cpu.pid,
         "ids": {p["sample_id"]: list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)}}))
 
 
 def timed_engine(events: str):
-    """The configured engine stage (Ray's vLLM stage) + a step recording each request's
-    vLLM metrics."""
+    """The configured engine stage (Ray's vLLM stage), its request metrics recorded."""
     from eagle_data.job.stages.engines import apply_engine
 
-    def record(batch, path):
-        metrics = [m for m in batch.column("metrics").to_pylist() if m]
-        with open(path, "a") as f:
-            f.write(json.dumps({"spans": spans_of(metrics), "arrival": min(m["arrival_time"] for m in metrics)}) + "\n")
-        return batch
-
     def stage(ds, cfg, pad_id):
-        return apply_engine(ds, cfg, pad_id).map_batches(record, batch_format="pyarrow", fn_kwargs={"path": events})
+        return apply_engine(ds, cfg, pad_id).map_batches(metrics_recorder(events), batch_format="pyarrow")
 
     return stage
 
@@ -244,7 +213,8 @@ def free_port() -> int:
 
 def start_server(model: Path, kwargs: dict, log_path: Path) -> tuple[subprocess.Popen, str, float]:
     """`vllm serve` (its module) with the job's engine kwargs, in its own process group so
-    that stop_server kills its engine process too; returns once /health answers."""
+    that stop_server kills its engine process too; returns once /health answers (however long
+    its start takes on a loaded machine), or raises if it exits first."""
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", kwargs["dtype"], "--enforce-eager",
@@ -259,17 +229,14 @@ def start_server(model: Path, kwargs: dict, log_path: Path) -> tuple[subprocess.
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, process_group=0,
                             env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
     url = f"http://127.0.0.1:{port}"
-    while time.perf_counter() - t0 < 600:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+    while proc.poll() is None:
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
                 if r.status == 200:
                     return proc, url, time.perf_counter() - t0
         except OSError:
             time.sleep(0.5)
-    stop_server(proc)
-    raise RuntimeError(f"vllm serve did not answer /health in 600 s:\n{log_path.read_text()[-4000:]}")
+    raise RuntimeError(f"vllm serve exited {proc.returncode}:\n{log_path.read_text()[-4000:]}")
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -286,18 +253,12 @@ def stop_server(proc: subprocess.Popen) -> None:
 async def drive(url: str, model: str, prompts: list[dict], concurrency: int, timeout: float, max_tokens: int,
                 stop_ids: list[int]) -> dict:
     """The peers' client: one chat request per row, at most `concurrency` in flight, the
-    OpenAI client's default retries; attempts counted per row by an httpx hook."""
+    OpenAI client's default retries."""
     import openai
 
     from eagle_data.job.stages.requests import row_seed
 
-    attempts = collections.Counter()
-
-    async def count(request):
-        attempts[request.headers["x-row"]] += 1
-
-    http = openai.DefaultAsyncHttpxClient(event_hooks={"request": [count]})
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=timeout, http_client=http)
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=timeout)
     gate = asyncio.Semaphore(concurrency)
 
     async def one(p):
@@ -306,7 +267,7 @@ async def drive(url: str, model: str, prompts: list[dict], concurrency: int, tim
             try:
                 return p["sample_id"], await client.chat.completions.create(
                     model=model, messages=messages, max_tokens=max_tokens, temperature=1.0, top_p=1.0,
-                    seed=row_seed(0, p["sample_id"]), extra_headers={"x-row": p["sample_id"]},
+                    seed=row_seed(0, p["sample_id"]),
                     extra_body={"stop_token_ids": stop_ids, "return_token_ids": True})
             except openai.APIError as e:  # timeouts (after the retries) and HTTP errors: the row is lost
                 return p["sample_id"], e
@@ -315,7 +276,7 @@ async def drive(url: str, model: str, prompts: list[dict], concurrency: int, tim
     results = await asyncio.gather(*(one(p) for p in prompts))
     end = time.monotonic()
     await client.close()
-    return {"start": start, "end": end, "results": dict(results), "retries": sum(attempts.values()) - len(prompts)}
+    return {"start": start, "end": end, "results": dict(results)}
 
 
 def run_server(tmp: Path, model: Path, kwargs: dict, prompts: list[dict], concurrency: list[int], timeout: float,
@@ -333,7 +294,7 @@ def run_server(tmp: Path, model: Path, kwargs: dict, prompts: list[dict], concur
             lost = collections.Counter("timeout" if isinstance(r, openai.APITimeoutError) else "error"
                                        for r in got["results"].values() if isinstance(r, Exception))
             results[conc] = {
-                "feeding": conc, "retries": got["retries"], "lost": lost, "responses": ok,
+                "feeding": conc, "lost": lost, "responses": ok,
                 "ids": {s: r.choices[0].token_ids for s, r in ok.items()}, "seconds": got["end"] - got["start"],
                 "tokens": sum(r.usage.completion_tokens for r in ok.values()), "load_s": load_s, "engine": None,
                 "cpu": cpu.window(got["start"], got["end"])}
@@ -361,9 +322,9 @@ def median_range(values: list[float], fmt: str) -> str:
 
 def print_results(runs: dict[str, list[dict]], reference: str, rows: int) -> None:
     """A row per path: median (range) over repeats; the ratio is against the reference path's
-    run of the same repeat; rows lost and retries summed over the repeats."""
-    print(f"\n| run | feeding / C | rows ok | rows lost | retries | generated tokens | seconds | tokens/s | "
-          f"vs {reference.split(' (')[0]} (same repeat) | exact rows | load s |\n" + "|---" * 11 + "|")
+    run of the same repeat; rows lost summed over the repeats."""
+    print(f"\n| run | feeding / C | rows ok | rows lost | generated tokens | seconds | tokens/s | "
+          f"vs {reference.split(' (')[0]} (same repeat) | exact rows | load s |\n" + "|---" * 10 + "|")
     for name, rs in runs.items():
         rates = [r["tokens"] / r["seconds"] for r in rs]
         ratios = [rate / (ref["tokens"] / ref["seconds"]) for rate, ref in zip(rates, runs[reference])]
@@ -372,7 +333,6 @@ def print_results(runs: dict[str, list[dict]], reference: str, rows: int) -> Non
             lost.update(r.get("lost") or {"": rows - len(r["ids"])})
         cells = [name, rs[0].get("feeding", "-"), median_range([len(r["ids"]) for r in rs], ".0f"),
                  ", ".join(f"{n} {k}".strip() for k, n in sorted(lost.items()) if n) or "0",
-                 sum(r["retries"] for r in rs) if "retries" in rs[0] else "-",
                  "/".join(map(str, sorted({r["tokens"] for r in rs}))), median_range([r["seconds"] for r in rs], ".1f"),
                  median_range(rates, ".0f"), median_range(ratios, ".3f"), " / ".join(sorted({r["exact"] for r in rs})),
                  median_range([r["load_s"] for r in rs], ".0f")]

@@ -29,7 +29,7 @@ SMOKE = {
     # Every step ran: the CPU table's header names each window, and the bytes line comes last.
     "hidden_states_throughput.py": (["--smoke"], "| bare vLLM | phase on vLLM | floor (no engine) |"),
     "postprocess_throughput.py": (["--rows", "40", "--repeats", "1"], "| ours (Postprocessor) |"),
-    "reader_memory.py": (["--rows", "400", "--tokens", "50", "--rows-per-shard", "100"], "samples"),
+    "reader_memory.py": (["--rows", "400", "--tokens", "50", "--rows-per-shard", "100"], "| rows | shards |"),
     # Every path ran: the breakdown's header names each.
     "server_vs_job.py": (["--smoke"], "| bare vLLM (LLM.generate) | job, default feeding | server C=2 |"),
     # A bound that the 48 rows pass (~180 MB; above the gate's floor, 2 workers' windows and the
