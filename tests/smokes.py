@@ -1,12 +1,12 @@
 """The benchmark smoke runs (tests/test_benchmarks.py): each script in benchmarks/ at a
-smoke size. They start with the test session (conftest.py's `smoke_runs`) and run in the
-background beside the other tests, each on a Ray instance of its own: a smoke run only shows
-that its script still runs and prints sane figures (finite, positive, the rows it was given
-counted: tests/test_benchmarks.py reads them back; at a smoke size, beside other work, their
-values mean nothing), and most of it is waiting on one core (imports, model loads, actor
-start-ups) that the tests beside it fill. Two lanes, one script at a time in each, of about
-equal cost alone: the vLLM scripts; and acceptance_loop.py (six jobs on SmolLM2, vLLM among
-them: about 5 minutes alone) first, then the rest, which are short."""
+smoke size, the smallest that still runs every step it has. They start with the test session
+(conftest.py's `smoke_runs`) and run in the background beside the other tests, each on a Ray
+instance of its own: a smoke run shows that its script runs end to end and prints its table
+(tests/test_benchmarks.py reads it back: counts and invariants, never a speed), and much of
+it is waiting on one core (imports, model loads, actor start-ups) that the tests beside it
+fill. Two lanes, one script at a time in each: the vLLM scripts; and acceptance_loop.py (six
+jobs on SmolLM2, vLLM among them) first, then the rest. Each smoke's wall and CPU time:
+docs/development.md."""
 
 from __future__ import annotations
 

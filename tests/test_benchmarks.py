@@ -1,10 +1,12 @@
-"""No benchmark can rot: each script in benchmarks/ runs at a smoke size (seconds, a real
-model load for the vLLM ones), must exit 0, and the figures it prints must be sane: read
-back from what it prints for a reader (its JSON lines, its `RESULT {...}` line, its markdown
-tables), each is finite, times and rates are positive, and the rows it counted are the rows
-the smoke size gives it. At a smoke size beside other tests the figures' values mean nothing,
-so nothing is compared with a target. The full sizes stay manual (each script's docstring).
-The runs start with the session (tests/smokes.py)."""
+"""No benchmark can rot: each script in benchmarks/ runs at a smoke size (seconds to minutes,
+a real model load for the vLLM ones; tests/smokes.py) and must exit 0, print its table, and
+print figures that hold at any speed: read back from its JSON lines, its `RESULT {...}` line
+and its markdown tables, the rows it counted are the rows the smoke size gives it, what it
+checks by construction holds (the job's tokens are bare vLLM's, the stream's bound held, the
+postprocess kept every token), and each figure is finite, with times positive and rounded or
+sampled figures allowed to print 0. Nothing that depends on the machine's speed is compared
+with anything: at a smoke size beside other tests the figures' values mean nothing. The full
+sizes stay manual (each script's docstring, docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -264,37 +266,32 @@ def stream_scale(output: str) -> None:
     assert [number(row["rows"]) for row in memory] == [4, 48]
     for row in memory:  # MiB; nothing is spilled
         assert number(row["spilled to disk"]) == 0
-        sane(number(row["bound (its limit)"]), number(row["object store peak"]), number(row["driver peak RSS"]),
-             number(row["split coordinator peak RSS"]), number(row["training worker peak RSS (max)"]),
-             number(row["worker's own (RssAnon)"]), number(row["worker's own between steps"]))
+        sane(number(row["bound (its limit)"]), number(row["driver peak RSS"]),
+             number(row["training worker peak RSS (max)"]), number(row["worker's own (RssAnon)"]),
+             number(row["worker's own between steps"]))
         in_flight, rows = numbers(row["peak in flight (the stream's count)"])
         assert 0 < in_flight <= number(row["bound (its limit)"]) and 0 < rows <= number(row["rows"])
+        # Sampled every 0.5 s: a quick run (4 rows on a fast machine) can end between two samples.
+        sane(number(row["object store peak"]), number(row["split coordinator peak RSS"]), zero=True)
         sane(number(row["worker's shared (RssShmem)"]), number(row["chunks held >= 1 s (no room)"]), zero=True)
     r = result(output)
     assert r["runs"]["2.0"]["rows"] == 48 and r["baseline"]["rows"] == 4
     assert r["runs"]["2.0"]["spilled"] == r["baseline"]["spilled"] == 0
-    # The bound held: the smoke's limit (tests/smokes.py: --max-bytes) is above the gate's floor
-    # (2 workers' windows and the split, 20 rows of at most 96 tokens: <= 110 MB), so the bound is
-    # the limit itself, never raised; the 48 rows (~180 MB) pass it, so the gate held rows back:
-    # the peak in flight is within the limit, within a chunk (2 rows) of it (a chunk is held only
-    # where its bytes would pass the limit), and below the rows streamed. The gate is reached only
-    # where the engine runs ahead of the trainer (its step a sleep; the engine's rows go through Ray
-    # Data and the gate, which a loaded machine slows): where the trainer waited 10% of its time or
-    # more (45% beside a fresh clone's suite, 2026-12-06; under 1% alone), the peak is only checked
-    # to be within the limit.
+    # The bound held, at any speed: the smoke's limit (tests/smokes.py: --max-bytes) is above the
+    # gate's floor (2 workers' windows and the split, 20 rows of at most 96 tokens: <= 110 MB), so
+    # the bound is the limit itself, never raised; the gate admits a chunk only within it, so the
+    # peak in flight is within the limit, and the 48 rows (~180 MB) were never all in flight at
+    # once. How close the peak comes to the limit depends on how far the engine runs ahead of
+    # the trainer, which a loaded machine changes: the full run measures it.
     args = SMOKE["stream_scale.py"][0]
     limit = int(args[args.index("--max-bytes") + 1])
-    longest_row = 96 * (4 * 7168 * 2 + 16) + 256  # stream.py: tokens x (states + TOKEN_BYTES) + ROW_BYTES
     large, baseline = r["runs"]["2.0"]["stream"], r["baseline"]["stream"]
     assert large["limit_bytes"] == large["bound_bytes"] == baseline["bound_bytes"] == limit, (large, baseline)
-    assert large["peak_bytes_in_flight"] <= limit, large
-    if r["runs"]["2.0"]["trainer_wait"] < 0.10:
-        assert limit - 2 * longest_row < large["peak_bytes_in_flight"], large
-    assert large["peak_rows_in_flight"] < 48, large
+    assert large["peak_bytes_in_flight"] <= limit and large["peak_rows_in_flight"] < 48, large
     assert baseline["peak_bytes_in_flight"] <= limit and baseline["peak_rows_in_flight"] <= 4, baseline
     ratios = re.search(r"object store peak x(\S+), peak in flight x(\S+), driver x(\S+)", output)
     assert ratios, "no ratios line"
-    sane(*(float(x.rstrip(",")) for x in ratios.groups()))
+    sane(*(float(x.rstrip(",")) for x in ratios.groups()), zero=True)
 
 
 
