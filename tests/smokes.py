@@ -4,9 +4,9 @@ smoke size, the smallest that still runs every step it has. They start with the 
 instance of its own: a smoke run shows that its script runs end to end and prints its table
 (tests/test_benchmarks.py reads it back: counts and invariants, never a speed), and much of
 it is waiting on one core (imports, model loads, actor start-ups) that the tests beside it
-fill. Two lanes, one script at a time in each: the vLLM scripts; and acceptance_loop.py (six
-jobs on SmolLM2, vLLM among them) first, then the rest. Each smoke's wall and CPU time:
-docs/development.md."""
+fill. Two lanes, one script at a time in each, of about equal CPU: the vLLM scripts,
+stream_scale.py and driver_memory.py; and acceptance_loop.py (six jobs on SmolLM2, vLLM among
+them) first, then the rest. Each smoke's wall and CPU time: docs/development.md."""
 
 from __future__ import annotations
 
@@ -41,7 +41,9 @@ SMOKE = {
 # Each smoke run of a whole job, or of 20 s or more, is `slow`; vLLM's is `vllm`.
 VLLM = {"acceptance_loop.py", "hidden_states_throughput.py", "server_vs_job.py"}
 SLOW = {"driver_memory.py", "engine_feeding.py", "stream_scale.py"}
-# The costliest smoke leads the other lane (the module's docstring).
+# Two lanes of about equal CPU (docs/development.md): the vLLM scripts, stream_scale.py and
+# driver_memory.py; and acceptance_loop.py, the costliest smoke, first, then the rest.
+FIRST_LANE = {"hidden_states_throughput.py", "server_vs_job.py", "stream_scale.py", "driver_memory.py"}
 OTHER_LANE_FIRST = {"acceptance_loop.py"}
 MARKS = {**{s: pytest.mark.slow for s in SLOW}, **{s: pytest.mark.vllm for s in VLLM}}
 
@@ -86,7 +88,7 @@ def start_smokes(items) -> tuple[dict[str, Future], list[ThreadPoolExecutor]]:
     scripts = [item.callspec.params["script"] for item in items if item.originalname == TEST
                and (item.get_closest_marker("vllm") is None or vllm_unavailable() is None)
                and not (item.callspec.params["script"] in NEEDS_PROMPT_SETS and prompt_sets_missing())]
-    lanes = {"vllm": ThreadPoolExecutor(1), "other": ThreadPoolExecutor(1)}
-    runs = {s: lanes["vllm" if s in VLLM - OTHER_LANE_FIRST else "other"].submit(run_smoke, s)
+    lanes = {"first": ThreadPoolExecutor(1), "other": ThreadPoolExecutor(1)}
+    runs = {s: lanes["first" if s in FIRST_LANE else "other"].submit(run_smoke, s)
             for s in sorted(scripts, key=lambda s: s not in OTHER_LANE_FIRST)}
     return runs, list(lanes.values())
