@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
 MIN_TOKENS, MAX_TOKENS, MEAN_TOKENS, SIGMA = 16, 8192, 1300, 1.0
@@ -31,10 +30,9 @@ SMOKE_NICENESS = "EAGLE_DATA_SMOKE_NICENESS"
 
 
 def start_ray(**local) -> str:
-    """Ray for a benchmark: the running instance at RAY_ADDRESS when that is set (the test
-    suite's smoke runs attach to the session's, a Ray start saved per script; the figures
-    then share that instance), else a local instance of its own, started with `local`
-    (num_cpus, _system_config, ...). Returns which, for the benchmark's output."""
+    """Ray for a benchmark: the running instance at RAY_ADDRESS when that is set (the figures
+    then share it with whatever else runs there), else a local instance of its own, started
+    with `local` (num_cpus, object_store_memory, ...). Returns which, for the output."""
     import ray
 
     address = os.environ.get("RAY_ADDRESS")
@@ -87,7 +85,7 @@ def one_engine_thread() -> int:
 
 
 def qwen3_dir(dest: Path) -> Path:
-    from support import extract_tokenizer
+    from eagle_data.tiny_models import extract_tokenizer
 
     return extract_tokenizer("qwen-3", Path(dest) / "qwen3")
 
@@ -163,6 +161,43 @@ def text_pool_ids(tokenizer) -> np.ndarray:
     specials = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
     arr = np.asarray(ids, dtype=np.int64)
     return arr[~np.isin(arr, list(specials))]
+
+
+def engine_output(batch, generated: list[np.ndarray]):
+    """The columns Ray's vLLM stage emits for a batch of the job's requests, answered with
+    `generated` (token ids, one array per row): what a stand-in engine in the job's place hands on."""
+    import pyarrow as pa
+
+    n, lengths = batch.num_rows, [len(g) for g in generated]
+    prompt = batch.column("tokenized_prompt")
+    carried = batch.drop_columns(["tokenized_prompt", "sampling_params"])
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    return pa.table({
+        **{name: carried.column(name) for name in carried.column_names},
+        "prompt": pa.array([""] * n), "prompt_token_ids": prompt,
+        "num_input_tokens": pa.array([len(p) for p in prompt.to_pylist()], pa.int64()),
+        "generated_tokens": pa.ListArray.from_arrays(offsets, pa.array(np.concatenate(generated), pa.int64())),
+        "generated_text": pa.array([""] * n), "num_generated_tokens": pa.array(lengths, pa.int64()),
+        "embeddings": pa.nulls(n), "metrics": pa.nulls(n), "logprobs": pa.nulls(n),
+        "prompt_logprobs": pa.nulls(n), "__inference_error__": pa.array([""] * n),
+    })
+
+
+def metrics_recorder(path: str):
+    """A step after Ray's vLLM stage (`ds.map_batches(metrics_recorder(path), batch_format="pyarrow")`):
+    each batch's vLLM request metrics, one JSON line a batch: the first arrival (wall clock),
+    (queued, scheduled, last token) per request (the engine core's clock), and the rows."""
+    import json
+
+    def record(batch):
+        metrics = [m for m in batch.column("metrics").to_pylist() if m]
+        if metrics:
+            with open(path, "a") as f:
+                f.write(json.dumps({"arrival": min(m["arrival_time"] for m in metrics), "rows": len(metrics), "spans": [
+                    (m["queued_ts"], m["scheduled_ts"], m["last_token_ts"]) for m in metrics]}) + "\n")
+        return batch
+
+    return record
 
 
 def write_chat_rows(path: Path, n: int, words: tuple[int, int], seed: int = 0) -> None:

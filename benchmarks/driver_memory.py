@@ -1,27 +1,27 @@
-"""Driver peak RSS of a full run (prompts + generate) for 1k vs 100k rows (must not grow with rows).
+"""Is the driver's memory flat in rows? The job's prompts phase and generate phase at several
+sizes, each size in a fresh process (its own local Ray, 2 CPUs): peak memory of the driver
+(and of Ray's workers), time and CPU against the smallest size.
 
-    .venv/bin/python benchmarks/driver_memory.py [--rows 1000 100000] [--mean-tokens 200]
-        [--batch-size 16] [--census]
+    .venv/bin/python benchmarks/driver_memory.py [--rows 1000 100000] [--phases prompts generate]
+        [--sample N] [--mean-tokens 200] [--batch-size 16] [--smoke]
 
-Takes about 4 minutes on 2 cores (the 100k-row run is most of it).
+Rows: synthetic one-turn chat rows of real English text (8-60 words; benchmarks/_workload.py),
+in jsonl files of at most 100,000 rows (one read task each). The prompts phase is the real
+one (Qwen3's tokenizer and chat template, the duplicate check, prompts/ and skipped/ shards,
+its report); the generate phase runs the simulated engine of benchmarks/engine_feeding.py in
+the engine's place (mapped like Ray's vLLM stage, the project's 16 x 64 feeding, 256 slots,
+a tiny decode time so that the run is fast), the real postprocess and shard writers (1,000
+rows a shard). Completion lengths are the long-tailed distribution scaled to a mean of
+--mean-tokens (cap 2,048): the driver never holds more than a shard's rows, so the lengths do
+not change what grows with the row count. With --sample N, the largest size's prompts phase
+runs once more with `source.sample: N` (the sample's threshold is what it holds then).
 
-Each size runs in its own process (a fresh local Ray instance, 2 CPUs), like
-benchmarks/prompts_memory.py: synthetic one-turn chat rows (8-60 words), the prompts phase
-with the real Qwen3 tokenizer, then the generate phase with the simulated engine of
-benchmarks/engine_feeding.py in the engine's place (mapped like Ray's vLLM stage, the
-project defaults batch_size 16 (--batch-size) x max_concurrent_batches 64, 256 slots, a tiny decode time
-so the run is fast), the real postprocess and the real shard writers (project defaults:
-1,000 rows per shard). Completion lengths are the long-tailed distribution scaled down to
-mean --mean-tokens (cap 2,048) to keep the 100k-row run short; the driver never holds more
-than a shard's worth of rows, so the lengths do not change what grows with the row count.
-
-The figure is the child process's peak RSS (ru_maxrss), i.e. the driver's, not the Ray
-workers'. A sampler thread (psutil, every 20 ms) also records the peak RSS within each part
-of the run, to show where growth comes from: prompts phase, its report, the resume read at
-the start and end of generate, the generate stream, and its report; on Linux also split into
-RssAnon (the process's heaps: Python objects, Arrow buffers, Ray's C++ core worker),
-RssShmem (pages of the Ray object store, /dev/shm, that the driver mapped and touched while
-reading the stream's blocks) and RssFile (code and files).
+Per size and phase: the driver's peak RSS and, sampled every 0.1 s, its peak RssAnon (its own
+heap: Python objects, Arrow buffers, Ray's core worker) and RssShmem (the object store's pages
+it maps: bounded by the store, not by rows); the phase's wall time. Per size: the driver's peak
+RSS over the run (VmHWM: the child is the driver; ru_maxrss would be the parent's at the fork),
+the CPU seconds of the driver and of Ray's workers, and the workers' largest peak RSS and
+RssAnon (`ray::` processes, VmHWM). Then each figure against the smallest size.
 """
 
 from __future__ import annotations
@@ -31,10 +31,8 @@ import os
 os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 
 import argparse  # noqa: E402
-import functools  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
-import resource  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -43,204 +41,170 @@ import time  # noqa: E402
 import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-
 from _workload import own_ray, qwen3_dir, write_chat_rows  # noqa: E402
 
 MAX_TOKENS = 2048
+FILE_ROWS = 100_000
 
 
-class Sampler:
-    """Peak RSS per labelled part of the run."""
+def status_kib(pid: int | str, fields: tuple[str, ...]) -> dict[str, int]:
+    """Fields of /proc/PID/status, in KiB (VmHWM: peak RSS; RssAnon, RssShmem: its parts)."""
+    with open(f"/proc/{pid}/status") as f:
+        return {k: int(v.split()[0]) for k, _, v in (line.partition(":") for line in f) if k in fields}
 
-    def __init__(self):
+
+class Peaks:
+    """Sampled in a thread: the driver's peak RSS, RssAnon and RssShmem per label (the part of
+    the run), and every Ray worker's peak RSS, peak RssAnon and CPU seconds (a worker there
+    before the sampling counts its CPU from then)."""
+
+    def __init__(self, every_s: float = 0.1):
+        self.label, self.every_s = "start", every_s
+        self.driver: dict[str, dict[str, int]] = {}  # label -> {VmRSS, RssAnon, RssShmem: peak KiB}
+        self.hwm: dict[int, int] = {}  # worker pid -> KiB
+        self.anon: dict[int, int] = {}
+        self.cpu: dict[int, list[float]] = {}  # worker pid -> [CPU s when first seen (0 if started since), last]
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        while not self.stop.wait(self.every_s):
+            self.sample()
+
+    def sample(self, first: bool = False) -> None:
         import psutil
 
-        self.proc = psutil.Process()
-        self.label = "start"
-        self.peaks: dict[str, int] = {}
-        self.kind_peaks: dict[tuple, int] = {}
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        while not self.stop.wait(0.02):
-            self.sample()
-
-    def sample(self):
-        rss = self.proc.memory_info().rss
-        self.peaks[self.label] = max(self.peaks.get(self.label, 0), rss)
-        for kind, size in self.kinds().items():
-            key = (self.label, kind)
-            self.kind_peaks[key] = max(self.kind_peaks.get(key, 0), size)
-
-    @staticmethod
-    def kinds() -> dict:
-        """Linux: RSS split into anonymous (heaps), file-backed and shared memory (the Ray
-        object store's /dev/shm pages this process mapped and touched)."""
-        try:
-            with open("/proc/self/status") as f:
-                return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
-                        if k in ("RssAnon", "RssFile", "RssShmem")}
-        except OSError:
-            return {}
-
-    def wrap(self, label, fn):
-        @functools.wraps(fn)
-        def wrapped(*a, **k):
-            previous = self.label
-            self.sample()
-            self.label = label
+        peaks = self.driver.setdefault(self.label, {})
+        for key, kib in status_kib("self", ("VmRSS", "RssAnon", "RssShmem")).items():
+            peaks[key] = max(peaks.get(key, 0), kib)
+        for proc in psutil.Process().children(recursive=True):
             try:
-                return fn(*a, **k)
-            finally:
-                self.sample()
-                self.label = previous
-        return wrapped
+                name = proc.cmdline()[0]
+                if not name.startswith("ray::") or name.endswith("Agent"):  # workers, not raylet, gcs, agents
+                    continue
+                status, times = status_kib(proc.pid, ("VmHWM", "RssAnon")), proc.cpu_times()
+            except (psutil.Error, OSError, IndexError, KeyError):
+                continue  # gone meanwhile
+            self.hwm[proc.pid] = max(self.hwm.get(proc.pid, 0), status["VmHWM"])
+            self.anon[proc.pid] = max(self.anon.get(proc.pid, 0), status["RssAnon"])
+            used = times.user + times.system
+            self.cpu.setdefault(proc.pid, [used if first else 0.0, used])[1] = used
+
+    def phase(self, label: str, fn):
+        self.sample()
+        self.label = label
+        try:
+            return fn()
+        finally:
+            self.sample()
 
 
-def census(top: int = 12) -> dict:
-    """Live Python objects by type (gc-tracked), the most numerous first."""
-    import collections
-    import gc
-
-    import tracemalloc
-
-    gc.collect()
-    counts = collections.Counter(f"{getattr(type(o), '__module__', '')}.{type(o).__qualname__}"
-                                 for o in gc.get_objects())
-    result = {"gc-tracked objects (all types)": sum(counts.values()), **dict(counts.most_common(top))}
-    if tracemalloc.is_tracing():
-        snapshot = tracemalloc.take_snapshot()
-        result["python heap MiB (tracemalloc)"] = round(sum(s.size for s in snapshot.statistics("filename")) / 2**20, 1)
-        for stat in snapshot.statistics("lineno")[:top]:
-            frame = stat.traceback[0]
-            where = f"{frame.filename.split('site-packages/')[-1].split('/work/main/')[-1]}:{frame.lineno}"
-            result[f"MiB allocated at {where}"] = round(stat.size / 2**20, 1)
-    return result
-
-
-def child(n: int, mean_tokens: float, take_census: bool = False, batch_size: int = 16) -> None:
-    import dataclasses
-
+def child(dataset: str, n: int, phases: list[str], sample: int | None, mean_tokens: float, batch_size: int) -> None:
     import ray
 
-    import eagle_data.job.phases.generate as generate
-    import eagle_data.job.phases.run as pipeline
     from eagle_data.config import load_config
+    from eagle_data.job.phases.run import run
     from eagle_data.model_files import load_tokenizer, special_tokens
     from engine_feeding import sim_stage_factory
 
     logging.basicConfig(level=logging.WARNING)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
-    if take_census:
-        import tracemalloc
-
-        tracemalloc.start()
-    sampler = Sampler()
-    # Attribute the driver's memory to the parts of the run (same functions, wrapped).
-    wrapped = tuple(dataclasses.replace(p, run=sampler.wrap(f"{p.name} phase", p.run)) for p in pipeline.PHASES)
-    pipeline.PHASES, pipeline.PHASE_BY_NAME = wrapped, {p.name: p for p in wrapped}
-    # job/phases/run.py writes the report after each phase; the first call is the prompts phase's.
-    original_report = pipeline.write_report
-    calls = []
-
-    def write_report(*a, **k):
-        calls.append(1)
-        label = "prompts report" if len(calls) == 1 else "generate report"
-        return sampler.wrap(label, original_report)(*a, **k)
-
-    pipeline.write_report = write_report
-    read = sampler.wrap("resume read (SampleStatus.read)", generate.SampleStatus.read.__func__)
-    censuses = []
-
-    def read_and_count(cls, *a, **k):
-        if take_census:  # at the start of generate, and at the end of its stream
-            censuses.append(census())
-        return read(cls, *a, **k)
-
-    generate.SampleStatus.read = classmethod(read_and_count)
-
     with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        write_chat_rows(tmp / "rows.jsonl", n, words=(8, 61))
-        tok = qwen3_dir(tmp)
-        special = special_tokens(load_tokenizer(str(tok)), "<think>", "</think>")
+        tok = qwen3_dir(Path(tmp))
         cfg = load_config(None, [
-            f"source.dataset={tmp / 'rows.jsonl'}", f"model.path={tok}", f"output.path={tmp / 'out'}",
+            f"source.dataset={dataset}", f"model.path={tok}", f"output.path={Path(tmp) / 'out'}",
             "engine.backend=transformers", "engine.max_model_len=4096", f"sampling.max_tokens={MAX_TOKENS}",
-            "output.log_every_s=3600", f"engine.batch_size={batch_size}"])
-        stage = sim_stage_factory(slots=256, token_s=2e-6, measure_s=1e9, events=str(tmp / "events.jsonl"),
-                                  special=special, mean_tokens=mean_tokens)
+            "output.log_every_s=3600", f"engine.batch_size={batch_size}"] + ([f"source.sample={sample}"] if sample else []))
+        stage = sim_stage_factory(slots=256, token_s=2e-6, measure_s=1e9, events=str(Path(tmp) / "events.jsonl"),
+                                  special=special_tokens(load_tokenizer(str(tok)), "<think>", "</think>"),
+                                  mean_tokens=mean_tokens)
         own_ray(num_cpus=2)
         for name in ("ray", "ray.data"):
             logging.getLogger(name).setLevel(logging.WARNING)
-        sampler.sample()
-        sampler.label = "between phases"
-        sampler.thread.start()
-        start = time.perf_counter()
-        result = pipeline.run(cfg, engine=stage)
-        wall = time.perf_counter() - start
-        sampler.stop.set()
+        peaks, counts, walls = Peaks(), {}, {}
+        peaks.sample(first=True)
+        peaks.thread.start()
+        cpu = time.process_time()
+        for phase in phases:
+            start = time.perf_counter()
+            counts.update(peaks.phase(phase, lambda: run(cfg, phase=phase, engine=stage)))
+            walls[phase] = round(time.perf_counter() - start, 1)
+        cpu = time.process_time() - cpu
+        peaks.stop.set()
+        peaks.thread.join()
         ray.shutdown()
-    import pyarrow as pa
+    mib = lambda kib: round(kib / 1024, 1)  # noqa: E731
+    print(json.dumps({
+        "rows": n, "sample": sample, "prompts": counts["prompts"]["prompts"],
+        "ok": counts["generate"]["ok"] if "generate" in counts else None, "wall_s": walls,
+        "driver_cpu_s": round(cpu, 1), "worker_cpu_s": round(sum(last - first for first, last in peaks.cpu.values()), 1),
+        "driver_peak_rss_mib": mib(status_kib("self", ("VmHWM",))["VmHWM"]),
+        "phases_mib": {label: {k: mib(v) for k, v in p.items()} for label, p in peaks.driver.items() if label in phases},
+        "workers": len(peaks.hwm), "worker_peak_max_mib": mib(max(peaks.hwm.values(), default=0)),
+        "worker_peak_anon_max_mib": mib(max(peaks.anon.values(), default=0))}))
 
-    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    arrow_peak = pa.default_memory_pool().max_memory()
-    print(json.dumps({"rows": n, "prompts": result["prompts"]["prompts"], "ok": result["generate"]["ok"],
-                      "wall_s": round(wall, 1), "driver_peak_rss_mib": round(peak_mib, 1),
-                      "batch_size": batch_size, "arrow_pool_peak_mib": round((arrow_peak or 0) / 2**20, 1),
-                      "peaks_mib": {k: round(v / 2**20, 1) for k, v in sampler.peaks.items()},
-                      "kind_peaks_mib": {f"{label} | {kind}": round(v / 2**20, 1)
-                                         for (label, kind), v in sampler.kind_peaks.items()},
-                      **({"census": censuses} if take_census else {})}))
+
+def write_rows(folder: Path, n: int) -> Path:
+    """n rows in jsonl files of at most FILE_ROWS rows (one read task each), the same rows for
+    a file index whatever n."""
+    folder.mkdir(parents=True)
+    for k in range(0, n, FILE_ROWS):
+        write_chat_rows(folder / f"rows-{k // FILE_ROWS:03d}.jsonl", min(FILE_ROWS, n - k), words=(8, 61),
+                        seed=k // FILE_ROWS)
+    return folder
+
+
+def print_table(results: list[dict]) -> None:
+    base = results[0]
+    print("\n| rows | source.sample | prompts | answers | wall s by phase | CPU s driver + workers | driver peak RSS "
+          "by phase, MiB (RssAnon / RssShmem) | driver peak RSS | worker peak RSS max (RssAnon max) | driver peak x |\n"
+          + "|---" * 10 + "|")
+    for r in results:
+        by_phase = "; ".join(f"{label} {p['VmRSS']:.0f} ({p['RssAnon']:.0f} / {p['RssShmem']:.0f})"
+                             for label, p in r["phases_mib"].items())
+        print(f"| {r['rows']:,} | {r['sample'] or 'null'} | {r['prompts']:,} | "
+              f"{'-' if r['ok'] is None else format(r['ok'], ',')} | "
+              f"{'; '.join(f'{k} {v:.1f}' for k, v in r['wall_s'].items())} | "
+              f"{r['driver_cpu_s']:.1f} + {r['worker_cpu_s']:.1f} | {by_phase} | {r['driver_peak_rss_mib']:.0f} | "
+              f"{r['worker_peak_max_mib']:.0f} ({r['worker_peak_anon_max_mib']:.0f}) | "
+              f"{r['driver_peak_rss_mib'] / base['driver_peak_rss_mib']:.2f} |")
+    for r in [r for r in results if r["sample"] is None][1:]:
+        print(f"\nrows x{r['rows'] / base['rows']:g}: driver peak RSS {base['driver_peak_rss_mib']:.0f} -> "
+              f"{r['driver_peak_rss_mib']:.0f} MiB (x{r['driver_peak_rss_mib'] / base['driver_peak_rss_mib']:.2f}, "
+              f"target <= 1.2), {(r['driver_peak_rss_mib'] - base['driver_peak_rss_mib']) * 2**20 / (r['rows'] - base['rows']):.1f}"
+              f" bytes per added row; CPU {1e6 * (r['driver_cpu_s'] + r['worker_cpu_s'] - base['driver_cpu_s'] - base['worker_cpu_s']) / (r['rows'] - base['rows']):.0f}"
+              " us per added row")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1_000, 100_000])
+    parser.add_argument("--phases", nargs="+", default=["prompts", "generate"], choices=["prompts", "generate"])
+    parser.add_argument("--sample", type=int, help="source.sample of one more prompts-phase run at the largest size")
     parser.add_argument("--mean-tokens", type=float, default=200)
-    parser.add_argument("--census", action="store_true",
-                        help="also count live Python objects by type, and the Python heap by "
-                             "allocation site (tracemalloc: slow), at the start and the end of the "
-                             "generate stream (where growth comes from)")
-    parser.add_argument("--batch-size", type=int, default=16,
-                        help="engine.batch_size (rows per engine call and per block downstream)")
-    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--batch-size", type=int, default=16, help="engine.batch_size (rows per engine call)")
+    parser.add_argument("--smoke", action="store_true", help="200 and 400 rows, sample 100 (the suite's size)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # one size: its JSON arguments
     args = parser.parse_args()
     if args.child:
-        return child(args.child, args.mean_tokens, args.census, args.batch_size)
+        return child(**json.loads(args.child))
+    if args.smoke:
+        args.rows, args.sample = [200, 400], 100
+    runs = [(n, args.phases, None) for n in args.rows] + ([(max(args.rows), ["prompts"], args.sample)] if args.sample else [])
     results = []
-    for n in args.rows:
-        proc = subprocess.run([sys.executable, __file__, "--child", str(n), "--mean-tokens", str(args.mean_tokens)]
-                              + ["--batch-size", str(args.batch_size)]
-                              + (["--census"] if args.census else []), capture_output=True, text=True)
-        if proc.returncode:
-            sys.exit(f"child {n} failed:\n{proc.stderr[-5000:]}")
-        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-        print(json.dumps({k: v for k, v in results[-1].items() if k not in ("census", "kind_peaks_mib")}),
-              flush=True)
-    base = results[0]
-    for r in results[1:]:
-        print(f"\nrows x{r['rows'] / base['rows']:.0f}: driver peak RSS {base['driver_peak_rss_mib']:.0f} -> "
-              f"{r['driver_peak_rss_mib']:.0f} MiB (ratio {r['driver_peak_rss_mib'] / base['driver_peak_rss_mib']:.2f}, "
-              f"target <= 1.2); {r['rows'] / r['wall_s']:.0f} rows/s; engine.batch_size {r['batch_size']}; "
-              f"Arrow memory pool peak {base['arrow_pool_peak_mib']:.0f} -> {r['arrow_pool_peak_mib']:.0f} MiB")
-        print(f"{'part of the run':32s} {base['rows']:>9,d} rows {r['rows']:>9,d} rows {'growth MiB':>11s}")
-        for label in r["peaks_mib"]:
-            a, b = base["peaks_mib"].get(label, float("nan")), r["peaks_mib"][label]
-            print(f"{label:32s} {a:12.0f} MiB {b:12.0f} MiB {b - a:+11.0f}")
-            for kind in ("RssAnon", "RssShmem", "RssFile"):
-                key = f"{label} | {kind}"
-                if key in r["kind_peaks_mib"]:
-                    a, b = base["kind_peaks_mib"].get(key, float("nan")), r["kind_peaks_mib"][key]
-                    print(f"  peak {kind:26s} {a:12.0f} MiB {b:12.0f} MiB {b - a:+11.0f}")
-        if args.census:
-            print("\nat the end of the generate stream: live Python objects by type (gc), Python heap "
-                  "and its largest allocation sites (tracemalloc)")
-            print(f"{'':90s} {base['rows']:>10,d} rows {r['rows']:>10,d} rows")
-            a_end, b_end = base["census"][-1], r["census"][-1]
-            for name in sorted(set(a_end) | set(b_end), key=lambda k: -b_end.get(k, 0)):
-                print(f"{name[-90:]:90s} {a_end.get(name, 0):15,} {b_end.get(name, 0):15,}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for n, phases, sample in runs:
+            dataset = Path(tmp) / f"rows-{n}"
+            if not dataset.exists():
+                write_rows(dataset, n)
+            spec = {"dataset": str(dataset), "n": n, "phases": phases, "sample": sample,
+                    "mean_tokens": args.mean_tokens, "batch_size": args.batch_size}
+            proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True)
+            if proc.returncode:
+                sys.exit(f"the {n}-row run failed:\n{proc.stderr[-5000:]}")
+            results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            print(json.dumps(results[-1]), flush=True)
+    print_table(results)
 
 
 if __name__ == "__main__":

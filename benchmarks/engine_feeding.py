@@ -1,47 +1,28 @@
-"""Engine feeding: slot utilisation of a simulated continuous-batching engine placed where the
-engine stage sits, for several batch_size x max_concurrent_batches settings.
+"""Does the job keep the engine's slots busy at a batch_size x max_concurrent_batches setting
+(target: 90% of slot time)? A simulated continuous-batching engine in the engine's place, for
+several settings (the project's rule: vllm_backend.py's `feed_factor`).
 
     .venv/bin/python benchmarks/engine_feeding.py [--slots 64] [--token-ms 1] [--measure-s 16]
-        [--rows 2000] [--settings 64x1 16x6 4x24 16x16 16x64 naive] [--no-model-table]
-        [--ray-cpus 2]
+        [--rows 2000] [--settings 64x1 16x6 4x24 16x16 16x64 naive]
 
-The real job runs (`eagle_data.job.phases.run.run`: prompts phase once with the real Qwen3
-tokenizer on synthetic English prompts, then the generate phase per setting on a copy of
-that OUT: requests, repartition, engine, the real postprocess, the real shard writers)
-with `engine=` a stage mapped exactly like the job maps Ray's vLLM stage
-(eagle_data/job/stages/engines/vllm_backend.py `vllm_stage`: blocks of B rows, each one
-batch): `map_batches(SimEngine, batch_size=None, compute=ActorPoolStrategy(size=1,
-max_tasks_in_flight_per_actor=2*C), max_concurrency=C)` with an async callable class.
+The real job (`run`: the prompts phase once, with the real Qwen3 tokenizer on synthetic English
+prompts, then the generate phase per setting on a copy of that OUT: requests, engine, the real
+postprocess and shard writers) with `engine=` a stage mapped like the job maps Ray's vLLM stage
+(eagle_data/job/stages/engines/vllm_backend.py: blocks of B rows, `map_batches(SimEngine,
+batch_size=None, compute=ActorPoolStrategy(size=1, max_tasks_in_flight_per_actor=2*C),
+max_concurrency=C)`). SimEngine is one replica: N slots (one asyncio semaphore shared by every
+call, FIFO); a row holds a slot for its completion length x --token-ms (lengths from
+_workload.py's long-tailed distribution, mean 1,300, cap 8,192, seeded per sample); a call
+returns its batch when all its rows are done, as Ray's stage does, with valid Qwen3 ids
+(<think> ... </think> ... <|im_end|>, no eos when capped) for the postprocess.
 
-SimEngine models one continuous-batching replica: N sequence slots (one asyncio semaphore
-shared by every concurrent call of the actor, FIFO), a row holds a slot for
-completion_length x token time (every slot advances one token per step, as in vLLM's
-decode loop), completion lengths from the long-tailed distribution (benchmarks/_workload.py:
-lognormal, mean 1,300, capped at max_tokens 8,192; seeded per sample_id), and a call
-returns its batch only when all its rows are done (as Ray's stage does). It emits the
-engine output columns (random valid Qwen3 token ids: <think> ... </think> ... <|im_end|>,
-no eos when capped), so the real postprocess and sink run.
-
-Utilisation = busy slot-time / (N x window). Window: from the end of the initial ramp (the
-moment the engine stage first holds min(N, B x C) rows, i.e. enough to fill every slot or
-all it will ever be given at once) to the earlier of the last admission (after it there is
-nothing left to feed: the drain is the data's tail, not feeding) and --measure-s seconds
-after the first admission (then the engine finishes the remaining rows at once, to keep
-runs short).
-
-Baselines, measured in the same run: the naive setting, one batch holding every row
-(B = all rows, C = 1), which keeps the engine's queue full from the start and so is the best
-utilisation the engine allows (its cost: nothing is returned before every row is done);
-and "model", the same engine and lengths fed ideally without Ray (C batches always in
-flight, a batch replaced the instant it returns; a discrete-event simulation), i.e. what
-the feeding rule alone allows. The model table at the end (skip: --no-model-table) gives
-that utilisation for several batch sizes and B x C / N over 200 mean row times.
-
-Columns: "avg held" is the time-averaged number of rows inside the engine stage (queued,
-decoding, or finished and waiting for their batch) in the window, i.e. how many rows Ray
-Data actually kept in flight; "held peak" the peak number of rows finished by the engine
-but not yet returned (waiting for their batch's slowest row, up to the window end): what a
-kill would lose. About 3 minutes with the defaults on 2 cores.
+Utilisation = busy slot-time / (N x window); the window runs from the end of the ramp (the
+stage first holds min(N, B x C) rows) to the last admission (the rest is the data's tail) or
+--measure-s after the first admission (then the engine finishes the rest at once). The
+baseline, in the same run: `naive`, one batch of every row (C = 1), which keeps the engine's
+queue full from the start (but returns nothing before the end). "rows held" is the
+time-averaged number of rows inside the engine stage, i.e. how many Ray Data kept in flight;
+"held peak" the most rows done but not yet returned (what a kill would lose).
 """
 
 from __future__ import annotations
@@ -63,7 +44,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
-from _workload import MAX_TOKENS, MEAN_TOKENS, length_of, own_ray, qwen3_dir, write_chat_rows  # noqa: E402
+from _workload import MAX_TOKENS, MEAN_TOKENS, engine_output, length_of, own_ray, qwen3_dir, write_chat_rows  # noqa: E402
 
 VOCAB_TEXT = 151643  # Qwen3: ids below this are ordinary text tokens
 
@@ -114,22 +95,7 @@ class SimEngine:
             f.write(json.dumps({"called": called, "returned": returned, "lengths": lengths,
                                 "spans": spans}) + "\n")
 
-        gen = [self._tokens(s, n, p["max_tokens"]) for s, n, p in zip(sample_ids, lengths, params)]
-        offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
-        n = batch.num_rows
-        prompt = batch.column("tokenized_prompt")
-        num_input = [len(p) for p in prompt.to_pylist()]
-        carried = batch.drop_columns(["tokenized_prompt", "sampling_params"])
-        out = {name: carried.column(name) for name in carried.column_names}
-        out.update({
-            "prompt": pa.array([""] * n), "prompt_token_ids": prompt,
-            "num_input_tokens": pa.array(num_input, pa.int64()),
-            "generated_tokens": pa.ListArray.from_arrays(offsets, pa.array(np.concatenate(gen), pa.int64())),
-            "generated_text": pa.array([""] * n), "num_generated_tokens": pa.array(lengths, pa.int64()),
-            "embeddings": pa.nulls(n), "metrics": pa.nulls(n), "logprobs": pa.nulls(n),
-            "prompt_logprobs": pa.nulls(n), "__inference_error__": pa.array([""] * n),
-        })
-        yield pa.table(out)
+        yield engine_output(batch, [self._tokens(s, n, p["max_tokens"]) for s, n, p in zip(sample_ids, lengths, params)])
 
 
 def sim_stage_factory(slots: int, token_s: float, measure_s: float, events: str, special,
@@ -193,66 +159,6 @@ def analyse(calls: list[dict], slots: int, measure_s: float, in_flight: int) -> 
             "held_peak": held, "calls": len(calls)}
 
 
-def model_calls(lengths, b: int, c: int, slots: int, token_s: float) -> list[dict]:
-    """The same engine fed ideally, without Ray: C batches of B rows always in flight, the
-    next batch handed over the instant one returns (a discrete-event simulation, no real
-    time). What the feeding rule alone allows; the Ray run's shortfall from it is overhead."""
-    import heapq
-    from collections import deque
-
-    batches = [list(lengths[i:i + b]) for i in range(0, len(lengths), b)]
-    calls: list[dict] = []
-    left = [len(x) for x in batches]
-    queue: deque = deque()
-    heap: list = []
-    free, t = slots, 0.0
-
-    def submit(now: float) -> None:
-        if len(calls) < len(batches):
-            i = len(calls)
-            calls.append({"called": now, "spans": [None] * len(batches[i])})
-            queue.extend((i, j) for j in range(len(batches[i])))
-
-    for _ in range(c):
-        submit(0.0)
-    while True:
-        while free and queue:
-            i, j = queue.popleft()
-            done = t + batches[i][j] * token_s
-            calls[i]["spans"][j] = [t, done]
-            heapq.heappush(heap, (done, i, j))
-            free -= 1
-        if not heap:
-            return calls
-        t, i, j = heapq.heappop(heap)
-        free += 1
-        left[i] -= 1
-        if not left[i]:
-            calls[i]["returned"] = t
-            submit(t)
-
-
-def model_table(slots: int, token_s: float, mean_row_times: float = 200, seed: int = 1) -> list[str]:
-    """Model-only utilisation for B x C = f x N: which feed factor f each batch size needs."""
-    from _workload import completion_lengths
-
-    factors, sizes = (1, 1.5, 2, 3, 4, 6, 8), (1, 4, 8, 16, 32)
-    lines = [f"model (no Ray), N = {slots}: steady-state utilisation by batch size B (rows) and "
-             f"B x C / N (columns), {mean_row_times:.0f} mean row times measured",
-             f"{'B':>4s} " + " ".join(f"{f:>6g}N" for f in factors)]
-    rng = np.random.default_rng(seed)
-    measure_s = mean_row_times * MEAN_TOKENS * token_s
-    lengths = completion_lengths(rng, int(slots * mean_row_times * 1.2 + 8 * slots * 8))
-    for b in sizes:
-        row = []
-        for f in factors:
-            c = max(1, int(np.ceil(f * slots / b)))
-            calls = model_calls(lengths, b, c, slots, token_s)
-            row.append(f"{100 * analyse(calls, slots, measure_s, b * c)['util']:6.1f}%")
-        lines.append(f"{b:4d} " + " ".join(row))
-    return lines
-
-
 def parse_setting(text: str, rows: int) -> tuple[int, int, str]:
     if text == "naive":
         return rows, 1, "naive (all rows x 1)"
@@ -270,12 +176,6 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+",
                         default=["64x1", "16x6", "4x24", "16x16", "16x64", "naive"],
                         help="BxC (batch_size x max_concurrent_batches) or naive")
-    parser.add_argument("--ray-cpus", type=int, default=2,
-                        help="CPUs Ray may schedule on (default 2, this machine's cores); more lets "
-                             "more small Ray tasks run at once (oversubscribed), to tell this "
-                             "machine's task throughput from the feeding rule")
-    parser.add_argument("--no-model-table", action="store_true",
-                        help="skip the model-only table of utilisation by batch size and feed factor")
     args = parser.parse_args()
 
     import ray
@@ -293,7 +193,7 @@ def main() -> None:
         base = [f"source.dataset={tmp / 'rows.jsonl'}", f"model.path={tok}", "engine.backend=transformers",
                 "engine.max_model_len=16384", f"sampling.max_tokens={MAX_TOKENS}",
                 "output.rows_per_shard=200", "output.log_every_s=3600"]
-        own_ray(num_cpus=args.ray_cpus)
+        own_ray(num_cpus=2)
         for name in ("ray", "ray.data"):
             logging.getLogger(name).setLevel(logging.WARNING)
         warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -303,12 +203,6 @@ def main() -> None:
               f"tokens mean) in {time.perf_counter() - t0:.1f} s; engine: N={args.slots} slots, "
               f"{args.token_ms} ms/token, lengths mean 1300 / cap {MAX_TOKENS}; measuring {args.measure_s} s per setting",
               flush=True)
-        # The engine's completion lengths in the order the generate phase reads prompts/.
-        import pyarrow.dataset as pads
-
-        order = pads.dataset(sorted((tmp / "base" / "prompts").glob("*.parquet"))).to_table(
-            columns=["sample_id"]).column("sample_id").to_pylist()
-        lengths = [length_of(sid, 0, max_tokens=MAX_TOKENS) for sid in order]
 
         results = []
         for text in args.settings:
@@ -324,9 +218,6 @@ def main() -> None:
             wall = time.perf_counter() - start
             calls = [json.loads(line) for line in events.read_text().splitlines()]
             r = analyse(calls, args.slots, args.measure_s, b * c)
-            model = analyse(model_calls(lengths, b, c, args.slots, args.token_ms / 1000), args.slots,
-                            args.measure_s, b * c)
-            r["model_util"] = model["util"]
             r.update(setting=label, b=b, c=c, wall_s=round(wall, 1), ok=counts["ok"],
                      in_flight=b * c)
             results.append(r)
@@ -338,24 +229,15 @@ def main() -> None:
 
     naive = next((r for r in results if r["setting"].startswith("naive")), None)
     print(f"\nN = {args.slots} slots, {args.token_ms} ms/token; utilisation in the steady-state window "
-          f"(engine first holds min(N, B x C) rows -> last admission or first admission +{args.measure_s:.0f} s)")
-    print(f"{'B x C':22s} {'in flight':>9s} {'/N':>5s} {'avg held':>8s} {'util':>6s} {'vs naive':>8s} "
-          f"{'model':>6s} {'vs model':>8s} {'rows/s':>7s} {'ramp s':>6s} {'window s':>8s} "
-          f"{'1st return s':>12s} {'held peak':>9s} {'ok':>5s}")
+          f"(engine first holds min(N, B x C) rows -> last admission or first admission +{args.measure_s:g} s)")
+    print("\n| B x C | rows in flight | / N | rows held (avg) | utilisation | vs naive | rows/s | ramp s | window s | "
+          "first return s | held peak | ok |\n" + "|---" * 12 + "|")
     for r in results:
         ratio = f"{r['util'] / naive['util']:.2f}x" if naive else "-"
         in_flight = r["in_flight"] if not r["setting"].startswith("naive") else r["b"]
-        print(f"{r['setting']:22s} {in_flight:9d} {in_flight / args.slots:5.1f} {r['avg_in_flight']:8.0f} "
-              f"{100 * r['util']:5.1f}% {ratio:>8s} {100 * r['model_util']:5.1f}% "
-              f"{r['util'] / r['model_util']:7.2f}x {r['rows_per_s']:7.1f} {r['ramp_s']:6.1f} "
-              f"{r['window_s']:8.1f} {r['first_return_s']:12.1f} {r['held_peak']:9d} {r['ok']:5d}")
-    default = next((r for r in results if (r["b"], r["c"]) == (16, 64)), None)
-    if default:
-        print(f"\nproject default 16 x 64 (B x C = {16 * 64} = {16 * 64 / args.slots:.1f} N): "
-              f"{100 * default['util']:.1f}% steady-state utilisation (target >= 90%)")
-    if not args.no_model_table:
-        print()
-        print("\n".join(model_table(args.slots, args.token_ms / 1000)))
+        print(f"| {r['setting']} | {in_flight} | {in_flight / args.slots:.1f} | {r['avg_in_flight']:.0f} | "
+              f"{100 * r['util']:.1f}% | {ratio} | {r['rows_per_s']:.1f} | "
+              f"{r['ramp_s']:.1f} | {r['window_s']:.1f} | {r['first_return_s']:.1f} | {r['held_peak']} | {r['ok']} |")
 
 
 if __name__ == "__main__":

@@ -1,60 +1,35 @@
-"""The hidden-states phase against bare vLLM and against a per-sample transformers dump:
-prefill tokens per second (tokens = sum of len(input_ids)) over the same data/ rows, plus
-the bytes the phase wrote per token against its storage estimate. vLLM's CPU build, one
-replica.
+"""Is the hidden-states phase near bare vLLM's prefill speed (target: 0.85 of it), and what
+stands between them? Prefill tokens per second (tokens = sum of len(input_ids)) of the phase
+and of bare vLLM over the same data/ rows, the job's machinery alone (an engine that computes
+nothing), CPU seconds by kind of process, and the bytes written per token against the
+storage estimate. vLLM's CPU build, one replica.
 
     .venv/bin/python benchmarks/hidden_states_throughput.py [--rows 192] [--gen 256 1024]
-        [--slots 16] [--feeding B C] [--dtype bfloat16|float32] [--no-transformers] [--smoke]
+        [--slots 16] [--feeding B C] [--dtype bfloat16|float32] [--smoke]
 
-The OUT is made once up front by the job itself (prompts phase on synthetic English chat
-rows with the real Qwen3 tokenizer, then the generate phase with a scripted engine in the
-engine's place: each row gets a seeded number of generated tokens, uniform in --gen, as
-<think> ... </think> ... <|im_end|>), so data/ is the job's own. The target is the tiny
-8-layer Qwen3 of the vLLM tests (head_dim 64, H 64, random weights), EAGLE-3 layer ids
-[2, 4, 5, 8]. Then, on those rows:
+The OUT is the job's own: the prompts phase on synthetic English chat rows (real Qwen3
+tokenizer), then the generate phase with a scripted engine (a seeded number of tokens a row,
+uniform in --gen). The target is the tiny 8-layer Qwen3 of the vLLM tests (head_dim 64 = H,
+random weights, layer ids [2, 4, 5, 8]). On those rows:
 
-1. the phase on vLLM (`run_hidden_states`: requests, Ray's vLLM stage with
-   extract_hidden_states + HiddenStatesConnector, packing into shards, publishing), with a
-   step after Ray's stage recording vLLM's per-request metrics (the phase's own stage drops
-   them). Three figures: engine = first request queued in the engine to its last token
-   (vLLM's clock); phase = first request arriving at the engine to the phase returning
-   (includes waiting for the connector's files, packing and publishing the last shards);
-   wall = the whole `run_hidden_states` call (Ray pipeline start and model load included).
-   `load s` = phase call start to first request arrival.
-2. bare `vllm.LLM.generate` in a child process: the same engine kwargs (the job's
-   `engine_kwargs(cfg)` + `hidden_states_engine_kwargs`, same connector and speculative
-   config), the same token ids, each request with its own hidden_states_path, max_tokens 1.
-   Timed: the generate call, and the generate call plus waiting until every file is
-   written (a shared flock on each `.lock`, as pack_hidden_states.load_request_file does).
-   The ratio column is against the latter. Before it, one 64-token warm-up request (tokens
-   no row starts with) takes the engine's first-call costs (about a second here), which the
-   phase's cold engine pays inside its run: the "cold" row adds that call back.
-3. the per-sample transformers dump of the peers' HF scripts: one forward with
-   output_hidden_states=True per sample, the layers stacked, one safetensors file per sample
-   (save_file), same model and dtype, torch threads = the machine's cores; model load apart.
-4. bytes: the sizes of hidden_states/*.safetensors against `layer_bytes` (tokens x layers x
-   H x dtype bytes), and their ratio (the excess is the shards' headers).
-5. OUT's storage traffic: the feature files (`*.safetensors`) written and read on OUT's
-   filesystem while the phase runs (benchmarks/_file_traffic.py: inotify's close events,
-   each file's size), per feature byte (`layer_bytes`); "read back" = the files read before
-   they were published (not in hidden_states/; the phase's status reads the published
-   shards' headers after publishing, shown apart, each counted whole). The phase of 1. runs with
-   `hidden_states.scratch_dir` on node-local storage (the default's role); the baseline is the
-   same phase on a copy of the OUT without its hidden states, with the scratch folder on
-   OUT's storage (what every run did before the scratch setting: vLLM's per-row files on the
-   shared filesystem, read back from it, then packed into shards there).
-6. the floor: the same phase, on another copy of the OUT, with an engine that computes
-   nothing (`instant_engine`: an actor per replica, same batch size and concurrency, that
-   hands each row back at once with constant states of its shape, through row dicts as Ray's
-   stage does), after the vLLM replicas above have exited. It is the job's machinery alone
-   (reads, requests, the hand-over, packing, publishing, Ray Data, the driver): no engine can
-   make the phase faster than that on the same cores.
-7. CPU seconds by kind of process inside each window (`_cpu.CpuSampler`, every 0.1 s: bare
-   vLLM from its generate call to its last file, the phase and the floor from the first request
-   to the call returning), with each window's capacity (seconds x cores), and the job's
-   machinery per row (every process but vLLM's engine core and model worker); and how many
-   requests the phase's engine held through its window (vLLM's per-request times), to tell
-   an engine short of work from an engine short of CPU.
+1. bare `vllm.LLM.generate` (child process) with the job's engine kwargs and the phase's
+   (`hidden_states_engine_kwargs`: extract_hidden_states and the project's connector), one
+   hidden_states_path a request, max_tokens 1, timed until every file is written (a shared
+   flock on each `.lock`); the ratios are against this. A 64-token warm-up request first
+   takes the engine's first-call costs, which the phase's cold engine pays inside its run:
+   the "cold" row adds them back.
+2. the phase (`run_hidden_states`, its scratch folder node-local), a step after Ray's stage
+   recording vLLM's per-request metrics: engine = first request queued to last token; phase
+   = first request's arrival to the phase returning (files, packing, publishing included);
+   wall = the whole call; load = call start to first arrival. And how many requests the
+   engine held through its window (an engine short of work, or short of CPU).
+3. the floor: the same phase on a copy of the OUT with `instant_engine`, an actor per
+   replica (same batch size and concurrency) that hands each row back at once with constant
+   states of its shape through row dicts, as Ray's stage does, once the vLLM replicas have
+   exited: the job's machinery alone, which no engine can beat on the same cores.
+4. CPU seconds by kind of process inside each window (_cpu.py, every 0.1 s), each window's
+   capacity (seconds x cores) and the job's machinery per row (all but vLLM's two processes).
+5. bytes: hidden_states/*.safetensors against `layer_bytes` (the excess: the shards' headers).
 """
 
 from __future__ import annotations
@@ -78,9 +53,9 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
-from _cpu import FRONT, KINDS, CpuSampler  # noqa: E402
-from _file_traffic import FileTraffic  # noqa: E402
-from _workload import REPO, one_engine_thread, qwen3_dir, start_ray, write_chat_rows  # noqa: E402
+from _cpu import ENGINE_KINDS, FRONT, KINDS, CpuSampler, total  # noqa: E402
+from _workload import (REPO, engine_output, metrics_recorder, one_engine_thread, qwen3_dir, start_ray,  # noqa: E402
+                       write_chat_rows)
 
 VOCAB_TEXT = 151643  # Qwen3: ids below this are ordinary text tokens
 
@@ -99,28 +74,14 @@ def scripted_engine(gen: tuple[int, int], special):
     number of random text tokens in [gen[0], gen[1]], columns as Ray's vLLM stage emits."""
 
     def answer(batch: pa.Table) -> pa.Table:
-        ids, lengths = [], []
+        ids = []
         for s in batch.column("sample_id").to_pylist():
             rng = np.random.default_rng(int(s[:12], 16))
             n = int(rng.integers(gen[0], gen[1] + 1))
             t = rng.integers(0, VOCAB_TEXT, n)
             t[0], t[n // 3], t[-1] = special.reasoning_start_id, special.reasoning_end_id, special.eos_ids[0]
             ids.append(t)
-            lengths.append(n)
-        n = batch.num_rows
-        prompt = batch.column("tokenized_prompt")
-        carried = batch.drop_columns(["tokenized_prompt", "sampling_params"])
-        out = {name: carried.column(name) for name in carried.column_names}
-        offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
-        out.update({
-            "prompt": pa.array([""] * n), "prompt_token_ids": prompt,
-            "num_input_tokens": pa.array([len(p) for p in prompt.to_pylist()], pa.int64()),
-            "generated_tokens": pa.ListArray.from_arrays(offsets, pa.array(np.concatenate(ids), pa.int64())),
-            "generated_text": pa.array([""] * n), "num_generated_tokens": pa.array(lengths, pa.int64()),
-            "embeddings": pa.nulls(n), "metrics": pa.nulls(n), "logprobs": pa.nulls(n),
-            "prompt_logprobs": pa.nulls(n), "__inference_error__": pa.array([""] * n),
-        })
-        return pa.table(out)
+        return engine_output(batch, ids)
 
     def stage(ds, cfg, pad_id):
         return ds.map_batches(answer, batch_format="pyarrow")  # each block is one engine batch
@@ -131,15 +92,6 @@ def scripted_engine(gen: tuple[int, int], special):
 def timed_hidden_states_engine(events: str):
     """The phase's vLLM stage (vllm_hidden_states.vllm_hidden_states_stage's three steps) with
     a step after Ray's stage that records each batch's vLLM request metrics."""
-
-    def record(batch, path):
-        metrics = [m for m in batch.column("metrics").to_pylist() if m]
-        if metrics:
-            with open(path, "a") as f:
-                f.write(json.dumps({"arrival": min(m["arrival_time"] for m in metrics),
-                                    "spans": [(m["queued_ts"], m["scheduled_ts"], m["last_token_ts"]) for m in metrics],
-                                    "rows": len(metrics)}) + "\n")
-        return batch
 
     def stage(ds, cfg, layer_ids, dtype, scratch_dir):
         from eagle_data.job.stages.engines.vllm_backend import build_vllm_processor, wait_for_replica_resources
@@ -152,7 +104,7 @@ def timed_hidden_states_engine(events: str):
         wait_for_replica_resources(cfg)
         ds = ds.map_batches(ExtractRequests(), batch_format="pyarrow")
         ds = build_vllm_processor(cfg, hidden_states_engine_kwargs(layer_ids, dtype, scratch_dir))(ds)
-        ds = ds.map_batches(record, batch_format="pyarrow", fn_kwargs={"path": events})
+        ds = ds.map_batches(metrics_recorder(events), batch_format="pyarrow")
         return ds.map_batches(HiddenStatesRows(), batch_format="pyarrow")
 
     return stage
@@ -271,32 +223,8 @@ def bare_vllm(spec_path: str, result_path: str) -> None:
     Path(result_path).write_text(json.dumps({
         "load_s": load, "warm_s": warm_s, "generate_s": generate_s, "written_s": written_s, "rows": len(rows),
         "tokens": sum(len(r["input_ids"]) for r in rows), "missing": len(missing), "first_shape": shape,
-        "bytes": sum(os.path.getsize(p) for p in paths if os.path.exists(p)), "cpu": cpu.window(*window)},
-        default=sorted))
+        "bytes": sum(os.path.getsize(p) for p in paths if os.path.exists(p)), "cpu": cpu.window(*window)}))
     os.remove(warm)
-
-
-def transformers_dump(model: str, rows: list[dict], layer_ids: list[int], dtype: str, dest: Path) -> dict:
-    """The peers' HF path: per sample, one forward with output_hidden_states, one file."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(os.cpu_count() or 1)
-    t0 = time.perf_counter()
-    net = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
-    load = time.perf_counter() - t0
-    dest.mkdir(parents=True, exist_ok=True)
-    with torch.no_grad():
-        net(input_ids=torch.arange(1000, 1064)[None], output_hidden_states=True, use_cache=False)  # warm-up
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        for r in rows:
-            out = net(input_ids=torch.tensor([r["input_ids"]]), output_hidden_states=True, use_cache=False)
-            hidden = torch.stack([out.hidden_states[k][0] for k in layer_ids], dim=1)
-            save_file({"hidden_states": hidden.contiguous()}, str(dest / f"{r['sample_id']}.safetensors"))
-    seconds = time.perf_counter() - t0
-    return {"load_s": load, "seconds": seconds, "bytes": sum(p.stat().st_size for p in dest.iterdir())}
 
 
 def main() -> None:
@@ -309,17 +237,10 @@ def main() -> None:
                         help="engine.batch_size and max_concurrent_batches (default: the project's rule, 4 x "
                              "ceil(2.5 x slots / 4))")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--no-transformers", action="store_true", help="skip the per-sample transformers dump")
     parser.add_argument("--smoke", action="store_true", help="8 rows of 16-48 generated tokens")
-    parser.add_argument("--bare", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.bare:
-        return bare_vllm(*args.bare)
     if args.smoke:
         args.rows, args.gen, args.slots = 8, [16, 48], 4
-
-    sys.path.insert(0, str(REPO / "tests"))
-    from support import build_tiny_model
 
     import ray
 
@@ -334,6 +255,7 @@ def main() -> None:
     from eagle_data.model_files import load_tokenizer
     from eagle_data.storage.folder import Output
     from eagle_data.storage.hidden_states import layer_bytes
+    from eagle_data.tiny_models import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -342,8 +264,7 @@ def main() -> None:
         max_len = 1 << math.ceil(math.log2(args.gen[1] + 256))
         kwargs = {"enforce_eager": True, "max_num_seqs": args.slots}
         b, c = args.feeding or (4, math.ceil((2 + 4 / 8) * args.slots / 4))  # default: the project's feeding rule
-        shared, local = tmp / "shared", tmp / "node-local"  # OUT's filesystem; the engine node's own
-        out = shared / "out"
+        out, local = tmp / "out", tmp / "node-local"  # OUT; the engine node's scratch folder
         cfg = load_config(None, [
             f"source.dataset={tmp / 'rows.jsonl'}", f"model.path={model}", f"output.path={out}",
             "engine.backend=vllm", "engine.device=cpu", "engine.cpu_kv_cache_gib=0.5",
@@ -365,7 +286,7 @@ def main() -> None:
               f"batch {b} x {c} concurrent, {os.cpu_count()} cores, vLLM's threads on core(s) "
               f"{os.environ['VLLM_CPU_OMP_THREADS_BIND']}; ray: {ray_used}", flush=True)
 
-        # 2. bare vLLM first, while the parent's Ray workers are idle.
+        # 1. bare vLLM first, while the parent's Ray workers are idle.
         spec = tmp / "bare.json"
         bare_kwargs = {**job_engine_kwargs(cfg), **hidden_states_engine_kwargs(ids, args.dtype, str(tmp / "bare"))}
         spec.write_text(json.dumps({"out": str(out), "model": str(model), "engine_kwargs": bare_kwargs,
@@ -377,23 +298,12 @@ def main() -> None:
         assert bare["first_shape"][1:] == [len(ids), hidden_size], bare
         shutil.rmtree(tmp / "bare")
 
-        # 1. the phase on vLLM.
+        # 2. the phase on vLLM.
         events = tmp / "events.jsonl"
-        baseline_out = shared / "out-scratch-on-out"
-        floor_out = shared / "out-floor"
-        # The folder the phase publishes into, made before any watch starts: a watch only sees a file
-        # read in a folder it already watches (the status reads the shard right after publishing it).
-        (out / "hidden_states").mkdir()
-        for copy in (baseline_out, floor_out):
-            shutil.copytree(out, copy)  # before the phase: data/ and an empty hidden_states/
-        lengths = {r["sample_id"]: len(r["input_ids"]) for r in rows}
-
-        def row_bytes(path: str) -> int:  # a per-row file removed before its size was seen
-            return layer_bytes(lengths.get(Path(path).stem, 0), len(ids), hidden_size, args.dtype)
-
+        floor_out = tmp / "out-floor"
+        shutil.copytree(out, floor_out)  # before the phase: data/ without hidden states
         started = time.time()
-        with FileTraffic(str(shared), row_bytes, lambda name: name.endswith(".safetensors")) as traffic, \
-                CpuSampler(every_s=0.1) as cpu:
+        with CpuSampler(every_s=0.1) as cpu:
             counts = run_hidden_states(cfg, Output(str(out)), engine=timed_hidden_states_engine(str(events)))
         ended = time.time()
         assert counts["ok"] == len(rows) and counts["failed_rows"] == 0, counts
@@ -409,15 +319,7 @@ def main() -> None:
         written = sum(p.stat().st_size for p in (out / "hidden_states").glob("*.safetensors"))
         estimate = layer_bytes(tokens, len(ids), hidden_size, args.dtype)
 
-        # 5. the baseline: the scratch folder on OUT's storage.
-        baseline_cfg = cfg.model_copy(update={
-            "output": cfg.output.model_copy(update={"path": str(baseline_out)}),
-            "hidden_states": cfg.hidden_states.model_copy(update={"scratch_dir": str(shared / "scratch")})})
-        with FileTraffic(str(shared), row_bytes, lambda name: name.endswith(".safetensors")) as baseline:
-            baseline_counts = run_hidden_states(baseline_cfg, Output(str(baseline_out)))
-        assert baseline_counts["ok"] == len(rows), baseline_counts
-
-        # 6. the floor: the same phase with an engine that computes nothing, once the vLLM
+        # 3. the floor: the same phase with an engine that computes nothing, once the vLLM
         # replicas above have exited (their shutdown would run inside the floor's window).
         engines_gone()
         floor_events = tmp / "floor-events.jsonl"
@@ -433,9 +335,6 @@ def main() -> None:
                  "cpu": cpu.window(floor_first + to_monotonic, floor_end + to_monotonic)}
         ray.shutdown()
 
-        # 3. the per-sample transformers dump.
-        hf = None if args.no_transformers else transformers_dump(str(model), rows, ids, args.dtype, tmp / "hf")
-
     bare_rate = tokens / bare["written_s"]
     table = [
         ("bare vLLM, generate + files written", bare["written_s"], bare["load_s"]),
@@ -446,8 +345,6 @@ def main() -> None:
         ("phase on vLLM, wall (incl. Ray pipeline start + load)", wall_s, 0.0),
         ("floor: the phase with an engine that computes nothing, first row to phase done", floor["seconds"], 0.0),
     ]
-    if hf:
-        table.append(("transformers per-sample dump (forward + save_file)", hf["seconds"], hf["load_s"]))
     print("\n| path | rows | tokens | seconds | prefill tok/s | vs bare vLLM | load s |")
     print("|---|---|---|---|---|---|---|")
     for name, seconds, load in table:
@@ -462,17 +359,7 @@ def main() -> None:
     print(f"\nbytes: the phase wrote {written} B in hidden_states/ = {written / tokens:.1f} B/token; estimate "
           f"(layer_bytes: {len(ids)} layers x H {hidden_size} x {per_token // (len(ids) * hidden_size)} B) "
           f"{estimate} B = {estimate / tokens:.1f} B/token; written/estimate {written / estimate:.4f}"
-          f" (bare vLLM's per-request files: {bare['bytes'] / tokens:.1f} B/token"
-          + (f", transformers files: {hf['bytes'] / tokens:.1f} B/token)" if hf else ")"))
-    print(f"\nOUT's storage, feature files (*.safetensors) per feature byte ({estimate} B):")
-    print("| scratch_dir | written | read back before publishing | files written | files read back | "
-          "published shards read | sizes estimated |")
-    print("|---|---|---|---|---|---|---|")
-    for name, t in (("node-local (this run)", traffic), ("on OUT's storage (baseline)", baseline)):
-        published = [p for p in t.read if Path(p).parent.name == "hidden_states"]
-        print(f"| {name} | {t.written_bytes / estimate:.3f} | "
-              f"{t.read_bytes(lambda p: p not in published) / estimate:.3f} | {len(t.written)} | "
-              f"{len(t.read) - len(published)} | {len(published)} | {len(t.estimated)} |")
+          f" (bare vLLM's per-request files: {bare['bytes'] / tokens:.1f} B/token)")
 
 
 def print_cpu(runs: dict[str, dict], rows: int) -> None:
@@ -480,23 +367,20 @@ def print_cpu(runs: dict[str, dict], rows: int) -> None:
     every file is written; the phase and the floor: first request to the phase returning),
     the cores' capacity in that window, and the job's machinery per row: every process but
     vLLM's two and the sampler."""
-    engine = {k for k, _ in KINDS[:2]}
-
-    def total(cpu: dict, skip: set) -> float:  # the sampler's thread and the driver's threads apart
-        return sum(v[0] for k, v in cpu.items() if k not in skip and k != "sampler thread"
-                   and not k.startswith("thread: "))
-
-    print("\n| CPU s inside the window | " + " | ".join(runs) + " |")
-    print("|---|" + "---|" * len(runs))
+    print("\n| CPU s inside the window | " + " | ".join(runs) + " |\n|---|" + "---|" * len(runs))
     print("| window s (x cores = capacity) | " + " | ".join(
         f"{r['seconds']:.2f} (x {os.cpu_count()} = {r['seconds'] * os.cpu_count():.2f})" for r in runs.values()) + " |")
     for kind in [k for k, _ in KINDS]:
-        print(f"| {kind} | " + " | ".join(f"{r['cpu'][kind][0]:.2f}" if kind in r["cpu"] else "-"
+        print(f"| {kind} | " + " | ".join(f"{r['cpu'][kind]:.2f}" if kind in r["cpu"] else "-"
                                           for r in runs.values()) + " |")
-    print("| all processes | " + " | ".join(f"{total(r['cpu'], set()):.2f}" for r in runs.values()) + " |")
+    print("| all processes | " + " | ".join(f"{total(r['cpu']):.2f}" for r in runs.values()) + " |")
     print("| all but vLLM's two processes, per row (ms) | " + " | ".join(
-        f"{total(r['cpu'], engine):.2f} ({1000 * total(r['cpu'], engine) / rows:.1f})" for r in runs.values()) + " |")
+        f"{total(r['cpu'], ENGINE_KINDS):.2f} ({1000 * total(r['cpu'], ENGINE_KINDS) / rows:.1f})"
+        for r in runs.values()) + " |")
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--bare"]:  # the child process of step 1
+        bare_vllm(*sys.argv[2:4])
+    else:
+        main()

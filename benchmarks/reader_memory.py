@@ -1,4 +1,4 @@
-"""Reader memory while iterating a large synthetic OUT (must stay flat, not grow with the OUT).
+"""Does the training reader's memory stay flat while it iterates a large OUT (not grow with it)?
 
     .venv/bin/python benchmarks/reader_memory.py [--rows 200000] [--tokens 1000] [--dir PATH]
 
@@ -133,14 +133,14 @@ def main() -> None:
         child = subprocess.run([sys.executable, __file__, "--read", str(out)], check=True,
                                capture_output=True, text=True).stdout
         result = json.loads(child.strip().splitlines()[-1])
-        result = {"rows": args.rows, "shards": len(shards), "data_on_disk_mib": round(disk / 2**20),
-                  "token_bytes_in_memory_mib": round(result["tokens"] * 5 / 2**20),
-                  **result}
-        print(json.dumps(result, indent=1))
-        grew = result["rss_peak_sampled_mib"] - result["rss_after_index_mib"]
-        print(f"{result['samples']} samples ({result['data_on_disk_mib']} MiB on disk): RSS "
-              f"{result['rss_before_mib']:.0f} MiB before, {result['rss_after_index_mib']:.0f} after "
-              f"the index, peak {result['rss_peak_sampled_mib']:.0f} while iterating (+{grew:.0f})")
+        result = {"rows": args.rows, "shards": len(shards), "data_on_disk_mib": round(disk / 2**20), **result}
+        print(json.dumps(result))
+        print("\n| rows | shards | on disk MiB | samples/s | RSS MiB before | after the index | while iterating: "
+              + ", ".join(result["rss_during_mib"]) + " | peak |\n" + "|---" * 8 + "|")
+        print(f"| {result['samples']:,} | {len(shards)} | {result['data_on_disk_mib']:,} | {result['samples_per_s']:,} | "
+              f"{result['rss_before_mib']:.0f} | {result['rss_after_index_mib']:.0f} | "
+              + ", ".join(f"{v:.0f}" for v in result["rss_during_mib"].values())
+              + f" | {result['rss_peak_sampled_mib']:.0f} |")
     finally:
         if not args.dir:
             shutil.rmtree(root)

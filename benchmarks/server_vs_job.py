@@ -1,87 +1,48 @@
-"""The job against bare vLLM and against the HTTP regenerators, in one run on the same
-prompts, sampling and engine kwargs: bare `vllm.LLM.generate`, the job's generate phase
-(requests, Ray's vLLM stage, postprocess, shard writers) and the peers' way (`vllm serve` +
-an asyncio OpenAI client at concurrency C). vLLM's CPU build, one engine.
+"""Does the job generate at least as fast as the peers' way (`vllm serve` + an OpenAI client
+at concurrency C), keeping the engine's exact tokens and losing no row, and how close is it to
+bare vLLM? Bare `vllm.LLM.generate`, the job's generate phase and the server, in one run on the
+same prompts, sampling and engine kwargs; vLLM's CPU build, one engine.
 
     .venv/bin/python benchmarks/server_vs_job.py [--rows 128] [--max-tokens 256] [--mean 48]
-        [--slots 64] [--settings default naive] [--concurrency 4 16 64] [--timeouts tight raised]
-        [--timeout-s S] [--repeats 3] [--skip bare|job|server ...] [--worker-niceness N]
-        [--engine-cores C ...] [--smoke]
+        [--slots 64] [--concurrency 4 16 64] [--timeout-s 600] [--repeats 3]
+        [--skip bare|job|server ...] [--engine-cores C ...] [--smoke]
 
-Workload: a "babbling" Qwen3 (head_dim 64, real Qwen3 tokenizer) whose next-token
-distribution is fixed, p(eos) = 1/--mean: geometric, long-tailed lengths capped at
---max-tokens, on synthetic chat rows that the prompts phase tokenizes once (the job's
-`tokenized_prompt`). Every path asks for temperature 1, top_p 1, the job's per-row seed
-(`row_seed(0, sample_id)`) and its stop ids, so every path that keeps the engine's tokens
-stores the same ones. Same engine kwargs everywhere (bf16, enforce_eager, max_num_seqs =
---slots, max_num_batched_tokens 8192, max_model_len 1024, a 0.5 GiB KV cache).
-max_num_batched_tokens is set, not left to vLLM: its CPU default is 4096 for LLM and 2048
-for the server and Ray's stage, and a prefill split over two steps crashes a seeded request
-on the CPU build ("CPU Generator does not use offset"); 8192 holds every prefill of a step.
+Workload: a "babbling" Qwen3 (eagle_data/tiny_models.py, head_dim 64, real Qwen3 tokenizer)
+with p(eos) = 1/--mean: geometric, long-tailed lengths capped at --max-tokens, on synthetic
+chat rows that the prompts phase tokenizes once. Every path asks for temperature 1, top_p 1,
+the job's per-row seed and stop ids, so every path that keeps the engine's tokens stores the
+same ones; same engine kwargs everywhere (bf16, enforce_eager, max_num_seqs = --slots,
+max_model_len 1024, a 0.5 GiB KV cache, max_num_batched_tokens 8192: vLLM's CPU default
+differs between entry points, and a prefill split over two steps crashes a seeded request on
+the CPU build, "CPU Generator does not use offset").
 
-Paths, each run --repeats times, interleaved (bare, job, server; bare, job, server; ...) so
-that a slow spell of the machine hits every path; the tables give the median and the range.
+Paths, run --repeats times interleaved (bare, job, server; ...) so that a slow spell of the
+machine hits each; the tables give the median and the range:
 - bare: `LLM.generate` on the tokenized prompts (child process); seconds = the call.
-- job: `run(cfg, phase="generate")` per --settings: `default` = the project's feeding rule
-  (batch 4, batch_size x max_concurrent_batches = (2 + 4/8) x slots rows in flight,
-  eagle_data/job/stages/engines/vllm_backend.py), `naive` = one batch of `slots` rows at a
-  time; seconds = first request queued in the engine to its last token (vLLM's per-request
-  metrics that Ray's stage returns: the engine has one clock). Ray and the pipeline
-  starting and the model load are reported apart.
-- server: `python -m vllm.entrypoints.openai.api_server` (what `vllm serve` runs) on a free
-  local port, started once per repeat for its sweep (start to /health apart);
-  `openai.AsyncOpenAI` chat.completions on the rows' messages, at most C in flight (an
-  asyncio.Semaphore), the client's default retries (2, attempts counted per row by an httpx
-  hook); seconds = the setting's wall time; tokens = the successful rows' completion tokens.
-  A row is lost when its request still fails after the retries.
-
-Timeouts. The tight one plays the role of the OpenAI client's default (600 s) in the seed's
-run, scaled to this machine by the token budget it gives one request: 600 s x (1,500 tok/s /
-200 streams) = 4,500 tokens, 3.46x the mean completion of the workload shape the issue
-speaks of (benchmarks/_workload.py: mean 1,300). Here: budget = 3.46 x --mean tokens at the
-per-stream rate of the top concurrency, the reference's tokens/s / max(C) in the same
-repeat (--timeout-s overrides it). The raised one is the client's literal default, 600 s.
+- job: `run(cfg, phase="generate")` with the project's feeding rule (batch 4, feed_factor(4) x
+  slots rows in flight); seconds = first request queued in the engine to its last token
+  (vLLM's per-request metrics from Ray's stage). Ray, the pipeline start and the load apart.
+- server: `python -m vllm.entrypoints.openai.api_server` (what `vllm serve` runs), started
+  once per repeat (start to /health apart); `openai.AsyncOpenAI` chat.completions on the
+  rows' messages, at most C in flight, --timeout-s (the client's default, 600 s) and its
+  default retries; seconds = the setting's wall time. A row is lost when its request still
+  fails after the retries.
 
 Exactness, per row against the reference (bare vLLM; the job with `--skip bare`): the job's
-data/ ids; the server's `return_token_ids` (a vLLM extra field) and its text re-tokenized
-with the target tokenizer, as the text-storing peers do downstream, against the reference's
-ids less the final stop token (the chat template adds it back). The server's prompt ids are
-checked against the job's `tokenized_prompt`.
+data/ ids and the server's `return_token_ids`; the server's prompt ids against the job's.
 
-Where the time goes, a second table, per path (median over repeats, range):
-- the engine's idle time inside its window (no request between scheduled and last token)
-  and its mean occupancy (running requests / max_num_seqs), from vLLM's per-request metrics
-  (`RequestStateStats`; bare: `RequestOutput.metrics`, the job: Ray's `metrics` column;
-  not available over HTTP, so not for the server);
-- CPU seconds each process used inside the window (bare and job: the engine's; the server:
-  the setting's wall time), psutil sampled every 0.5 s over this process and its
-  descendants (the local Ray session, the server and their engines): the engine core, the
-  process in front of it (bare: the `LLM` process; the job: the replica actor running Ray's
-  stage; the server: its API process), Ray Data's other workers, raylet, gcs, the other Ray
-  processes, and this process (the job's driver; the server's client), less the sampler's
-  own thread, given apart, with this process's threads that used 0.05 CPU s or more; and
-  each kind's niceness (Ray starts workers at `worker_niceness`, 15; `--worker-niceness 0`
-  starts this run's local Ray with its workers at 0, as `RAY_worker_niceness=0 ray start`
-  would on a cluster). Ray stays up (idle) while the server runs: its processes' CPU shows
-  in the server's column. The CPU figures are approximate: a worker's CPU goes to the task
-  it ran at the sample, and a process that ends inside the window counts up to its last
-  sample.
+Where the time goes (second table): the engine's idle time and occupancy inside its window
+(vLLM's per-request metrics; not over HTTP, so not for the server), and the CPU seconds of
+each kind of process inside the window (the server: the setting's wall time; _cpu.py, every
+0.5 s), also per 1,000 generated tokens. Ray stays up, idle, while the server runs: its CPU
+shows in the server's column. The job's driver steps down to Ray's workers' niceness
+(eagle_data/job/driver_priority.py); this process goes back to its own after each run().
 
-Niceness. The job's driver steps down to Ray's workers' niceness when it starts
-(eagle_data/job/driver_priority.py); this process is the job's driver, so after each run()
-it goes back to the niceness it started with (root can; otherwise the later paths run at
-the job's, every process of a path alike).
-
-`--engine-cores 0` (with --skip bare) puts vLLM's two engine processes (model worker, engine
-core) on core 0 and every other process of the tree (the job's driver, Ray, its workers and
-the replica actor; the server's API process and its client) on the other cores, each thread,
-re-applied at every sample from the start of a path's sampling (the job: its run(); the
-server: its sweep): the engine on cores of its own, as on a GPU node whose spare cores hold
-everything else.
-
-With RAY_ADDRESS set the job runs on that Ray instance, whose workers are not this process's
-descendants: the job's CPU breakdown then misses them. `--skip` leaves paths out (the test
-suite's smoke run keeps all three, at a tiny size, in one repeat).
+`--engine-cores 0` (with --skip bare): vLLM's engine processes on core 0, every other
+process of the tree (the job's driver, Ray, the replica actor; the server's API process and
+client) on the others, re-applied at every sample: the engine on cores of its own, as on a
+GPU node whose spare cores hold everything else. With RAY_ADDRESS set the job runs on that
+Ray instance, whose workers are not this process's descendants: its CPU figures miss them.
 """
 
 from __future__ import annotations
@@ -107,15 +68,15 @@ import time  # noqa: E402
 import urllib.request  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from _cpu import FRONT, KINDS, CpuSampler  # noqa: E402
-from _workload import REPO, one_engine_thread, qwen3_dir, start_ray, write_chat_rows  # noqa: E402
+from _cpu import FRONT, KINDS, SAMPLER, CpuSampler, total  # noqa: E402
+from _workload import REPO, metrics_recorder, one_engine_thread, qwen3_dir, start_ray, write_chat_rows  # noqa: E402
 
 WORDS = [" the", " cat", " sat", " on", " mat", " and", " dog", " ran", "."]
 KV_CACHE_BYTES = 2**29  # = engine.cpu_kv_cache_gib 0.5, the job's setting
 MAX_MODEL_LEN = 1024
-SEED_BUDGET_IN_MEANS = 600 * 1500 / 200 / 1300  # the seed's per-request token budget, in mean completions
-BARE = "bare vLLM (LLM.generate)"
+BARE, JOB = "bare vLLM (LLM.generate)", "job, default feeding"
 NICENESS = os.getpriority(os.PRIO_PROCESS, 0)  # this process's at its start
+
 
 def engine_kwargs(slots: int) -> dict:
     """The pass-through every engine gets (the job's max_model_len is its typed key)."""
@@ -137,10 +98,6 @@ def occupancy(spans: list[tuple[float, float, float]], slots: int) -> dict:
     return {"start": start, "end": end, "window_s": window, "idle_s": idle, "occupancy": area / (window * slots)}
 
 
-def spans_of(metrics) -> list[tuple[float, float, float]]:
-    return [(m["queued_ts"], m["scheduled_ts"], m["last_token_ts"]) for m in metrics]
-
-
 def read_prompts(out: Path) -> list[dict]:
     import pyarrow.dataset as pads
 
@@ -151,8 +108,6 @@ def read_prompts(out: Path) -> list[dict]:
 def bare_vllm(spec_path: str, result_path: str) -> None:
     """The child process: vllm.LLM on the prompts of the base OUT (its engine process is
     spawned, so this runs under the __main__ guard)."""
-    import dataclasses
-
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -172,25 +127,18 @@ def bare_vllm(spec_path: str, result_path: str) -> None:
         outs = llm.generate([TokensPrompt(prompt_token_ids=list(p["tokenized_prompt"])) for p in prompts], params,
                             use_tqdm=False)
         engine_s = time.perf_counter() - t0
-    spans = spans_of([dataclasses.asdict(o.metrics) for o in outs]) if all(o.metrics for o in outs) else []
+    spans = [(o.metrics.queued_ts, o.metrics.scheduled_ts, o.metrics.last_token_ts) for o in outs if o.metrics]
     Path(result_path).write_text(json.dumps({
         "load_s": load, "engine_s": engine_s, "spans": spans, "samples": cpu.samples, "pid": cpu.pid,
         "ids": {p["sample_id"]: list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)}}))
 
 
 def timed_engine(events: str):
-    """The configured engine stage (Ray's vLLM stage) + a step recording each request's
-    vLLM metrics."""
+    """The configured engine stage (Ray's vLLM stage), its request metrics recorded."""
     from eagle_data.job.stages.engines import apply_engine
 
-    def record(batch, path):
-        metrics = [m for m in batch.column("metrics").to_pylist() if m]
-        with open(path, "a") as f:
-            f.write(json.dumps({"spans": spans_of(metrics), "arrival": min(m["arrival_time"] for m in metrics)}) + "\n")
-        return batch
-
     def stage(ds, cfg, pad_id):
-        return apply_engine(ds, cfg, pad_id).map_batches(record, batch_format="pyarrow", fn_kwargs={"path": events})
+        return apply_engine(ds, cfg, pad_id).map_batches(metrics_recorder(events), batch_format="pyarrow")
 
     return stage
 
@@ -218,15 +166,15 @@ def job_ids(out: Path) -> dict[str, list[int]]:
     return {r["sample_id"]: r["input_ids"][r["num_prompt_tokens"]:] for r in rows}
 
 
-def run_job(tmp: Path, base: list[str], setting: str, repeat: int, slots: int) -> dict:
+def run_job(tmp: Path, base: list[str], repeat: int, slots: int) -> dict:
     from eagle_data.config import load_config
     from eagle_data.job.phases.run import run
     from eagle_data.job.stages.engines.vllm_backend import feed_factor
 
-    b, c = (4, math.ceil(feed_factor(4) * slots / 4)) if setting == "default" else (slots, 1)
-    out = tmp / f"out-{setting}-{repeat}"
+    b, c = 4, math.ceil(feed_factor(4) * slots / 4)
+    out = tmp / f"out-{repeat}"
     shutil.copytree(tmp / "base", out)
-    events = tmp / f"events-{setting}-{repeat}.jsonl"
+    events = tmp / f"events-{repeat}.jsonl"
     cfg = load_config(None, base + [f"output.path={out}", f"engine.batch_size={b}",
                                     f"engine.max_concurrent_batches={c}"])
     started = time.time()
@@ -265,7 +213,8 @@ def free_port() -> int:
 
 def start_server(model: Path, kwargs: dict, log_path: Path) -> tuple[subprocess.Popen, str, float]:
     """`vllm serve` (its module) with the job's engine kwargs, in its own process group so
-    that stop_server kills its engine process too; returns once /health answers."""
+    that stop_server kills its engine process too; returns once /health answers (however long
+    its start takes on a loaded machine), or raises if it exits first."""
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", kwargs["dtype"], "--enforce-eager",
@@ -280,17 +229,14 @@ def start_server(model: Path, kwargs: dict, log_path: Path) -> tuple[subprocess.
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, process_group=0,
                             env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
     url = f"http://127.0.0.1:{port}"
-    while time.perf_counter() - t0 < 600:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+    while proc.poll() is None:
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
                 if r.status == 200:
                     return proc, url, time.perf_counter() - t0
         except OSError:
             time.sleep(0.5)
-    stop_server(proc)
-    raise RuntimeError(f"vllm serve did not answer /health in 600 s:\n{log_path.read_text()[-4000:]}")
+    raise RuntimeError(f"vllm serve exited {proc.returncode}:\n{log_path.read_text()[-4000:]}")
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -307,18 +253,12 @@ def stop_server(proc: subprocess.Popen) -> None:
 async def drive(url: str, model: str, prompts: list[dict], concurrency: int, timeout: float, max_tokens: int,
                 stop_ids: list[int]) -> dict:
     """The peers' client: one chat request per row, at most `concurrency` in flight, the
-    OpenAI client's default retries; attempts counted per row by an httpx hook."""
+    OpenAI client's default retries."""
     import openai
 
     from eagle_data.job.stages.requests import row_seed
 
-    attempts = collections.Counter()
-
-    async def count(request):
-        attempts[request.headers["x-row"]] += 1
-
-    http = openai.DefaultAsyncHttpxClient(event_hooks={"request": [count]})
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=timeout, http_client=http)
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=timeout)
     gate = asyncio.Semaphore(concurrency)
 
     async def one(p):
@@ -327,7 +267,7 @@ async def drive(url: str, model: str, prompts: list[dict], concurrency: int, tim
             try:
                 return p["sample_id"], await client.chat.completions.create(
                     model=model, messages=messages, max_tokens=max_tokens, temperature=1.0, top_p=1.0,
-                    seed=row_seed(0, p["sample_id"]), extra_headers={"x-row": p["sample_id"]},
+                    seed=row_seed(0, p["sample_id"]),
                     extra_body={"stop_token_ids": stop_ids, "return_token_ids": True})
             except openai.APIError as e:  # timeouts (after the retries) and HTTP errors: the row is lost
                 return p["sample_id"], e
@@ -336,54 +276,43 @@ async def drive(url: str, model: str, prompts: list[dict], concurrency: int, tim
     results = await asyncio.gather(*(one(p) for p in prompts))
     end = time.monotonic()
     await client.close()
-    return {"start": start, "end": end, "results": dict(results), "retries": sum(attempts.values()) - len(prompts)}
+    return {"start": start, "end": end, "results": dict(results)}
 
 
-def run_server(tmp: Path, model: Path, kwargs: dict, prompts: list[dict], sweep: list[tuple[int, str, float]],
-               max_tokens: int, stop_ids: list[int], repeat: int) -> dict:
-    """One server start and its sweep: {(C, timeout name): result}."""
+def run_server(tmp: Path, model: Path, kwargs: dict, prompts: list[dict], concurrency: list[int], timeout: float,
+               max_tokens: int, stop_ids: list[int], repeat: int) -> dict[int, dict]:
+    """One server start and its sweep: {C: result}."""
     import openai
 
     proc, url, load_s = start_server(model, kwargs, tmp / f"server-{repeat}.log")
     results = {}
     try:
-        for conc, name, timeout in sweep:
+        for conc in concurrency:
             with CpuSampler() as cpu:
                 got = asyncio.run(drive(url, str(model), prompts, conc, timeout, max_tokens, stop_ids))
             ok = {s: r for s, r in got["results"].items() if not isinstance(r, Exception)}
             lost = collections.Counter("timeout" if isinstance(r, openai.APITimeoutError) else "error"
                                        for r in got["results"].values() if isinstance(r, Exception))
-            results[conc, name] = {
-                "feeding": conc, "timeout_s": timeout, "retries": got["retries"], "lost": lost, "responses": ok,
+            results[conc] = {
+                "feeding": conc, "lost": lost, "responses": ok,
                 "ids": {s: r.choices[0].token_ids for s, r in ok.items()}, "seconds": got["end"] - got["start"],
                 "tokens": sum(r.usage.completion_tokens for r in ok.values()), "load_s": load_s, "engine": None,
                 "cpu": cpu.window(got["start"], got["end"])}
-            seconds = results[conc, name]["seconds"]
-            print(f"server C={conc} {name}: {len(ok)} ok, lost {dict(lost) or 0}, {seconds:.1f} s", flush=True)
+            print(f"server C={conc}: {len(ok)} ok, lost {dict(lost) or 0}, {results[conc]['seconds']:.1f} s", flush=True)
     finally:
         stop_server(proc)
     return results
 
 
-def exactness(run: dict, reference: dict, prompts: list[dict], tokenizer, stop_ids: list[int]) -> str:
-    """Rows whose ids equal the reference's; for the server also its re-tokenized text, and
-    prompts whose ids differ from the job's tokenized_prompt."""
-    ids_exact = sum(ids == reference.get(s) for s, ids in run["ids"].items())
-    text = f"ids {ids_exact}/{len(run['ids'])}"
-    if "responses" not in run:
-        return text
-
-    def without_stop(ids):
-        return ids[:-1] if ids and ids[-1] in stop_ids else ids
-
-    by_id = {p["sample_id"]: p for p in prompts}
-    text_exact = sum(tokenizer.encode(r.choices[0].message.content or "", add_special_tokens=False)
-                     == without_stop(reference.get(s, [])) for s, r in run["responses"].items())
-    prompt_mismatch = sum(r.usage.prompt_tokens != len(by_id[s]["tokenized_prompt"])
-                          or r.prompt_token_ids != list(by_id[s]["tokenized_prompt"])
-                          for s, r in run["responses"].items())
-    return text + f"; text {text_exact}/{len(run['ids'])}" + (f"; prompt ids differ {prompt_mismatch}"
-                                                                 if prompt_mismatch else "")
+def exactness(run: dict, reference: dict, prompts: list[dict]) -> str:
+    """Rows whose ids equal the reference's; for the server also the prompts whose ids differ
+    from the job's tokenized_prompt."""
+    text = f"ids {sum(ids == reference.get(s) for s, ids in run['ids'].items())}/{len(run['ids'])}"
+    if "responses" in run:
+        by_id = {p["sample_id"]: p for p in prompts}
+        differ = sum(r.prompt_token_ids != list(by_id[s]["tokenized_prompt"]) for s, r in run["responses"].items())
+        text += f"; prompt ids differ {differ}" if differ else ""
+    return text
 
 
 def median_range(values: list[float], fmt: str) -> str:
@@ -393,56 +322,42 @@ def median_range(values: list[float], fmt: str) -> str:
 
 def print_results(runs: dict[str, list[dict]], reference: str, rows: int) -> None:
     """A row per path: median (range) over repeats; the ratio is against the reference path's
-    run of the same repeat; rows lost and retries summed over the repeats."""
-    print(f"\n| run | feeding / C | timeout s | rows ok | rows lost | retries | generated tokens | seconds | tokens/s | "
-          f"vs {reference.split(' (')[0]} (same repeat) | exact rows | load s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    run of the same repeat; rows lost summed over the repeats."""
+    print(f"\n| run | feeding / C | rows ok | rows lost | generated tokens | seconds | tokens/s | "
+          f"vs {reference.split(' (')[0]} (same repeat) | exact rows | load s |\n" + "|---" * 10 + "|")
     for name, rs in runs.items():
         rates = [r["tokens"] / r["seconds"] for r in rs]
         ratios = [rate / (ref["tokens"] / ref["seconds"]) for rate, ref in zip(rates, runs[reference])]
         lost = collections.Counter()
         for r in rs:
             lost.update(r.get("lost") or {"": rows - len(r["ids"])})
-        server = "timeout_s" in rs[0]
-        cells = [name, rs[0].get("feeding", "-"), median_range([r["timeout_s"] for r in rs], ".1f") if server else "-",
-                 median_range([len(r["ids"]) for r in rs], ".0f"),
+        cells = [name, rs[0].get("feeding", "-"), median_range([len(r["ids"]) for r in rs], ".0f"),
                  ", ".join(f"{n} {k}".strip() for k, n in sorted(lost.items()) if n) or "0",
-                 sum(r["retries"] for r in rs) if server else "-", "/".join(map(str, sorted({r["tokens"] for r in rs}))),
-                 median_range([r["seconds"] for r in rs], ".1f"), median_range(rates, ".0f"),
-                 median_range(ratios, ".3f"), " / ".join(sorted({r["exact"] for r in rs})),
+                 "/".join(map(str, sorted({r["tokens"] for r in rs}))), median_range([r["seconds"] for r in rs], ".1f"),
+                 median_range(rates, ".0f"), median_range(ratios, ".3f"), " / ".join(sorted({r["exact"] for r in rs})),
                  median_range([r["load_s"] for r in rs], ".0f")]
         print("| " + " | ".join(map(str, cells)) + " |")
 
 
 def print_breakdown(runs: dict[str, list[dict]]) -> None:
     """A column per path (median over repeats, range): the engine's idle time and occupancy
-    (bare and the job), then CPU seconds by kind of process inside its window [niceness]."""
-    print("\n| inside the engine's window (the server: the setting's wall time) | " + " | ".join(runs) + " |")
-    print("|---|" + "---|" * len(runs))
-    for label, key, fmt, scale in (("engine idle s", "idle_s", ".2f", 1),
-                                   ("engine occupancy %", "occupancy", ".1f", 100)):
+    (bare and the job), then CPU seconds by kind of process inside its window."""
+    print("\n| inside the engine's window (the server: the setting's wall time) | " + " | ".join(runs) + " |\n|---|"
+          + "---|" * len(runs))
+    for label, key, fmt, scale in (("engine idle s", "idle_s", ".2f", 1), ("engine occupancy %", "occupancy", ".1f", 100)):
         print(f"| {label} | " + " | ".join(median_range([scale * r["engine"][key] for r in rs], fmt)
                                            if rs[0]["engine"] else "-" for rs in runs.values()) + " |")
     print("| window s | " + " | ".join(median_range([r["seconds"] for r in rs], ".1f") for rs in runs.values()) + " |")
-    # This process's (and bare's LLM process's) threads that used 0.05 CPU s or more in a run.
-    threads = sorted({k for rs in runs.values() for r in rs for k, v in r["cpu"].items()
-                      if k.startswith("thread: ") and v[0] >= 0.05})
-    for kind in [k for k, _ in KINDS] + threads + ["sampler thread", "all processes", "all processes per 1,000 tokens"]:
-        cells = []
-        for rs in runs.values():
-            if kind.startswith("all processes"):
-                per = 1000 if kind.endswith("tokens") else None
-                present = [(sum(v[0] for k, v in r["cpu"].items()
-                                if k != "sampler thread" and not k.startswith("thread: "))
-                            * (per / r["tokens"] if per else 1), set()) for r in rs
-                           if r["tokens"] or not per]  # a server whose every row timed out made none
-            else:
-                present = [r["cpu"][kind] for r in rs if kind in r["cpu"]]
-            nice = ",".join(map(str, sorted(set().union(*(p[1] for p in present)))))
-            cells.append(median_range([p[0] for p in present], ".2f") + (f" [nice {nice}]" if nice else "")
-                         if present else "-")
-        label = f"of which {kind} (driver / LLM process)" if kind.startswith("thread: ") else kind
-        print(f"| CPU s: {label} | " + " | ".join(cells) + " |")
+    for kind in [k for k, _ in KINDS] + [SAMPLER]:
+        print(f"| CPU s: {kind} | " + " | ".join(median_range([r["cpu"][kind] for r in rs if kind in r["cpu"]], ".2f")
+                                                 if any(kind in r["cpu"] for r in rs) else "-"
+                                                 for rs in runs.values()) + " |")
+    print("| CPU s: all processes | " + " | ".join(median_range([total(r["cpu"]) for r in rs], ".2f")
+                                                   for rs in runs.values()) + " |")
+    # A server whose every row was lost made no tokens: no figure per token.
+    print("| CPU s: all processes per 1,000 generated tokens | " + " | ".join(
+        median_range(per, ".2f") if (per := [1000 * total(r["cpu"]) / r["tokens"] for r in rs if r["tokens"]]) else "-"
+        for rs in runs.values()) + " |")
 
 
 def main() -> None:
@@ -452,30 +367,19 @@ def main() -> None:
     parser.add_argument("--mean", type=float, default=48, help="mean completion length before the cap (1/p(eos))")
     parser.add_argument("--slots", type=int, default=64, help="max_num_seqs (at least the top concurrency, as a "
                                                              "peer's server is sized for its client)")
-    parser.add_argument("--settings", nargs="+", default=["default"], choices=["default", "naive"],
-                        help="the job's feeding settings")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[4, 16, 64])
-    parser.add_argument("--timeouts", nargs="+", default=["tight", "raised"], choices=["tight", "raised"])
-    parser.add_argument("--timeout-s", type=float, help="the tight timeout (default: the scaling rule above)")
-    parser.add_argument("--raised-timeout-s", type=float, default=600.0)
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="the client's timeout (its default: 600 s)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each path, interleaved; the median is reported")
     parser.add_argument("--skip", nargs="+", default=[], choices=["bare", "job", "server"],
                         help="paths to leave out (without bare, the job is the reference)")
-    parser.add_argument("--worker-niceness", type=int, help="Ray's worker_niceness for this run's local Ray "
-                        "(Ray's default: 15); the cluster-wide setting `RAY_worker_niceness` of `ray start`")
     parser.add_argument("--engine-cores", type=int, nargs="+", help="vLLM's engine processes (model worker, engine "
                         "core) on these cores and every other process on the rest, from each path's start (the "
                         "server: its sweep) to its end: the machinery of a path, as on a GPU node's spare cores, "
                         "no longer shares a core with the engine")
-    parser.add_argument("--smoke", action="store_true", help="6 rows, 16 tokens, every path, C = 2, tight timeout, "
-                                                             "one repeat")
-    parser.add_argument("--bare", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true", help="6 rows, 16 tokens, every path, C = 2, one repeat")
     args = parser.parse_args()
-    if args.bare:
-        return bare_vllm(*args.bare)
     if args.smoke:
-        args.rows, args.max_tokens, args.mean, args.slots, args.concurrency, args.timeouts, args.repeats = \
-            6, 16, 8, 4, [2], ["tight"], 1
+        args.rows, args.max_tokens, args.mean, args.slots, args.concurrency, args.repeats = 6, 16, 8, 4, [2], 1
     if args.engine_cores and "bare" not in args.skip:
         raise SystemExit("--engine-cores: add --skip bare (bare's engine runs in a child process the sampler "
                          "does not pin)")
@@ -483,15 +387,13 @@ def main() -> None:
     if "bare" in args.skip and "job" in args.skip:
         raise SystemExit("--skip: keep bare or the job, the reference the others are compared with")
 
-    sys.path.insert(0, str(REPO / "tests"))
-    from support import build_babbling_model
-
     import ray
 
     from eagle_data.config import load_config
     from eagle_data.job.phases.generate import target_tokens
     from eagle_data.job.phases.run import run
     from eagle_data.model_files import load_tokenizer
+    from eagle_data.tiny_models import build_babbling_model
 
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -504,17 +406,14 @@ def main() -> None:
                 "engine.device=cpu", f"engine.cpu_kv_cache_gib={KV_CACHE_BYTES / 2**30}",
                 f"engine.engine_kwargs={json.dumps(kwargs)}", f"engine.max_model_len={MAX_MODEL_LEN}",
                 f"sampling.max_tokens={args.max_tokens}", "sampling.temperature=1.0", "sampling.top_p=1.0",
-                "sampling.seed=0", "output.rows_per_shard=64", "output.log_every_s=3600", f"engine.cpu_threads={one_engine_thread()}"]
-        niceness = {} if args.worker_niceness is None else {"worker_niceness": args.worker_niceness}
-        if niceness and os.environ.get("RAY_ADDRESS"):
-            raise SystemExit("--worker-niceness starts a Ray instance of its own: unset RAY_ADDRESS")
-        ray_used = start_ray(num_cpus=2, _system_config=niceness)
+                "sampling.seed=0", "output.rows_per_shard=64", "output.log_every_s=3600",
+                f"engine.cpu_threads={one_engine_thread()}"]
+        ray_used = start_ray(num_cpus=2)
         logging.getLogger("ray").setLevel(logging.WARNING)
         base_cfg = load_config(None, base + [f"output.path={tmp / 'base'}"])
         run(base_cfg, phase="prompts")
         restore_niceness()
-        tokenizer = load_tokenizer(str(model))
-        stop_ids = list(target_tokens(base_cfg, tokenizer).eos_ids)  # what the job asks for
+        stop_ids = list(target_tokens(base_cfg, load_tokenizer(str(model))).eos_ids)  # what the job asks for
         prompts = read_prompts(tmp / "base")
 
         spec = tmp / "bare.json"
@@ -522,28 +421,22 @@ def main() -> None:
                                     "engine_kwargs": {**kwargs, "max_model_len": MAX_MODEL_LEN},
                                     "max_tokens": args.max_tokens, "stop_ids": stop_ids}))
         runs: dict[str, list[dict]] = collections.defaultdict(list)
-        reference = BARE if "bare" not in args.skip else f"job, {args.settings[0]} feeding"
+        reference = BARE if "bare" not in args.skip else JOB
         for repeat in range(args.repeats):
             done: dict[str, dict] = {}  # this repeat's runs
             if "bare" not in args.skip:
                 done[BARE] = run_bare(tmp, spec, repeat, args.slots)
             if "job" not in args.skip:
-                for setting in args.settings:
-                    done[f"job, {setting} feeding"] = run_job(tmp, base, setting, repeat, args.slots)
-            ref = done[reference]
-            for result in done.values():
-                result["tokens"] = sum(map(len, result["ids"].values()))
+                done[JOB] = run_job(tmp, base, repeat, args.slots)
             if "server" not in args.skip:
-                tight = args.timeout_s or SEED_BUDGET_IN_MEANS * args.mean * max(args.concurrency) / (
-                    ref["tokens"] / ref["seconds"])
-                timeouts = {"tight": tight, "raised": args.raised_timeout_s}
-                sweep = [(c, name, timeouts[name]) for c in args.concurrency for name in args.timeouts]
-                for (conc, name), result in run_server(tmp, model, kwargs, prompts, sweep, args.max_tokens, stop_ids,
-                                                       repeat).items():
-                    done[f"server C={conc}, {name} timeout"] = result
+                for conc, result in run_server(tmp, model, kwargs, prompts, args.concurrency, args.timeout_s,
+                                               args.max_tokens, stop_ids, repeat).items():
+                    done[f"server C={conc}"] = result
+            ref = done[reference]
             for name, result in done.items():
+                result.setdefault("tokens", sum(map(len, result["ids"].values())))
                 result["exact"] = (f"ids {len(ref['ids'])}/{len(ref['ids'])} (the reference)" if name == reference
-                                   else exactness(result, ref["ids"], prompts, tokenizer, stop_ids))
+                                   else exactness(result, ref["ids"], prompts))
                 runs[name].append(result)
             print(f"repeat {repeat + 1}/{args.repeats} done", flush=True)
         ray.shutdown()
@@ -551,12 +444,16 @@ def main() -> None:
     lengths = sorted(map(len, runs[reference][0]["ids"].values()))
     print(f"workload: {len(prompts)} prompts, geometric lengths mean {args.mean:g} capped at {args.max_tokens} "
           f"(measured mean {sum(lengths) / len(lengths):.1f}, longest {lengths[-1]}), max_num_seqs {args.slots}; "
-          f"{args.repeats} repeat(s), interleaved, median (range); reference: {reference}; driver nice {os.nice(0)}; "
-          f"engine threads: VLLM_CPU_OMP_THREADS_BIND={os.environ['VLLM_CPU_OMP_THREADS_BIND']}; ray: {ray_used}")
+          f"{args.repeats} repeat(s), interleaved, median (range); reference: {reference}; client timeout "
+          f"{args.timeout_s:g} s; engine threads: VLLM_CPU_OMP_THREADS_BIND={os.environ['VLLM_CPU_OMP_THREADS_BIND']}; "
+          f"ray: {ray_used}")
     print("load s: bare = LLM(...); the job = Ray + pipeline start + model load; the server = start to /health")
     print_results(runs, reference, len(prompts))
     print_breakdown(runs)
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--bare"]:  # run_bare's child process
+        bare_vllm(*sys.argv[2:4])
+    else:
+        main()

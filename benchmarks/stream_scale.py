@@ -54,7 +54,7 @@ import threading  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from _workload import start_ray  # noqa: E402  (puts the repo and tests/ on sys.path)
+from _workload import start_ray  # noqa: E402  (puts the repo on sys.path)
 from reader_memory import write_out  # noqa: E402
 
 KIMI = {"num_hidden_layers": 61, "hidden_size": 7168}  # Kimi-K2.5's text model: layer ids [2, 30, 58, 61]
@@ -244,7 +244,7 @@ def main() -> None:
 
     import ray.cloudpickle
 
-    from support import as_config
+    from eagle_data.config import Config
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the stand-in and the loop, on Ray's workers
     where = start_ray(num_cpus=2, object_store_memory=int(args.store_gib * 2**30))
@@ -256,10 +256,11 @@ def main() -> None:
     for n in args.rows:
         outs[n] = work / f"out-{n}"
         write_out(outs[n], n, args.tokens, rows_per_shard=max(4, n // 10))
-    cfg = as_config({"model": {"path": str(model)}, "output": {"path": str(outs[args.rows[0]]), "log_every_s": 10},
-                     "engine": {"backend": "transformers", "batch_size": 2, "max_model_len": 4096},
-                     "sampling": {"max_tokens": 16}, "hidden_states": {"dtype": "bfloat16"},
-                     **({"stream": {"max_bytes_in_flight": args.max_bytes}} if args.max_bytes else {})})
+    cfg = Config.model_validate({
+        "model": {"path": str(model)}, "output": {"path": str(outs[args.rows[0]]), "log_every_s": 10},
+        "engine": {"backend": "transformers", "batch_size": 2, "max_model_len": 4096},
+        "sampling": {"max_tokens": 16}, "hidden_states": {"dtype": "bfloat16"},
+        **({"stream": {"max_bytes_in_flight": args.max_bytes}} if args.max_bytes else {})})
     row_mb = args.tokens * 4 * KIMI["hidden_size"] * 2 / 1e6
     print(f"Ray: {where}, object store {args.store_gib:g} GiB; {args.rows} rows of ~{args.tokens} tokens (uniform "
           f"{args.tokens // 2}-{args.tokens * 3 // 2}), states 4 x {KIMI['hidden_size']} bfloat16 a token: "

@@ -1,12 +1,12 @@
 """The benchmark smoke runs (tests/test_benchmarks.py): each script in benchmarks/ at a
-smoke size. They start with the test session (conftest.py's `smoke_runs`) and run in the
-background beside the other tests, each on a Ray instance of its own: a smoke run only shows
-that its script still runs and prints sane figures (finite, positive, the rows it was given
-counted: tests/test_benchmarks.py reads them back; at a smoke size, beside other work, their
-values mean nothing), and most of it is waiting on one core (imports, model loads, actor
-start-ups) that the tests beside it fill. Two lanes, one script at a time in each, of about
-equal cost alone: the vLLM scripts; and acceptance_loop.py (six jobs on SmolLM2, vLLM among
-them: about 5 minutes alone) first, then the rest, which are short."""
+smoke size, the smallest that still runs every step it has. They start with the test session
+(conftest.py's `smoke_runs`) and run in the background beside the other tests, each on a Ray
+instance of its own: a smoke run shows that its script runs end to end and prints its table
+(tests/test_benchmarks.py reads it back: counts and invariants, never a speed), and much of
+it is waiting on one core (imports, model loads, actor start-ups) that the tests beside it
+fill. Two lanes, one script at a time in each, of about equal CPU: the vLLM scripts,
+stream_scale.py and driver_memory.py; and acceptance_loop.py (six jobs on SmolLM2, vLLM among
+them) first, then the rest. Each smoke's wall and CPU time: docs/development.md."""
 
 from __future__ import annotations
 
@@ -23,34 +23,27 @@ from support import REPO, prompt_sets_missing, vllm_unavailable
 SMOKE = {
     # Every stage ran: the last line of its table names the two trained drafts' difference.
     "acceptance_loop.py": (["--smoke"], "tau(regenerated) - tau(dataset)"),
-    "driver_memory.py": (["--rows", "200", "400"], "driver peak RSS"),
-    "engine_feeding.py": (["--slots", "4", "--rows", "40", "--measure-s", "2", "--settings", "4x4", "naive",
-                           "--no-model-table"], "util"),
-    "hidden_states_throughput.py": (["--smoke"], "| on OUT's storage (baseline) |"),
-    # --logprobs: about 13 s more, nearly all of it importing Ray's vLLM stage (torch, vllm).
-    "multi_turn_loads.py": (["--smoke"], "loads per run (this checkout)"),
-    "one_pass.py": (["--smoke"], "| plain, temperature 0.8 |"),
-    "postprocess_throughput.py": (["--rows", "40", "--repeats", "1", "--logprobs", "2", "--logprobs-rows", "4"],
-                                  "ours (Postprocessor)"),
-    "prompts_memory.py": (["--smoke"], "driver peak RSS growth"),
-    "reader_memory.py": (["--rows", "400", "--tokens", "50", "--rows-per-shard", "100"], "samples"),
-    "resume_cost.py": (["--rows", "2000", "--rows-per-shard", "500", "--failed", "50", "--repeats", "1"], "resume reads what it needs"),
+    "driver_memory.py": (["--smoke"], "rows x2: driver peak RSS"),
+    "engine_feeding.py": (["--slots", "4", "--rows", "40", "--measure-s", "2", "--settings", "4x4", "naive"],
+                          "| naive (all rows x 1) |"),
+    # Every step ran: the CPU table's header names each window, and the bytes line comes last.
+    "hidden_states_throughput.py": (["--smoke"], "| bare vLLM | phase on vLLM | floor (no engine) |"),
+    "postprocess_throughput.py": (["--rows", "40", "--repeats", "1"], "| ours (Postprocessor) |"),
+    "reader_memory.py": (["--rows", "400", "--tokens", "50", "--rows-per-shard", "100"], "| rows | shards |"),
     # Every path ran: the breakdown's header names each.
-    "server_vs_job.py": (["--smoke"],
-                         "| bare vLLM (LLM.generate) | job, default feeding | server C=2, tight timeout |"),
-    "stream_balance.py": (["--smoke", "--steps", "2"], "| trainer step (x engine) |"),
+    "server_vs_job.py": (["--smoke"], "| bare vLLM (LLM.generate) | job, default feeding | server C=2 |"),
     # A bound that the 48 rows pass (~180 MB; above the gate's floor, 2 workers' windows and the
     # split: 20 rows, at most 110 MB): the gate holds them to it (test_benchmarks.stream_scale).
     "stream_scale.py": (["--smoke", "--max-bytes", "120000000"], "| trainer step (x engine) |"),
-    "vocab_count.py": (["--smoke"], "counts equal: True"),
 }
 
 
 # Each smoke run of a whole job, or of 20 s or more, is `slow`; vLLM's is `vllm`.
-VLLM = {"acceptance_loop.py", "hidden_states_throughput.py", "server_vs_job.py", "multi_turn_loads.py", "one_pass.py"}
-SLOW = {"driver_memory.py", "prompts_memory.py", "engine_feeding.py", "postprocess_throughput.py", "stream_balance.py",
-        "stream_scale.py"}
-# The costliest smoke leads the other lane (the module's docstring).
+VLLM = {"acceptance_loop.py", "hidden_states_throughput.py", "server_vs_job.py"}
+SLOW = {"driver_memory.py", "engine_feeding.py", "stream_scale.py"}
+# Two lanes of about equal CPU (docs/development.md): the vLLM scripts, stream_scale.py and
+# driver_memory.py; and acceptance_loop.py, the costliest smoke, first, then the rest.
+FIRST_LANE = {"hidden_states_throughput.py", "server_vs_job.py", "stream_scale.py", "driver_memory.py"}
 OTHER_LANE_FIRST = {"acceptance_loop.py"}
 MARKS = {**{s: pytest.mark.slow for s in SLOW}, **{s: pytest.mark.vllm for s in VLLM}}
 
@@ -73,7 +66,7 @@ NICENESS = 19
 # down to NICENESS with it (_workload.SMOKE_NICENESS). Under `nice` a start got so little of the
 # cores that it missed Ray's fixed 30 s wait for the raylet (CI, 2026-12-06).
 STEP_DOWN_ONCE_RAY_IS_UP = {"acceptance_loop.py", "driver_memory.py", "engine_feeding.py", "hidden_states_throughput.py",
-                            "prompts_memory.py", "stream_balance.py", "stream_scale.py"}
+                            "stream_scale.py"}
 # Beside the tests a smoke gets only the cores they leave: the whole run's length, not its own.
 SMOKE_TIMEOUT_S = 3600
 
@@ -95,7 +88,7 @@ def start_smokes(items) -> tuple[dict[str, Future], list[ThreadPoolExecutor]]:
     scripts = [item.callspec.params["script"] for item in items if item.originalname == TEST
                and (item.get_closest_marker("vllm") is None or vllm_unavailable() is None)
                and not (item.callspec.params["script"] in NEEDS_PROMPT_SETS and prompt_sets_missing())]
-    lanes = {"vllm": ThreadPoolExecutor(1), "other": ThreadPoolExecutor(1)}
-    runs = {s: lanes["vllm" if s in VLLM - OTHER_LANE_FIRST else "other"].submit(run_smoke, s)
+    lanes = {"first": ThreadPoolExecutor(1), "other": ThreadPoolExecutor(1)}
+    runs = {s: lanes["first" if s in FIRST_LANE else "other"].submit(run_smoke, s)
             for s in sorted(scripts, key=lambda s: s not in OTHER_LANE_FIRST)}
     return runs, list(lanes.values())

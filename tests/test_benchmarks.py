@@ -1,13 +1,16 @@
-"""No benchmark can rot: each script in benchmarks/ runs at a smoke size (seconds, a real
-model load for the vLLM ones), must exit 0, and the figures it prints must be sane: read
-back from what it prints for a reader (its JSON lines, its `RESULT {...}` line, its markdown
-tables), each is finite, times and rates are positive, and the rows it counted are the rows
-the smoke size gives it. At a smoke size beside other tests the figures' values mean nothing,
-so nothing is compared with a target. The full sizes stay manual (each script's docstring).
-The runs start with the session (tests/smokes.py)."""
+"""No benchmark can rot: each script in benchmarks/ runs at a smoke size (seconds to minutes,
+a real model load for the vLLM ones; tests/smokes.py) and must exit 0, print its table, and
+print figures that hold at any speed: read back from its JSON lines, its `RESULT {...}` line
+and its markdown tables, the rows it counted are the rows the smoke size gives it, what it
+checks by construction holds (the job's tokens are bare vLLM's, the stream's bound held, the
+postprocess kept every token), and each figure is finite, with times positive and rounded or
+sampled figures allowed to print 0. Nothing that depends on the machine's speed is compared
+with anything: at a smoke size beside other tests the figures' values mean nothing. The full
+sizes stay manual (each script's docstring, docs/performance.md)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import re
@@ -15,12 +18,33 @@ import re
 import pytest
 
 from smokes import MARKS, NEEDS_PROMPT_SETS, SMOKE
-from support import REPO, prompt_sets_missing, vllm_unavailable
+from support import REPO, prompt_sets_missing
 
 
 def test_every_benchmark_has_a_smoke_size_and_its_figures_checked():
     scripts = {p.name for p in (REPO / "benchmarks").glob("*.py") if not p.name.startswith("_")}
     assert scripts == set(SMOKE) == set(FIGURES)
+
+
+def test_no_benchmark_imports_tests():
+    """benchmarks/ imports the package, never tests/ (what both need lives in the package, such
+    as eagle_data/tiny_models.py): no import of a module of tests/ (support, smokes, ...), and
+    no path to tests/ spelled out (a "tests" path part), which is how a script puts it on sys.path."""
+    modules = {p.stem for p in (REPO / "tests").glob("*.py")}
+    found = []
+    for path in sorted((REPO / "benchmarks").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                names = []
+            found += [f"{path.name}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in modules]
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                    re.fullmatch(r"(.*/)?tests/?", node.value):
+                found.append(f"{path.name}:{node.lineno} names the folder tests/ ({node.value!r})")
+    assert found == []
 
 
 @pytest.mark.parametrize("script", [pytest.param(s, marks=MARKS.get(s, ())) for s in sorted(SMOKE)],
@@ -90,6 +114,14 @@ def sane(*values: float, zero: bool = False) -> None:
         assert math.isfinite(v) and (v >= 0 if zero else v > 0), v
 
 
+def cpu_seconds(*values: float) -> None:
+    """CPU seconds inside a window: differences of sampled counters, the sampler's own thread
+    (timed to the nanosecond) taken out of its process's (counted in 10 ms ticks), so a figure
+    near 0 may dip a little below it."""
+    for v in values:
+        assert math.isfinite(v) and v >= -0.05, v
+
+
 def share(*values: float) -> None:
     for v in values:
         assert math.isfinite(v) and 0 <= v <= 1, v
@@ -119,11 +151,19 @@ def acceptance_loop(output: str) -> None:
 
 def driver_memory(output: str) -> None:
     runs = json_lines(output)
-    assert [r["rows"] for r in runs] == [200, 400]
+    assert [(r["rows"], r["sample"], list(r["wall_s"])) for r in runs] == [
+        (200, None, ["prompts", "generate"]), (400, None, ["prompts", "generate"]), (400, 100, ["prompts"])]
     for r in runs:
-        assert r["prompts"] == r["ok"] == r["rows"]  # every synthetic row is a prompt, and answered
-        sane(r["wall_s"], r["driver_peak_rss_mib"], *r["peaks_mib"].values())
-        sane(r["arrow_pool_peak_mib"], zero=True)
+        # Every synthetic row is a prompt (or the sample's), and each is answered.
+        assert r["prompts"] == (r["sample"] or r["rows"]) and r["ok"] == (None if r["sample"] else r["rows"])
+        assert list(r["phases_mib"]) == list(r["wall_s"])
+        sane(*r["wall_s"].values(), r["driver_cpu_s"], r["worker_cpu_s"], r["driver_peak_rss_mib"], r["workers"],
+             r["worker_peak_max_mib"], r["worker_peak_anon_max_mib"])
+        for peaks in r["phases_mib"].values():
+            sane(peaks["VmRSS"], peaks["RssAnon"])
+            sane(peaks["RssShmem"], zero=True)  # the object store's pages: next to nothing at this size
+    [table] = tables(output)
+    assert [(row["rows"], row["source.sample"]) for row in table] == [("200", "null"), ("400", "null"), ("400", "100")]
 
 
 def engine_feeding(output: str) -> None:
@@ -133,147 +173,86 @@ def engine_feeding(output: str) -> None:
         assert r["rows"] == r["ok"] == 40  # the rows the engine admitted, and the rows published
         sane(r["rows_per_s"], r["wall_s"], r["window_s"], r["avg_in_flight"], r["calls"])
         sane(r["ramp_s"], r["first_return_s"], zero=True)
-        share(r["util"], r["model_util"])
+        share(r["util"])
         assert r["util"] > 0
+    [table] = tables(output)
+    assert [row["B x C"] for row in table] == [r["setting"] for r in runs]
 
 
 def hidden_states_throughput(output: str) -> None:
-    paths, cpu, storage = tables(output)
-    assert len(paths) == 8  # bare vLLM x 3, the phase x 3, the floor, the transformers dump
+    paths, cpu = tables(output)
+    assert len(paths) == 7  # bare vLLM x 3, the phase x 3, the floor
     for row in paths:
         assert number(row["rows"]) == 8  # the script asserts every row's states were made and published
-        sane(number(row["tokens"]), number(row["seconds"]), number(row["prefill tok/s"]))
-        sane(number(row["vs bare vLLM"]), number(row["load s"]), zero=True)  # the wall's ratio rounds to 0.00
+        sane(number(row["tokens"]), number(row["seconds"]))
+        # Rounded: a slow run's rate, the wall's ratio and a quick load can print 0.
+        sane(number(row["prefill tok/s"]), number(row["vs bare vLLM"]), number(row["load s"]), zero=True)
     assert len({row["tokens"] for row in paths}) == 1
-    for row in cpu:  # CPU seconds: differences of sampled counters (10 ms ticks), which may dip below 0
+    assert [row["CPU s inside the window"] for row in cpu][-2:] == ["all processes",
+                                                                   "all but vLLM's two processes, per row (ms)"]
+    for row in cpu:
         label, *cells = row.values()
         for cell in (c for c in cells if c != "-"):
             seconds, *rest = numbers(cell)
-            assert math.isfinite(seconds) and seconds >= -0.05, (label, cell)
+            cpu_seconds(seconds)
             if label.startswith("all but"):  # "s (ms per row)": the same figure twice
                 [per_row_ms] = rest
                 assert per_row_ms == pytest.approx(1000 * seconds / 8, abs=1000 * 0.005 / 8 + 0.05), cell
             else:
                 sane(*rest)  # the window's cores and capacity
-    assert [row["scratch_dir"] for row in storage] == ["node-local (this run)", "on OUT's storage (baseline)"]
-    for row in storage:
-        sane(number(row["written"]), number(row["files written"]), number(row["published shards read"]))
-        sane(number(row["read back before publishing"]), number(row["files read back"]), zero=True)
     written = re.search(r"written/estimate (\S+)", output)
     assert written and 0.9 < float(written.group(1)) < 1.5, written  # the estimate is near what was written
 
 
-def multi_turn_loads(output: str) -> None:
-    [line] = [line for line in output.splitlines() if line.startswith("this checkout: {")]
-    r = json.loads(line.removeprefix("this checkout: "))
-    assert 4 <= r["ok"] <= 8  # 4 conversations x 2 turns: every first turn, and the second ones not stopped
-    assert r["tokens"] >= r["ok"]
-    assert len(r["load_spells"]) == r["engines_started"] == 1  # what the script measures: one load a run
-    sane(r["wall_s"], r["generate_s"], *r["load_spells"])
-
-
-def one_pass(output: str) -> None:
-    cost, answers, distribution = tables(output)
-    assert [row["sampling"] for row in cost] == ["greedy", "sampled"]
-    for row in cost:
-        plain, second, both, one = (number(row[k]) for k in ("plain s", "second pass s", "two passes s", "one pass s"))
-        sane(plain, one, both, number(row["one pass / two passes"]))
-        sane(second, zero=True)
-        assert abs(both - plain - second) <= 0.011
-    [row] = answers
-    same, rows = numbers(row["greedy answers equal plain's"])
-    differ, states = numbers(row["rows whose states differ from a second pass (> 1e-5 relative)"])
-    assert rows == 4 and states == 8 and 0 <= same <= rows and 0 <= differ <= states
-    sane(number(row["largest difference"]), zero=True)
-    assert [row["against plain (temperature 1.0)"] for row in distribution] == [
-        "one pass", "plain, other seeds", "plain, temperature 0.8"]
-    for row in distribution:
-        tests = number(row["tests"])
-        assert tests == 8  # 2 prompts x (token 1, 2, 3, (1, 2))
-        assert 0 <= number(row["p < 0.01"]) <= tests
-        smallest, median = number(row["smallest p"]), number(row["median p"])
-        share(smallest, median)
-        assert smallest <= median
-        again, requests = numbers(row["token 2 = token 1"])
-        assert requests == 200 and 0 <= again <= requests
 
 
 def postprocess_throughput(output: str) -> None:
     r = result(output)
-    assert r["rows"] == 40 and r["same_prompt_lengths"] is True
-    sane(r["generated_tokens"], *r["cpu_s"].values(), *r["wall_s"].values())
-    assert set(r["cpu_s"]) == set(r["wall_s"]) == {"ours (Postprocessor)", "floor (a): batch_decode only",
-                                                   "floor (a'): Rust decode_batch only",
-                                                   "retokenize (b): template + tokenize"}
-    if vllm_unavailable() is None:  # --logprobs 2 measures with vLLM's own output classes
-        assert list(r["logprobs_us_per_token"]) == ["2"]
-        totals = r["logprobs_us_per_token"]["2"]
-        assert len(totals) == 4
-        sane(*totals.values())
+    assert r["rows"] == 40 and r["kept_every_token"] is True and r["generated_tokens"] > 0
+    methods = {"ours (Postprocessor)", "floor (a): batch_decode only", "floor (a'): Rust decode_batch only"}
+    assert set(r["cpu_s"]) == set(r["wall_s"]) == methods
+    sane(*r["cpu_s"].values(), *r["wall_s"].values())
+    [table] = tables(output)
+    assert {row["method"] for row in table} == methods
 
 
-def prompts_memory(output: str) -> None:
-    runs = json_lines(output)
-    assert [(r["rows"], r["sample"]) for r in runs] == [(100, None), (200, None), (200, 50)]
-    for r in runs:
-        assert r["selected"] == (r["sample"] or r["rows"])
-        assert 0 < r["prompts"] <= r["selected"] and r["prompt_tokens"] > r["prompts"]
-        sane(r["wall_s"], r["driver_cpu_s"], r["worker_cpu_s"], r["driver_start_rss_mib"], r["driver_peak_rss_mib"],
-             r["driver_peak_anon_mib"], r["workers"], r["worker_peak_max_mib"], r["worker_peak_sum_mib"])
-        sane(r["driver_peak_shmem_mib"], r["duplicates"], zero=True)
 
 
 def reader_memory(output: str) -> None:
-    r, _ = json.JSONDecoder().raw_decode(output[output.index("\n{\n") + 1:])  # the script prints it indented
+    [r] = json_lines(output)
     assert r["rows"] == r["samples"] == 400 and r["shards"] == 4
-    sane(r["tokens"], r["samples_per_s"], r["rss_before_mib"], r["rss_after_index_mib"], r["rss_peak_sampled_mib"],
-         r["ru_maxrss_mib"], *r["rss_during_mib"].values())
-    sane(r["index_s"], r["iterate_s"], r["data_on_disk_mib"], zero=True)  # rounded: 0.0 at 400 rows
+    sane(r["tokens"], r["rss_before_mib"], r["rss_after_index_mib"], r["rss_peak_sampled_mib"], r["ru_maxrss_mib"],
+         *r["rss_during_mib"].values())
+    # Rounded: 0.0 at 400 rows; a slow run's rate can print 0.
+    sane(r["index_s"], r["iterate_s"], r["data_on_disk_mib"], r["samples_per_s"], zero=True)
+    [[row]] = tables(output)
+    assert number(row["rows"]) == 400 and number(row["shards"]) == 4
 
 
-def resume_cost(output: str) -> None:
-    r = result(output)
-    assert r["finished"] == r["rows_read"] == r["rows"] == 2000  # every sample has an ok row
-    assert set(r["seconds"]) == {"resume cold", "resume warm", "full cold", "full warm"}
-    sane(*r["seconds"].values())
 
 
 def server_vs_job(output: str) -> None:
     runs, breakdown = tables(output)
-    names = [row["run"] for row in runs]
-    assert names == ["bare vLLM (LLM.generate)", "job, default feeding", "server C=2, tight timeout"], names
+    assert [row["run"] for row in runs] == ["bare vLLM (LLM.generate)", "job, default feeding", "server C=2"]
     for row in runs:
         ok, lost = number(row["rows ok"]), sum(numbers(row["rows lost"]))  # lost: "0", or "1 timeout, 1 error"
-        assert ok + lost == 6 and (ok == 6 or row["run"].startswith("server"))  # the server may time out
+        assert ok + lost == 6
         exact, asked = numbers(row["exact rows"])[:2]  # "ids 6/6 ..." against bare vLLM's
         assert asked == ok and 0 <= exact <= asked
-        sane(number(row["seconds"]), number(row["load s"]))
-        # A loaded machine can make the tight timeout lose every row of the server's (CI, 2026-12-06).
-        sane(number(row["generated tokens"]), number(row["tokens/s"]), number(row[next(k for k in row if k.startswith("vs "))]),
-             zero=row["run"].startswith("server") and ok == 0)
-    assert runs[0]["generated tokens"] == runs[1]["generated tokens"]  # the job asked what bare vLLM was
+        # Rounded (a slow run's tokens/s can print 0), and a server that lost every row made none.
+        sane(number(row["seconds"]), number(row["generated tokens"]), number(row["tokens/s"]), number(row["load s"]),
+             number(row[next(k for k in row if k.startswith("vs "))]), zero=True)
+    bare, job, server = runs
+    # The same seeds on the same engine: the job stores bare vLLM's tokens, on every row.
+    assert number(bare["rows ok"]) == number(job["rows ok"]) == 6 and job["exact rows"] == "ids 6/6"
+    assert job["generated tokens"] == bare["generated tokens"]
+    assert "prompt ids differ" not in server["exact rows"]  # the server rendered the job's prompt ids
     for row in breakdown:
         for cell in list(row.values())[1:]:
             if cell != "-":
-                sane(*numbers(cell.split("[")[0]), zero=True)  # "[nice 0,15]": niceness, not a figure
+                cpu_seconds(*numbers(cell))
 
 
-def stream_balance(output: str) -> None:
-    steps, memory = tables(output)
-    [row] = steps  # --steps 2
-    assert number(row["trainer step (x engine)"]) == 2 and number(row["rows"]) == 40
-    sane(number(row["wall s"]), number(row["engine ms a row (median batch)"]))
-    share(number(row["trainer waits (share of its time)"]) / 100,
-          number(row["engine idles (share of its window)"]) / 100)
-    assert [number(row["rows"]) for row in memory] == [8, 40]
-    for row in memory:  # MiB; the shared pages and the object store hold about nothing at this size
-        small = ("worker's shared (RssShmem)", "object store peak")
-        sane(*(number(cell) for name, cell in row.items() if name not in ("rows", *small)))
-        sane(*(number(row[name]) for name in small), zero=True)
-    calibration = re.search(r"engine busy (\S+) ms a row, idle (\S+)% of its (\S+) s window", output)
-    assert calibration, "no calibration line"
-    sane(float(calibration.group(1)), float(calibration.group(3)))
-    share(float(calibration.group(2)) / 100)
 
 
 def stream_scale(output: str) -> None:
@@ -287,52 +266,36 @@ def stream_scale(output: str) -> None:
     assert [number(row["rows"]) for row in memory] == [4, 48]
     for row in memory:  # MiB; nothing is spilled
         assert number(row["spilled to disk"]) == 0
-        sane(number(row["bound (its limit)"]), number(row["object store peak"]), number(row["driver peak RSS"]),
-             number(row["split coordinator peak RSS"]), number(row["training worker peak RSS (max)"]),
-             number(row["worker's own (RssAnon)"]), number(row["worker's own between steps"]))
+        sane(number(row["bound (its limit)"]), number(row["driver peak RSS"]),
+             number(row["training worker peak RSS (max)"]), number(row["worker's own (RssAnon)"]),
+             number(row["worker's own between steps"]))
         in_flight, rows = numbers(row["peak in flight (the stream's count)"])
         assert 0 < in_flight <= number(row["bound (its limit)"]) and 0 < rows <= number(row["rows"])
+        # Sampled every 0.5 s: a quick run (4 rows on a fast machine) can end between two samples.
+        sane(number(row["object store peak"]), number(row["split coordinator peak RSS"]), zero=True)
         sane(number(row["worker's shared (RssShmem)"]), number(row["chunks held >= 1 s (no room)"]), zero=True)
     r = result(output)
     assert r["runs"]["2.0"]["rows"] == 48 and r["baseline"]["rows"] == 4
     assert r["runs"]["2.0"]["spilled"] == r["baseline"]["spilled"] == 0
-    # The bound held: the smoke's limit (tests/smokes.py: --max-bytes) is above the gate's floor
-    # (2 workers' windows and the split, 20 rows of at most 96 tokens: <= 110 MB), so the bound is
-    # the limit itself, never raised; the 48 rows (~180 MB) pass it, so the gate held rows back:
-    # the peak in flight is within the limit, within a chunk (2 rows) of it (a chunk is held only
-    # where its bytes would pass the limit), and below the rows streamed. The gate is reached only
-    # where the engine runs ahead of the trainer (its step a sleep; the engine's rows go through Ray
-    # Data and the gate, which a loaded machine slows): where the trainer waited 10% of its time or
-    # more (45% beside a fresh clone's suite, 2026-12-06; under 1% alone), the peak is only checked
-    # to be within the limit.
+    # The bound held, at any speed: the smoke's limit (tests/smokes.py: --max-bytes) is above the
+    # gate's floor (2 workers' windows and the split, 20 rows of at most 96 tokens: <= 110 MB), so
+    # the bound is the limit itself, never raised; the gate admits a chunk only within it, so the
+    # peak in flight is within the limit, and the 48 rows (~180 MB) were never all in flight at
+    # once. How close the peak comes to the limit depends on how far the engine runs ahead of
+    # the trainer, which a loaded machine changes: the full run measures it.
     args = SMOKE["stream_scale.py"][0]
     limit = int(args[args.index("--max-bytes") + 1])
-    longest_row = 96 * (4 * 7168 * 2 + 16) + 256  # stream.py: tokens x (states + TOKEN_BYTES) + ROW_BYTES
     large, baseline = r["runs"]["2.0"]["stream"], r["baseline"]["stream"]
     assert large["limit_bytes"] == large["bound_bytes"] == baseline["bound_bytes"] == limit, (large, baseline)
-    assert large["peak_bytes_in_flight"] <= limit, large
-    if r["runs"]["2.0"]["trainer_wait"] < 0.10:
-        assert limit - 2 * longest_row < large["peak_bytes_in_flight"], large
-    assert large["peak_rows_in_flight"] < 48, large
+    assert large["peak_bytes_in_flight"] <= limit and large["peak_rows_in_flight"] < 48, large
     assert baseline["peak_bytes_in_flight"] <= limit and baseline["peak_rows_in_flight"] <= 4, baseline
     ratios = re.search(r"object store peak x(\S+), peak in flight x(\S+), driver x(\S+)", output)
     assert ratios, "no ratios line"
-    sane(*(float(x.rstrip(",")) for x in ratios.groups()))
+    sane(*(float(x.rstrip(",")) for x in ratios.groups()), zero=True)
 
 
-def vocab_count(output: str) -> None:
-    r = json_lines(output)[-1]
-    assert r["rows"] == 2000 and r["counts_equal"] is True
-    methods = r["methods"]
-    assert {name: m["rows"] for name, m in methods.items()} == {
-        "ours": 2000, "counter": 2000, "decode_only": 2000, "ours, N/4 rows": 400}
-    assert methods["ours"]["tokens"] == methods["counter"]["tokens"] == r["tokens"] > 0
-    for m in methods.values():
-        sane(m["tokens"], m["peak_rss_mib"])
-        sane(m["seconds"], m["cpu_seconds"], zero=True)  # rounded to the millisecond
-    sane(r["speedup"], r["cpu_speedup"], zero=True)
 
 
 FIGURES = {f.__name__ + ".py": f for f in (
-    acceptance_loop, driver_memory, engine_feeding, hidden_states_throughput, multi_turn_loads, one_pass, postprocess_throughput,
-    prompts_memory, reader_memory, resume_cost, server_vs_job, stream_balance, stream_scale, vocab_count)}
+    acceptance_loop, driver_memory, engine_feeding, hidden_states_throughput, postprocess_throughput,
+    reader_memory, server_vs_job, stream_scale)}

@@ -2,7 +2,7 @@
 name exists, so that the docs cannot go on citing a file that was moved or deleted.
 
 What is checked: a path that starts with one of the repository's top folders
-(`eagle_data/job/stages/engines/state_files.py`, `tests/vllm/`, `benchmarks/one_pass.py`);
+(`eagle_data/job/stages/engines/state_files.py`, `tests/vllm/`, `benchmarks/server_vs_job.py`);
 a path that starts with a folder of eagle_data/, which the docs name relative to it
 (`job/stages/feed.py`, `engines/state_files.py`, `storage/`); a dotted module name
 (`python -m ray_jobs.generate`), which may end in a name that module defines

@@ -17,6 +17,7 @@ from eagle_data.storage.contract import SCHEMAS, data_schema
 LAYERS = [
     ("eagle_data.errors", 0), ("eagle_data.config", 0), ("eagle_data.config_doc", 0), ("eagle_data.model_files", 0),
     ("eagle_data.feature_shape", 0), ("eagle_data.draft_files", 0),
+    ("eagle_data.tiny_models", 0),  # the tests' and the benchmarks' models: imports nothing of the project
     ("eagle_data.storage", 1), ("eagle_data.reader", 2), ("eagle_data.tools", 3),
     ("eagle_data.job.ray_internals", 4), ("eagle_data.job.stages.columns", 4),  # what the stages build on
     ("eagle_data.job.stages.engines", 5),  # the engine stage: its backends and what they share

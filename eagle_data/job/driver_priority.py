@@ -6,7 +6,7 @@ at the niceness it was started with: 0 from a shell, and 0 under `ray job submit
 machine where the driver shares cores with an engine, each burst of the driver (Ray Data's
 scheduling loop, its per-batch bookkeeping) then preempts the engine's processes at once,
 and the engine's step waits for it: on 2 cores the job made 0.96 of `vllm serve`'s tokens/s
-that way, and 0.99 with the engine at the driver's niceness (docs/performance.md, section 9).
+that way, and 0.99 with the engine at the driver's niceness (docs/performance.md, "Settled").
 So once Ray is up the driver steps down to the workers' niceness. It never raises its own
 priority (that needs a privilege), and Ray's own daemons (raylet, gcs) keep theirs.
 """

@@ -12,7 +12,7 @@ pyproject.toml and says what to do when they differ.
 
 Queues: Ray Data's backpressure counts object-store bytes, and prompt blocks are small
 enough to be inlined into the driver's heap, so the whole OUT/prompts queued in front of
-the engine and the driver's memory grew with the run (docs/performance.md, section 4).
+the engine and the driver's memory grew with the run (docs/performance.md, "Driver memory").
 Here an operator starts no new task while `max_blocks` blocks wait after it, and the
 prompts are read in tasks of about one shard (a running task's output is not held back).
 """

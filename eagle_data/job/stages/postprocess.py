@@ -150,7 +150,7 @@ class Postprocessor(Stage):
             reasoning_spans.append(gen[lo:min(hi, end)])
             response_spans.append(gen[nr:end] if nr < gen.size else gen[:0])
         # One decode per numpy span: batch_decode checks list elements in Python, which cost
-        # more than decoding (docs/performance.md, section 1); its defaults passed explicitly.
+        # more than decoding (docs/performance.md, "The postprocess"); its defaults passed explicitly.
         reasoning = [_decode(tokenizer, span) for span in reasoning_spans]
         response = [_decode(tokenizer, span) for span in response_spans]
         finish = np.where(stopped, "stop", "length")

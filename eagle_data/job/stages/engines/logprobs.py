@@ -7,7 +7,7 @@ int32 (the target's k most likely ids at that step, by rank, best first), `top_l
 token's own, which is one of the top k or not). Each column holds one value per row: the
 array's bytes (little-endian, C order), which the postprocess stage turns into data/'s
 fixed-size lists without a Python object per token (Ray's processor passes every row
-through Python, where nested lists cost one per value: docs/performance.md, section 8).
+through Python, where nested lists cost one per value: docs/performance.md, "Settled").
 vLLM's own `logprobs` column (Ray's list of per-token dicts) stays null: the vLLM stage
 takes the values from vLLM's flat container (`flat_logprob_values`). The values are vLLM's
 default `logprobs_mode`, `raw_logprobs`: log_softmax of the model's raw logits in float32,

@@ -9,7 +9,7 @@ Feeding rule: Ray's stage hands back a batch only when its slowest row is done, 
 Many batches must be in flight per replica so that the engine always has enough unfinished
 rows to fill every sequence slot: batch_size x max_concurrent_batches >= (2 + batch_size/8)
 x max_num_seqs (i.e. 2.5 N for batches of 4, 4 N for 16, 6 N for 32); the curve behind the
-factor is in docs/performance.md, section 2.
+factor is in docs/performance.md, "Feeding the engine".
 """
 
 from __future__ import annotations

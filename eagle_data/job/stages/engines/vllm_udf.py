@@ -20,7 +20,7 @@ def vllm_stage_udf(cpu_threads: int | None = None):
     - `generate_async` is Ray's (`vLLMEngineWrapper.generate_async`: the same request,
       semaphore and timing) except that it asks vLLM for its flat log-probabilities and
       hands them on as arrays (logprobs.py); Ray's per-token dicts make Ray Data pickle
-      each row (docs/performance.md, section 8). A request that names a hidden-states file
+      each row (docs/performance.md, "Settled"). A request that names a hidden-states file
       (the hidden-states pass) gets the file's states as columns, read back here on the
       engine's node and removed (state_files.py). A request marked for measuring (the
       acceptance job's: `extra_args.measure`) gets its wall-clock span and, under
