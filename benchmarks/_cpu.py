@@ -23,7 +23,34 @@ KINDS = [(ENGINE_KINDS[0], ("VLLM::Worker",)), (ENGINE_KINDS[1], ("EngineCore",)
 SAMPLER = "sampler thread"
 
 
-class CpuSampler:
+class Every:
+    """A thread that calls `sample()` every `every_s` seconds while the `with` block runs,
+    once more as it ends: the benchmarks' samplers (CPU here, memory in stream_scale.py)."""
+
+    def __init__(self, every_s: float):
+        self.every_s = every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"{type(self).__name__}-sampler")
+
+    def sample(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            self.sample()  # here only: a sample's thread_time() is this thread's
+            if self._stop.wait(self.every_s):
+                return self.sample()
+
+
+class CpuSampler(Every):
     """CPU seconds of this process and its descendants, sampled every `every_s` on the
     monotonic clock vLLM's engine core stamps its metrics with. A worker's command line is
     its current Ray task, so a sample's CPU goes to the kind the process had then."""
@@ -33,21 +60,12 @@ class CpuSampler:
     engine_cores: set[int] | None = None
 
     def __init__(self, front: str | None = None, every_s: float = 0.5):
-        self.front, self.every_s = front, every_s  # front: the kind of this process itself
+        super().__init__(every_s)
+        self.front = front  # the kind of this process itself
         self.pid = os.getpid()  # the sampled process (bare's samples are read by its parent)
         # (time, {pid: (kind, cpu s)}, the sampler thread's own CPU s so far: this process's
         # figure includes it)
         self.samples: list[tuple[float, dict, float]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="cpu-sampler")
-
-    def __enter__(self) -> "CpuSampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
     def kind(self, proc: psutil.Process) -> str:
         if proc.pid == os.getpid():
@@ -76,12 +94,6 @@ class CpuSampler:
                 os.sched_setaffinity(int(tid), cores)
             except OSError:  # ended meanwhile
                 pass
-
-    def _run(self) -> None:
-        while True:
-            self.sample()  # here only: its thread_time() is this thread's
-            if self._stop.wait(self.every_s):
-                return self.sample()
 
     def window(self, start: float, end: float) -> dict[str, float]:
         """{kind: CPU s} between the last sample at or before `start` and the first at or

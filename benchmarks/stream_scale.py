@@ -54,6 +54,7 @@ import threading  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from _cpu import Every  # noqa: E402
 from _workload import start_ray  # noqa: E402  (puts the repo on sys.path)
 from reader_memory import write_out  # noqa: E402
 
@@ -159,36 +160,25 @@ def store_stats() -> dict:
     return {key: int(m.group(1)) << 20 if m else 0 for key, m in found.items()}
 
 
-class Peaks:
+class Peaks(Every):
     """Every 0.5 s: this process's RSS, the split coordinator's, the object store's use."""
 
     def __init__(self):
+        super().__init__(0.5)
         self.driver = self.coordinator = self.store = self.fallback = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self) -> None:
+    def sample(self) -> None:
         import psutil
 
-        me = psutil.Process()
-        while not self._stop.wait(0.5):
-            self.driver = max(self.driver, me.memory_info().rss)
-            for p in psutil.process_iter(["cmdline"]):
-                if any("SplitCoordinator" in part for part in p.info["cmdline"] or []):
-                    try:
-                        self.coordinator = max(self.coordinator, p.memory_info().rss)
-                    except psutil.Error:
-                        pass
-            stats = store_stats()
-            self.store, self.fallback = max(self.store, stats["used"]), max(self.fallback, stats["fallback"])
-
-    def __enter__(self) -> "Peaks":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+        self.driver = max(self.driver, psutil.Process().memory_info().rss)
+        for p in psutil.process_iter(["cmdline"]):
+            if any("SplitCoordinator" in part for part in p.info["cmdline"] or []):
+                try:
+                    self.coordinator = max(self.coordinator, p.memory_info().rss)
+                except psutil.Error:
+                    pass
+        stats = store_stats()
+        self.store, self.fallback = max(self.store, stats["used"]), max(self.fallback, stats["fallback"])
 
 
 def run_stream(out: Path, cfg, work: Path, args, step_s: float) -> dict:

@@ -5,6 +5,7 @@ vLLM gate (CI=true fails a vLLM test that cannot run). Helpers are in support.py
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -163,3 +164,14 @@ def own_signal_handlers():
     yield
     for s, handler in saved.items():
         signal.signal(s, handler)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs, to fill: a real full disk (needs root to mount; skipped where it cannot)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root) to fill a disk")
+    yield disk
+    subprocess.run(["umount", str(disk)])

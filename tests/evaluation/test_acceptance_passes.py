@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 
 import pytest
 
@@ -39,16 +38,6 @@ def test_the_jobs_own_temporary_files_are_its_own_and_removed_at_start(tmp_path)
             report_folder.prepare(str(folder))
         assert (folder / foreign).read_text() == "a user's"
         (folder / foreign).unlink()
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
-        pytest.skip("cannot mount a small tmpfs here (needs root) to fill a disk")
-    yield disk
-    subprocess.run(["umount", str(disk)])
 
 
 def test_a_full_disk_while_a_pass_is_kept_says_to_rerun_and_the_rerun_is_not_refused(small_disk, capsys):

@@ -214,16 +214,6 @@ def test_no_report_error_after_complete_data_fails_the_job(tmp_path, monkeypatch
     assert f"{type(error).__name__}: {error}" in warning and f"python -m eagle_data report {out}" in warning
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
-        pytest.skip("cannot mount a small tmpfs here (needs root) to fill a disk")
-    yield disk
-    subprocess.run(["umount", str(disk)])
-
-
 @pytest.mark.slow
 def test_a_full_disk_is_a_message_and_the_rerun_resumes(ray_local, tmp_path, small_disk, qwen3_tokenizer_dir):
     out = small_disk / "out"
