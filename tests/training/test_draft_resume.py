@@ -2,8 +2,11 @@
 command resumes from the run's latest intact checkpoint (Ray Train's own restore: the same
 RunConfig name and storage), each step trained once across the two runs; a damaged latest
 checkpoint is found before it is loaded and skipped; a save_path of other settings, or of a
-finished run, is refused in one line. One run on OUT's hidden_states/ (no engine), one on
-the stream, where the stream's place matters; unit tests for the checks behind them."""
+finished run, is refused in one line. The run is on OUT's hidden_states/ (no engine); on the
+stream, the place a checkpoint restores is the same restore a lost worker makes
+(tests/cluster/test_cluster.py, the draft trainer submitted) and a new gate handed resumed
+places is tests/training/test_stream_gate.py's: a stream run killed here cost the suite
+~4 minutes for no path of its own. Unit tests for the checks behind them."""
 
 from __future__ import annotations
 
@@ -126,37 +129,6 @@ def test_a_trainer_whose_driver_is_killed_resumes_from_its_latest_intact_checkpo
     assert main(["--config", str(config)]) == 2  # finished: nothing to resume
     assert capsys.readouterr().err == (f"error: train.speculators.trainer.save_path {save} holds a finished run "
                                        "(final/): nothing to resume; choose a new folder to train again\n")
-
-
-@pytest.mark.slow
-def test_a_stream_trainer_whose_driver_is_killed_resumes_at_the_streams_place(ray_local, hidden_out, deep_qwen3,
-                                                                             tmp_path):
-    """train.source stream (transformers engine), 1 worker, 4 epochs, no validation, a
-    checkpoint every 2 steps; the driver SIGKILLed once Ray Train has a checkpoint. The same
-    command resumes from it with the stream's place: the rows trained on by then are not
-    asked again, so each row of each epoch is trained once across the two runs and the steps
-    are the run's, each once in metrics.jsonl."""
-    save = tmp_path / "draft"
-    settings = train_settings(hidden_out, deep_qwen3, save, data={"train_data_ratio": 1.0})
-    settings["train"].update(checkpoint_every=2)
-    settings["train"]["speculators"]["trainer"]["epochs"] = 4
-    config = tmp_path / "train.yaml"
-    config.write_text(yaml.safe_dump(settings))
-    kill_the_driver_once_a_checkpoint_is_registered(start(config, ray_local, tmp_path / "first.log"), save,
-                                                    tmp_path / "first.log", 2)
-    resumed = start(config, ray_local, tmp_path / "second.log")
-    code = resumed.wait(timeout=900)
-    text = (tmp_path / "second.log").read_text()
-    assert code == 0, text[-5000:]
-    [(step, total, places)] = re.findall(r"a new group of workers resumes from \S+/step-\d+: step (\d+) of (\d+), "
-                                         r"(\d+) places of the stream's epochs trained on", text)
-    [per_epoch] = re.findall(r"stream:      (\d+) samples an epoch", text)
-    step, total, places, per_epoch = int(step), int(total), int(places), int(per_epoch)
-    assert places == 2 * step >= 4  # 2 rows a step, 1 worker: the rows of the restored steps
-    steps = steps_of(save)
-    assert [s["step"] for s in steps] == list(range(1, total + 1)) and total == -(-4 * per_epoch // 2)
-    assert sum(s["rows"] for s in steps) == 4 * per_epoch  # every row of every epoch once across the two runs
-    assert (save / "final" / "model.safetensors").exists()
 
 
 def test_a_checkpoints_files_are_checked_before_it_is_loaded(tmp_path):
