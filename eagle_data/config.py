@@ -520,6 +520,43 @@ class AcceptanceConfig(_Section):
         return temperatures
 
 
+class PilotConfig(_Section):
+    """The pilot (ray_jobs/pilot.py, docs/pilot.md): data recipes compared on this target before
+    the big run. Each recipe is this config with a few keys changed: its generate job into an
+    OUT of its own, its draft trained with the `train:` section, then one acceptance job over
+    every draft on the held-out prompts; one report."""
+
+    path: str | None = Field(
+        json_schema_extra=RUN_ONLY, default=None, pattern=r"^/",
+        description="an absolute folder for the pilot: each recipe's OUT and draft, the held-out prompts, the "
+                    "acceptance report and the pilot's report; made if missing. Rerunning the same command "
+                    "resumes from the last finished stage")
+    recipes: dict[str, FreeForm] = Field(
+        json_schema_extra=RUN_ONLY, default_factory=dict,
+        description="the recipes, by name: each the config keys it changes, dotted, e.g. `{dataset: "
+                    "{prompt.answers: dataset}, greedy: {sampling.temperature: 0}, t07: {sampling.temperature: "
+                    "0.7}}`. The first is the baseline every other is compared with. A recipe may change what makes "
+                    "its rows and its draft (source.*, prompt.*, sampling.*, mask.*, engine.*, hidden_states.*, "
+                    "train.*), not the target (model.*), the measurement (acceptance.*, pilot.*) or the folders")
+    held_out: SourceConfig | None = Field(
+        json_schema_extra=RUN_ONLY, default=None,
+        description="the held-out prompts the drafts are measured on, as `source:` takes a dataset (dataset, "
+                    "split, sample, seed, fields); never the training prompts. Required")
+    measure_steps: list[Annotated[Int, Field(ge=1)]] = Field(
+        json_schema_extra=RUN_ONLY, default_factory=list,
+        description="training steps at which each draft is measured too (its `step-<N>/` checkpoint), besides "
+                    "its final one: tau by step shows whether training had flattened. Checkpoints are saved "
+                    "every train.checkpoint_every steps (default: the steps' greatest common divisor); each "
+                    "step must be a multiple of it")
+    measure_steps_of: list[str] | None = Field(
+        json_schema_extra=RUN_ONLY, default=None,
+        description="the recipes whose checkpoints are measured at measure_steps; null = every recipe")
+    compare_to: list[str] | None = Field(
+        json_schema_extra=RUN_ONLY, default=None,
+        description="the recipes every other is compared with (paired differences of tau); null = the baseline "
+                    "(the first recipe) only")
+
+
 class Config(_Section):
     source: SourceConfig = Field(
         default_factory=SourceConfig, description="the chat dataset and the seeded sample taken from it")
@@ -544,6 +581,9 @@ class Config(_Section):
         default_factory=AcceptanceConfig,
         description="the acceptance job: a draft's acceptance under the target (ray_jobs/acceptance.py); not used "
                     "by the job")
+    pilot: PilotConfig = Field(
+        default_factory=PilotConfig,
+        description="the pilot: recipes compared on this target (ray_jobs/pilot.py); not used by the other jobs")
 
     @model_validator(mode="after")
     def _check_combinations(self) -> "Config":
@@ -665,6 +705,18 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
+def set_key(data: dict, keys: list[str], value) -> str | None:
+    """data[keys[0]][keys[1]]... = value, making the sections on the way; where one of them is
+    not a section (nothing set), its dotted key."""
+    node = data
+    for i, key in enumerate(keys[:-1]):
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            return ".".join(keys[: i + 1])
+    node[keys[-1]] = value
+    return None
+
+
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     """The config of a YAML file (or none) and `--set` overrides. Every error is one line
     (a job's `error:` line) naming each key at fault, what is wrong and where it was set."""
@@ -684,13 +736,9 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     given: dict[tuple, str] = {}  # the keys each --set gave -> its text
     for text in overrides:
         keys, value = parse_override(text)
-        node = data
-        for i, k in enumerate(keys[:-1]):
-            child = node.setdefault(k, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"--set {text!r}: {'.'.join(keys[: i + 1])} is not a section")
-            node = child
-        node[keys[-1]] = value
+        blocked = set_key(data, keys, value)
+        if blocked:
+            raise ConfigError(f"--set {text!r}: {blocked} is not a section")
         given[tuple(keys)] = text
     try:
         return Config.model_validate(data)

@@ -116,6 +116,14 @@ class VocabError(EagleDataError, ValueError):
     """A draft vocabulary cannot be built from this OUT with these settings."""
 
 
+class StageFailed(EagleDataError):
+    """A job the pilot ran as one of its stages failed: the job's exit code is the pilot's."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 class EmptyResult(EagleDataError):
     """The job made nothing: an empty dataset, or every row skipped. Its own exit code so
     that a pipeline can tell it from a setup error."""

@@ -4,9 +4,10 @@ smoke size, the smallest that still runs every step it has. They start with the 
 instance of its own: a smoke run shows that its script runs end to end and prints its table
 (tests/test_benchmarks.py reads it back: counts and invariants, never a speed), and much of
 it is waiting on one core (imports, model loads, actor start-ups) that the tests beside it
-fill. Two lanes, one script at a time in each, of about equal CPU: the vLLM scripts,
-stream_scale.py and driver_memory.py; and acceptance_loop.py (six jobs on SmolLM2, vLLM among
-them) first, then the rest. Each smoke's wall and CPU time: docs/development.md."""
+fill. Two lanes, one script at a time in each, of about equal CPU: the vLLM scripts; and the
+rest. recipe_study.py's smoke is a test of its own in the foreground
+(tests/test_benchmarks.py, OWN_TEST): the pilot it runs killed in each kind of stage and run
+again. Each smoke's wall and CPU time: docs/development.md."""
 
 from __future__ import annotations
 
@@ -17,12 +18,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
-from support import REPO, prompt_sets_missing, vllm_unavailable
+from support import REPO, vllm_unavailable
 
 # script -> (smoke arguments, text its output must contain)
 SMOKE = {
-    # Every stage ran: the last line of its table names the two trained drafts' difference.
-    "acceptance_loop.py": (["--smoke"], "tau(regenerated) - tau(dataset)"),
     "driver_memory.py": (["--smoke"], "rows x2: driver peak RSS"),
     "engine_feeding.py": (["--slots", "4", "--rows", "40", "--measure-s", "2", "--settings", "4x4", "naive"],
                           "| naive (all rows x 1) |"),
@@ -39,18 +38,17 @@ SMOKE = {
 
 
 # Each smoke run of a whole job, or of 20 s or more, is `slow`; vLLM's is `vllm`.
-VLLM = {"acceptance_loop.py", "hidden_states_throughput.py", "server_vs_job.py"}
+VLLM = {"hidden_states_throughput.py", "server_vs_job.py"}
 SLOW = {"driver_memory.py", "engine_feeding.py", "stream_scale.py"}
-# Two lanes of about equal CPU (docs/development.md): the vLLM scripts, stream_scale.py and
-# driver_memory.py; and acceptance_loop.py, the costliest smoke, first, then the rest.
-FIRST_LANE = {"hidden_states_throughput.py", "server_vs_job.py", "stream_scale.py", "driver_memory.py"}
-OTHER_LANE_FIRST = {"acceptance_loop.py"}
+# Two lanes of about equal CPU (docs/development.md): the vLLM scripts; the rest, the costliest first.
+FIRST_LANE = {"hidden_states_throughput.py", "server_vs_job.py"}
+OTHER_LANE_FIRST = {"stream_scale.py"}
 MARKS = {**{s: pytest.mark.slow for s in SLOW}, **{s: pytest.mark.vllm for s in VLLM}}
 
 TEST = "test_benchmark_runs_at_smoke_size"
-# Read the real prompt sets outside the repository (support.PROMPT_SETS): skipped, with the
-# reason, where they are not.
-NEEDS_PROMPT_SETS = {"acceptance_loop.py"}
+# Scripts whose smoke is a test of its own (tests/test_benchmarks.py), not a run in a lane: the
+# recipe study at its smoke size is the pilot's whole run, killed in each kind of stage.
+OWN_TEST = {"recipe_study.py"}
 
 # The smokes run at the lowest priority, with every process they start (their own Ray
 # instances' workers included: Ray adds its worker niceness, 0 in the tests (conftest.py),
@@ -65,7 +63,7 @@ NICENESS = 19
 # benchmarks/_workload.own_ray alone, and run at the tests' niceness until it is up, then step
 # down to NICENESS with it (_workload.SMOKE_NICENESS). Under `nice` a start got so little of the
 # cores that it missed Ray's fixed 30 s wait for the raylet (CI, 2026-12-06).
-STEP_DOWN_ONCE_RAY_IS_UP = {"acceptance_loop.py", "driver_memory.py", "engine_feeding.py", "hidden_states_throughput.py",
+STEP_DOWN_ONCE_RAY_IS_UP = {"driver_memory.py", "engine_feeding.py", "hidden_states_throughput.py",
                             "stream_scale.py"}
 # Beside the tests a smoke gets only the cores they leave: the whole run's length, not its own.
 SMOKE_TIMEOUT_S = 3600
@@ -86,8 +84,7 @@ def run_smoke(script: str) -> subprocess.CompletedProcess:
 def start_smokes(items) -> tuple[dict[str, Future], list[ThreadPoolExecutor]]:
     """The smoke runs of the selected test items, started in their lanes."""
     scripts = [item.callspec.params["script"] for item in items if item.originalname == TEST
-               and (item.get_closest_marker("vllm") is None or vllm_unavailable() is None)
-               and not (item.callspec.params["script"] in NEEDS_PROMPT_SETS and prompt_sets_missing())]
+               and (item.get_closest_marker("vllm") is None or vllm_unavailable() is None)]
     lanes = {"first": ThreadPoolExecutor(1), "other": ThreadPoolExecutor(1)}
     runs = {s: lanes["first" if s in FIRST_LANE else "other"].submit(run_smoke, s)
             for s in sorted(scripts, key=lambda s: s not in OTHER_LANE_FIRST)}

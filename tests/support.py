@@ -39,7 +39,7 @@ def vllm_unavailable() -> str | None:
 
 
 # The real prompt sets (GSM8K, MT-bench) live beside the repository, not in it (their
-# README); EAGLE_DATA_PROMPT_SETS names another folder, as benchmarks/acceptance_loop.py reads it.
+# README); EAGLE_DATA_PROMPT_SETS names another folder, as benchmarks/recipe_study.py reads it.
 PROMPT_SETS = Path(os.environ.get("EAGLE_DATA_PROMPT_SETS") or REPO.parent / "shared" / "data")
 
 

@@ -13,17 +13,22 @@ from __future__ import annotations
 import ast
 import json
 import math
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
-from smokes import MARKS, NEEDS_PROMPT_SETS, SMOKE
-from support import REPO, prompt_sets_missing
+from smokes import MARKS, OWN_TEST, SMOKE
+from support import REPO, attached, prompt_sets_missing
 
 
 def test_every_benchmark_has_a_smoke_size_and_its_figures_checked():
     scripts = {p.name for p in (REPO / "benchmarks").glob("*.py") if not p.name.startswith("_")}
-    assert scripts == set(SMOKE) == set(FIGURES)
+    assert scripts == set(SMOKE) | OWN_TEST == set(FIGURES) and not set(SMOKE) & OWN_TEST
 
 
 def test_no_benchmark_imports_tests():
@@ -50,8 +55,6 @@ def test_no_benchmark_imports_tests():
 @pytest.mark.parametrize("script", [pytest.param(s, marks=MARKS.get(s, ())) for s in sorted(SMOKE)],
                          ids=lambda s: s.removesuffix(".py"))
 def test_benchmark_runs_at_smoke_size(script, smoke_runs):
-    if script in NEEDS_PROMPT_SETS and prompt_sets_missing():
-        pytest.skip(prompt_sets_missing())
     proc = smoke_runs[script].result()
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
@@ -60,6 +63,67 @@ def test_benchmark_runs_at_smoke_size(script, smoke_runs):
         FIGURES[script](proc.stdout)
     except AssertionError as e:
         raise AssertionError(f"{script}'s figures: {e}\n--- its output ---\n{proc.stdout[-4000:]}") from None
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_recipe_study_at_smoke_size_killed_in_each_kind_of_pilot_stage_goes_on(ray_local, tmp_path):
+    """recipe_study.py's smoke (OWN_TEST), as a user runs it: the pilot on SmolLM2, SIGKILLed
+    (the command's whole process group) while a recipe's generate job runs, while its trainer
+    runs (a checkpoint written) and while the acceptance job runs (a pass kept); the same
+    command each time goes on from the last finished stage, and the last prints the study.
+    Each stage finished once (pilot.json: two runs for the killed ones, one for the others),
+    the greedy draft trained each step once, and the study's figures are checked as the
+    lanes' smokes are."""
+    if prompt_sets_missing():
+        pytest.skip(prompt_sets_missing())
+    root = tmp_path / "pilot"
+    greedy = root / "recipes" / "greedy"
+
+    def start() -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "recipe_study.py"), "--smoke", "--work",
+                                 str(root)], cwd=REPO, env={**attached(ray_local), "PYTHONPATH": str(REPO)},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, process_group=0)
+
+    def running(stage: str) -> bool:
+        try:
+            return json.loads((root / "pilot.json").read_text()).get("running", {}).get("stage") == stage
+        except (OSError, ValueError):
+            return False
+
+    def kill_when(ready) -> None:
+        study, deadline = start(), time.monotonic() + 1200
+        while not ready():
+            assert study.poll() is None, f"ended before the kill point ({study.returncode}):\n{study.stdout.read()[-4000:]}"
+            assert time.monotonic() < deadline, "the kill point was not reached"
+            time.sleep(0.2)
+        os.killpg(study.pid, signal.SIGKILL)
+        study.wait()
+        study.stdout.close()
+
+    kill_when(lambda: running("generate:greedy") and (greedy / "out" / "manifest.json").exists())
+    kill_when(lambda: running("train:greedy") and (greedy / "draft" / "step-2").is_dir())
+    kill_when(lambda: running("acceptance") and any((root / "acceptance").glob("passes/*.json")))
+    last = start()
+    output, _ = last.communicate(timeout=1800)
+    assert last.returncode == 0, output[-6000:]
+    stages = json.loads((root / "pilot.json").read_text())["stages"]
+    assert {name: len(s["runs"]) for name, s in stages.items()} == {
+        "generate:dataset": 1, "train:dataset": 1, "generate:greedy": 2, "train:greedy": 2, "acceptance": 2}
+    assert all(s["done"] for s in stages.values())
+    assert "pilot: generate:dataset finished earlier" in output
+    steps = [r["step"] for r in map(json.loads, (greedy / "draft" / "metrics.jsonl").read_text().splitlines())
+             if "step" in r]
+    assert steps == [1, 2, 3, 4]  # each once across the two runs (--smoke logs every step)
+    assert "holds a run of these settings that did not finish (checkpoints: step-2): it resumes from its latest " \
+           "checkpoint" in (greedy / "train.log").read_text()
+    report = json.loads((root / "report.json").read_text())
+    assert [p["step"] for p in report["tau"]["0"]["by_step"]["greedy"]] == [2, 4]
+    assert (root / "report.png").stat().st_size > 1000
+    try:
+        FIGURES["recipe_study.py"](output)
+    except AssertionError as e:
+        raise AssertionError(f"recipe_study.py's figures: {e}\n--- its output ---\n{output[-4000:]}") from None
 
 
 # --- reading the figures back -------------------------------------------------------------
@@ -129,24 +193,28 @@ def share(*values: float) -> None:
 
 # --- each script's figures (at its smoke size, tests/smokes.py) -----------------------------
 
-def acceptance_loop(output: str) -> None:
+def recipe_study(output: str) -> None:
+    """The pilot ran every stage on SmolLM2 (two recipes, greedy's half-way checkpoint, two
+    temperatures): each recipe's tau in range with its interval around it, at both; the paired
+    difference finite; every greedy output with a draft the target's own."""
     r = result(output)
-    assert r["sizes"] == {"train": 6, "test": 3, "mt_bench": 3, "max_tokens": 12, "steps": 2, "k": 3, "seed": 0}
-    assert set(r["seconds"]) == {"a_target_answers", "b_dataset_answers", "draft_regenerated", "draft_dataset",
-                                 "draft_untrained", "acceptance"}
-    sane(*r["seconds"].values(), r["total_seconds"])
-    assert set(r["tau"]) == {"regenerated", "dataset", "untrained"}
-    for name, taus in r["tau"].items():
-        assert all(math.isfinite(t) and 1 <= t <= 4 for t in taus.values()), taus  # k = 3: at most 4 a step
-        assert {"all", "gsm8k"} <= set(taus) and any(s.startswith("mt_bench/") for s in taus)
-        lo, hi = r["tau_95"][name]
-        assert lo <= taus["all"] <= hi
-        assert r["lossless"][name] == [6, 6]  # every output the target's own: 3 + 3 held-out prompts
-    assert r["tau"]["untrained"]["all"] == pytest.approx(1.0, abs=0.2)  # the floor: next to nothing accepted
-    difference, lo, hi = r["gain"]["all"]
-    assert lo <= difference <= hi and math.isfinite(lo) and math.isfinite(hi)
-    assert r["steps_trained"] == 2
-    sane(*r["tokens_per_s"].values())
+    assert r["sizes"] == {"prompts": 6, "small": 0, "large": 0, "steps": 4, "batch": 2, "max_tokens": 12, "test": 3,
+                          "mt_bench": 2, "draft_vocab": 512, "k": 3, "seed": 0}
+    assert set(r["stage_seconds"]) == {"generate:dataset", "train:dataset", "generate:greedy", "train:greedy",
+                                       "acceptance"}
+    sane(*r["stage_seconds"].values())
+    assert set(r["tau"]) == {"0", "0.7"}
+    for taus in r["tau"].values():
+        assert set(taus) == {"dataset", "greedy"}
+        for tau, lo, hi in taus.values():  # k = 3: at most 4 tokens a step
+            assert 1 <= lo <= tau <= hi <= 4
+    for differences in r["differences"].values():
+        assert set(differences) == {"greedy - dataset"}
+        difference, lo, hi = differences["greedy - dataset"]
+        assert lo <= difference <= hi
+    assert r["lossless"] == {"dataset": {"equal": 5, "of": 5, "mismatches": []},
+                             "greedy": {"equal": 5, "of": 5, "mismatches": []}}
+    assert r["pilot_overhead"]["seconds"] >= r["pilot_overhead"]["stages_seconds"] > 0
 
 
 def driver_memory(output: str) -> None:
@@ -297,5 +365,5 @@ def stream_scale(output: str) -> None:
 
 
 FIGURES = {f.__name__ + ".py": f for f in (
-    acceptance_loop, driver_memory, engine_feeding, hidden_states_throughput, postprocess_throughput,
-    reader_memory, server_vs_job, stream_scale)}
+    driver_memory, engine_feeding, hidden_states_throughput, postprocess_throughput,
+    reader_memory, recipe_study, server_vs_job, stream_scale)}

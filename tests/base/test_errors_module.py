@@ -28,7 +28,8 @@ from eagle_data.job.stages.columns import MissingColumns, require
 # The entry points (every module of ray_jobs/, and the tools' command line), and the
 # functions in them that make the exit code.
 ENTRY_POINTS = {"ray_jobs/generate.py": {"main", "job"}, "ray_jobs/train_draft.py": {"main", "job"},
-                "ray_jobs/acceptance.py": {"main", "job"}, "eagle_data/__main__.py": {"main"}}
+                "ray_jobs/acceptance.py": {"main", "job"}, "ray_jobs/pilot.py": {"main", "job"},
+                "eagle_data/__main__.py": {"main"}}
 CLI = {**ENTRY_POINTS, **{tool.__name__.replace(".", "/") + ".py": {"run_cli"} for tool in TOOLS}}
 VERIFY_FOUND_PROBLEMS = 1  # a result of `verify`, not an error
 
