@@ -59,10 +59,7 @@ def test_benchmark_runs_at_smoke_size(script, smoke_runs):
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     assert SMOKE[script][1] in output, output[-4000:]
-    try:
-        FIGURES[script](proc.stdout)
-    except AssertionError as e:
-        raise AssertionError(f"{script}'s figures: {e}\n--- its output ---\n{proc.stdout[-4000:]}") from None
+    check_figures(script, proc.stdout)
 
 
 @pytest.mark.vllm
@@ -120,10 +117,15 @@ def test_recipe_study_at_smoke_size_killed_in_each_kind_of_pilot_stage_goes_on(r
     report = json.loads((root / "report.json").read_text())
     assert [p["step"] for p in report["tau"]["0"]["by_step"]["greedy"]] == [2, 4]
     assert (root / "report.png").stat().st_size > 1000
+    check_figures("recipe_study.py", output)
+
+
+def check_figures(script: str, output: str) -> None:
+    """The script's figures read back by its checker; a failure shows the end of its output."""
     try:
-        FIGURES["recipe_study.py"](output)
+        FIGURES[script](output)
     except AssertionError as e:
-        raise AssertionError(f"recipe_study.py's figures: {e}\n--- its output ---\n{output[-4000:]}") from None
+        raise AssertionError(f"{script}'s figures: {e}\n--- its output ---\n{output[-4000:]}") from None
 
 
 # --- reading the figures back -------------------------------------------------------------
