@@ -525,6 +525,7 @@ def test_multi_turn_on_deepseek_r1_template(ray_local, tmp_path, babble_r1, capf
 # --- tensor parallel 2: production's layout (one replica, several ranks) ----------------
 
 IN_ENGINE = re.compile(r"([1-9]\d*) replica\(s\) up, ([1-9]\d*) rows in the engine")
+RESTART = re.compile(r"replica\(s\) (restarting|loading the model)")
 
 
 class RankKiller(threading.Thread):
@@ -548,7 +549,11 @@ class RankKiller(threading.Thread):
     restarted replica's. That, not a second rank 1, shows the restart: a rank takes its name
     (VLLM::Worker_TP1) late in the engine's start, a few seconds before the rows are done,
     which a loaded machine's walks of the processes missed (a fresh-clone full run,
-    2026-12-06); the engine core has its name from the start of the engine's load."""
+    2026-12-06); the engine core has its name from the start of the engine's load. The
+    job's own progress lines count too: a replica restarting, or loading the model again,
+    after the kill (`restarted`). CI once saw neither a new engine core nor a failure
+    message that told why (stop 66): `story` gives the stop, the kill and the progress
+    lines between and after them, for the assertion's message."""
 
     def __init__(self, progress: "Lines", patience: float = 300.0):
         super().__init__(daemon=True)
@@ -562,6 +567,8 @@ class RankKiller(threading.Thread):
         self.stopped: int | None = None
         self.stopped_at = (0, 0.0)
         self.killed: int | None = None
+        self.killed_at = (0, 0.0)  # progress lines before the kill, its time
+        self.published_at_kill: dict[str, dict] = {}
         self.gave_up = False
         self.error = ""
         self.done = threading.Event()
@@ -590,7 +597,8 @@ class RankKiller(threading.Thread):
             if any(IN_ENGINE.search(line) for line in self.progress.lines[seen:] if line.startswith("progress:")):
                 self.cores_before = set(ray_processes("VLLM::EngineCore"))
                 _signal([self.stopped], signal.SIGKILL)
-                self.killed = self.stopped
+                self.killed, self.killed_at = self.stopped, (len(self.progress.lines), time.monotonic())
+                self.published_at_kill = published_engine_stats(leave_out=self.stale_replicas)
             elif time.monotonic() - since > self.patience:
                 _signal([self.stopped], signal.SIGCONT)
                 self.gave_up = True
@@ -599,6 +607,20 @@ class RankKiller(threading.Thread):
             self.cores_after += [core for core in ray_processes("VLLM::EngineCore")
                                  if core not in self.cores_before and core not in self.cores_after]
             time.sleep(0.2)
+
+    def restarted(self) -> bool:
+        """An engine core started since the kill, or the job's progress lines since then say
+        a replica is restarting or loading the model."""
+        after = self.progress.lines[self.killed_at[0]:]
+        return bool(self.cores_after) or any(RESTART.search(line) for line in after if line.startswith("progress:"))
+
+    def story(self) -> str:
+        """The stop, the kill and what the job logged from the stop on, for a failure's message."""
+        (seen, stopped), (_, killed) = self.stopped_at, self.killed_at
+        return (f"rank-1 processes {self.ranks_seen}; stopped {self.stopped} with the replica's counters "
+                f"{self.published}; killed {self.killed} {killed - stopped:.1f} s after the stop, the counters "
+                f"then {self.published_at_kill}; engine cores at the kill {sorted(self.cores_before)}, since "
+                f"{self.cores_after}; the job's lines from the stop on:\n" + "\n".join(self.progress.lines[seen:][-40:]))
 
     def ranks(self) -> list[int]:
         """The rank-1 processes alive (an earlier engine's left out), recorded."""
@@ -629,7 +651,9 @@ def tp2_run(ray_local, tmp_path_factory, qwen3_tokenizer_dir):
     ranks as vLLM's processes in the replica's actor, each bound to its own core), with a
     greedy and a seeded sampled variant and the top-3 log-probabilities, on a random-weight
     fp32 model with 2 attention heads, and rank 1's process stopped once its replica is constructed and
-    killed once rows are in it (RankKiller)."""
+    killed once rows are in it (RankKiller). One batch of 2 rows in the engine at a time: the
+    rows take 12 turns of the engine, not 6, which leaves rows to stall for a stop that a
+    loaded machine sends late."""
     from eagle_data.job.phases.run import run
 
     tmp = tmp_path_factory.mktemp("tp2")
@@ -637,7 +661,7 @@ def tp2_run(ray_local, tmp_path_factory, qwen3_tokenizer_dir):
     out = tmp / "out"
     settings = job_settings(out, model, preset={
         **VLLM, **TP2_SETTINGS, "engine__tensor_parallel_size": 2, "engine__cpu_threads": None, "engine__batch_size": 2,
-        "engine__max_concurrent_batches": 2, "output__log_every_s": 0.5})
+        "engine__max_concurrent_batches": 1, "output__log_every_s": 0.5})
     run(as_config(settings), phase="prompts")
     # vllm.LLM.generate at tensor parallel 1 on the same requests, beside the job.
     reference = Reference(tmp, model, requests_of(settings, model, read(out, "prompts")))
@@ -667,9 +691,9 @@ def test_tensor_parallel_2_rows_are_what_vllm_generates_at_tensor_parallel_1(tp2
     assert not killer.error, killer.error
     assert killer.stopped is not None, (f"rank 1 was never stopped; rank-1 processes: {killer.ranks_seen}, "
                                         f"the replica published {killer.published or 'nothing'}")
-    assert killer.killed is not None, f"rank 1 was stopped, and no row reached its engine in {killer.patience:.0f} s"
-    assert killer.cores_after, f"no engine core started after the kill: the replica was not restarted " \
-                               f"(rank-1 processes: {killer.ranks_seen})"
+    assert killer.killed is not None, (f"rank 1 was stopped, and no row reached its engine in {killer.patience:.0f} s: "
+                                       f"{killer.story()}")
+    assert killer.restarted(), f"the replica was not restarted after the kill: {killer.story()}"
     verify_ok(out)
     rows = sorted(read(out, "data"), key=lambda r: r["sample_id"])
     prompts = {p["sample_id"]: p for p in read(out, "prompts")}
