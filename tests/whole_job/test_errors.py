@@ -65,6 +65,7 @@ def test_missing_paths_fail_at_once_without_hub_retries(tmp_path, qwen3_tokenize
     assert "error: cannot load the tokenizer from model.tokenizer/model.path 'nobody/no-such-model'" in result.stderr
 
 
+@pytest.mark.slow  # a job process that asks the unreachable hub: ~20 s
 def test_a_hub_dataset_without_the_hub_is_a_message_not_a_traceback(tmp_path, qwen3_tokenizer_dir):
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(job_settings(tmp_path / "out", qwen3_tokenizer_dir, "nobody/no-such-dataset")))

@@ -19,7 +19,8 @@ from eagle_data.job.phases.run import run
 SMALL = dict(engine__batch_size=4, sampling__max_tokens=12, output__rows_per_shard=10)
 
 
-@pytest.mark.parametrize("train_on, temperature", [("generated", 0.7), ("response", 0)])
+@pytest.mark.parametrize("train_on, temperature", [pytest.param("generated", 0.7, marks=pytest.mark.slow),
+                                                  ("response", 0)])
 def test_data_rows_are_the_exact_engine_tokens(ray_local, tmp_path, tiny_qwen3, train_on, temperature):
     cfg = job_config(tmp_path / "out", tiny_qwen3, preset=SMALL, mask__train_on=train_on, source__sample=24,
                    sampling__temperature=temperature)
@@ -66,6 +67,7 @@ def test_data_rows_are_the_exact_engine_tokens(ray_local, tmp_path, tiny_qwen3, 
     assert [r["todo"] for r in runs] == [len(prompts), 0]
 
 
+@pytest.mark.slow
 def test_engine_failure_on_a_row_is_an_error_row(ray_local, tmp_path, tiny_qwen3):
     """A prompt with a token id outside the vocabulary makes the model raise: that row is
     recorded in failed/ with the error, every other row still gets its answer."""
