@@ -617,10 +617,11 @@ class RankKiller(threading.Thread):
     def story(self) -> str:
         """The stop, the kill and what the job logged from the stop on, for a failure's message."""
         (seen, stopped), (_, killed) = self.stopped_at, self.killed_at
+        kill = (f"killed {self.killed} {killed - stopped:.1f} s after the stop, the counters then "
+                f"{self.published_at_kill}; engine cores at the kill {sorted(self.cores_before)}, since "
+                f"{self.cores_after}" if self.killed is not None else "never killed")
         return (f"rank-1 processes {self.ranks_seen}; stopped {self.stopped} with the replica's counters "
-                f"{self.published}; killed {self.killed} {killed - stopped:.1f} s after the stop, the counters "
-                f"then {self.published_at_kill}; engine cores at the kill {sorted(self.cores_before)}, since "
-                f"{self.cores_after}; the job's lines from the stop on:\n" + "\n".join(self.progress.lines[seen:][-40:]))
+                f"{self.published}; {kill}; the job's lines from the stop on:\n" + "\n".join(self.progress.lines[seen:][-40:]))
 
     def ranks(self) -> list[int]:
         """The rank-1 processes alive (an earlier engine's left out), recorded."""
