@@ -114,6 +114,8 @@ def test_recipe_study_at_smoke_size_killed_in_each_kind_of_pilot_stage_goes_on(r
     assert steps == [1, 2, 3, 4]  # each once across the two runs (--smoke logs every step)
     assert "holds a run of these settings that did not finish (checkpoints: step-2): it resumes from its latest " \
            "checkpoint" in (greedy / "train.log").read_text()
+    # The acceptance job killed with a pass kept: its rerun reuses that pass (its log, both runs appended).
+    assert "acceptance: the target alone: reusing the pass finished at" in (root / "acceptance.log").read_text()
     report = json.loads((root / "report.json").read_text())
     assert [p["step"] for p in report["tau"]["0"]["by_step"]["greedy"]] == [2, 4]
     assert (root / "report.png").stat().st_size > 1000

@@ -30,30 +30,31 @@ def ray_tmpdir():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def stop(job: subprocess.Popen, signum: int) -> None:
-    if signum == signal.SIGTERM:  # `kill PID`; `ray job stop` sends it to the driver's process tree
-        os.kill(job.pid, signal.SIGTERM)
-    else:  # Ctrl-C, then again every 0.3 s until the job is gone (so some land while Ray shuts
-        # down); the terminal sends SIGINT to the whole foreground process group
-        deadline = time.monotonic() + 60
-        while job.poll() is None and time.monotonic() < deadline:
-            try:
-                os.killpg(job.pid, signal.SIGINT)
-            except ProcessLookupError:
-                break
-            time.sleep(0.3)
+def ctrl_c(job: subprocess.Popen) -> None:
+    """Ctrl-C, then again every 0.3 s until the job is gone (so some land while Ray shuts
+    down); the terminal sends SIGINT to the whole foreground process group."""
+    deadline = time.monotonic() + 60
+    while job.poll() is None and time.monotonic() < deadline:
+        try:
+            os.killpg(job.pid, signal.SIGINT)
+        except ProcessLookupError:
+            break
+        time.sleep(0.3)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_stopped_job_exits_128_plus_the_signal_with_one_line_and_leaves_no_ray(tmp_path, tiny_qwen3, ray_tmpdir,
-                                                                               signum):
-    """The job starts its own local Ray instance (no RAY_ADDRESS) and is stopped once it
-    has published a data shard: rc 128 + signum, one `error:` line and no traceback nor
-    C++ stack (Ray's own SIGTERM handler aborted, exit 134), the published data valid, and
-    no process of its Ray instance alive a few seconds later (two Ctrl-Cs cut ray.shutdown
-    short and left the dashboard and runtime-env agents running); the manifest's run says
-    it was stopped, and by which signal."""
+def test_a_job_stopped_by_ctrl_c_exits_130_with_one_line_and_leaves_no_ray(tmp_path, tiny_qwen3, ray_tmpdir):
+    """The job starts its own local Ray instance (no RAY_ADDRESS) and is stopped by Ctrl-C,
+    again and again, once it has published a data shard: rc 130, one `error:` line and no
+    traceback nor C++ stack, the published data valid, and no process of its Ray instance
+    alive a few seconds later (two Ctrl-Cs cut ray.shutdown short and left the dashboard and
+    runtime-env agents running); the manifest's run says it was stopped, and by SIGINT.
+    SIGTERM (`kill`, `ray job stop`) takes the same path in the job (errors.stop_on_signals):
+    its whole-job runs are the vLLM one below (its own Ray instance, stopped while the model
+    loads), tests/cluster's `ray job stop` and resume, and the acceptance job's
+    (tests/evaluation/test_acceptance_job.py); tests/base/test_errors_module.py checks both
+    signals' exit codes and lines."""
+    signum = signal.SIGINT
     out = tmp_path / "out"
     config = tmp_path / "job.yaml"
     # One row per engine batch and shard, so that the stop lands between shards.
@@ -73,7 +74,7 @@ def test_a_stopped_job_exits_128_plus_the_signal_with_one_line_and_leaves_no_ray
             time.sleep(0.05)
         assert job.poll() is None, "the job finished before it could be stopped"
         stopped = time.monotonic()
-        stop(job, signum)
+        ctrl_c(job)
         job.wait(timeout=60)
         print(f"\n{signal.Signals(signum).name}: the job exited {time.monotonic() - stopped:.1f} s after the signal")
     finally:
