@@ -80,8 +80,9 @@ def read_every_shard(out: Output) -> tuple[list[str], Seen]:
     for folder in FOLDERS:
         seen.ids[folder], seen.conversations[folder] = Counter(), set()
         for f in shard_files(out.fs, out.folder(folder)):
-            try:
-                table = pq.read_table(f, filesystem=out.fs)  # reads every page: integrity
+            try:  # every page read and checked against its checksum: integrity
+                with out.fs.open_input_file(f) as file:
+                    table = pq.ParquetFile(file, page_checksum_verification=True).read()
             except Exception as e:
                 problems.append(f"{f}: unreadable shard ({type(e).__name__}: {e})")
                 seen.unreadable.add(f)

@@ -3,6 +3,7 @@ tracebacks, integrity beyond the footer (issue 13, the OUT side)."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import shutil
@@ -10,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 import yaml
@@ -141,19 +144,68 @@ def _flip_bytes_in_a_data_page(shard: Path, column: str) -> None:
 
 
 @pytest.mark.slow
-def test_flipped_bytes_are_caught_and_the_shard_regenerated(ray_local, tmp_path, tiny_qwen3):
-    cfg = job_config(tmp_path / "out", tiny_qwen3, source__sample=8, output__rows_per_shard=4)
+def test_a_truncated_or_flipped_shard_is_quarantined_and_regenerated(ray_local, tmp_path, tiny_qwen3):
+    """Two data shards damaged behind the job's back, one cut in half, one with bytes flipped
+    inside a data page (its footer intact: only the page checksums see it): `verify` names
+    both and its command exits 1; the next run moves both to quarantine/, answers their rows
+    again and only them, and the greedy rows are what they were. Readers see only good shards."""
+    cfg = job_config(tmp_path / "out", tiny_qwen3, source__sample=12, output__rows_per_shard=4)
     out = tmp_path / "out"
     run(cfg)
     before = {r["sample_id"]: r["input_ids"] for r in read(out, "data")}
-    victim = shards(out, "data")[0]
-    _flip_bytes_in_a_data_page(victim, "input_ids")
+    flipped, truncated = shards(out, "data")[:2]
+    lost = {r["sample_id"] for victim in (truncated, flipped) for r in pq.read_table(victim).to_pylist()}
+    truncated.write_bytes(truncated.read_bytes()[: truncated.stat().st_size // 2])
+    _flip_bytes_in_a_data_page(flipped, "input_ids")
+
     problems, _ = verify(str(out))
-    assert any(victim.name in p and "unreadable" in p for p in problems), problems
+    for victim in (truncated, flipped):
+        assert any(victim.name in p and "unreadable shard" in p for p in problems), (victim.name, [p[-300:] for p in problems])
+    result = subprocess.run([sys.executable, "-m", "eagle_data", "verify", str(out)],
+                            cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 1 and "unreadable shard" in result.stderr
+
     again = run(cfg)["generate"]
-    assert (out / "quarantine" / "data" / victim.name).exists()
-    assert verify(str(out))[0] == [] and again["ok"] == len(before)
+    for victim in (truncated, flipped):
+        assert not victim.exists() and (out / "quarantine" / "data" / victim.name).exists()
+    problems, counts = verify(str(out))
+    assert problems == [] and again["ok"] == counts["ok"] == len(before)
+    runs = json.loads((out / "manifest.json").read_text())["phases"]["generate"]["runs"]
+    assert runs[-1]["todo"] == len(lost)
     assert {r["sample_id"]: r["input_ids"] for r in read(out, "data")} == before  # greedy: the same rows
+    assert pads.dataset(shards(out, "data")).count_rows() == len(before)
+
+
+def test_verify_names_a_shard_whose_flipped_bit_only_the_page_checksum_sees(small_out, tmp_path):
+    """One bit flipped inside the input_ids values of a data shard where the page still
+    decodes (pyarrow reads it back without error, with a changed token): only the page's
+    checksum sees it. `verify` names the shard, as the run's own check at start does
+    (storage/damage.py), instead of passing an OUT whose tokens changed."""
+    from eagle_data.storage.damage import read_problem
+    from eagle_data.storage.folder import Output
+
+    out = Path(shutil.copytree(small_out, tmp_path / "out"))
+    victim = shards(out, "data")[0]
+    good = victim.read_bytes()
+    meta = pq.read_metadata(victim)
+    names = [meta.row_group(0).column(i).path_in_schema for i in range(meta.num_columns)]
+    chunk = meta.row_group(0).column(names.index("input_ids.list.element"))
+    fs = Output.existing(str(out)).fs
+    for at in range(chunk.data_page_offset, chunk.data_page_offset + chunk.total_compressed_size):
+        data = bytearray(good)
+        data[at] ^= 0x01
+        victim.write_bytes(bytes(data))
+        try:
+            changed = pq.read_table(victim).column("input_ids").to_pylist() != pq.read_table(
+                pa.BufferReader(good)).column("input_ids").to_pylist()
+        except Exception:  # the page no longer decodes: any reader sees that
+            continue
+        if changed and read_problem(fs, str(victim)):
+            break
+    else:
+        pytest.skip("no bit of this shard's input_ids page decodes to other tokens")
+    problems, _ = verify(str(out))
+    assert any(victim.name in p and "unreadable shard" in p and "checksum" in p.lower() for p in problems), problems
 
 
 def test_a_deleted_prompts_shard_is_rebuilt(ray_local, tmp_path, qwen3_tokenizer_dir):
