@@ -464,6 +464,23 @@ def conversations() -> list[dict]:
     return rows
 
 
+def expected_r1_conversation(row: dict, first: dict | None) -> list[dict]:
+    """The conversation a row of conversations() is asked at its turn, built from the dataset
+    row (found by the first question's conversation number) and, at turn 1, the target's own
+    first answer `first`."""
+    i = int(re.search(r"question 0 of conversation (\d+)\?", json.dumps(row["messages"])).group(1))
+    turns = conversations()[i]["conversations"]
+    messages = [{"role": "system", "content": turns[0]["value"]}] if turns[0]["from"] == "system" else []
+    users = [t["value"] for t in turns if t["from"] == "human"]
+    messages.append({"role": "user", "content": users[0]})
+    if first is not None:
+        answer = {"role": "assistant", "content": first["response"]}
+        if first["reasoning"]:
+            answer["reasoning_content"] = first["reasoning"]
+        messages += [answer, {"role": "user", "content": users[1]}]
+    return messages
+
+
 def test_multi_turn_on_deepseek_r1_template(ray_local, tmp_path, babble_r1, capfd):
     from eagle_data.job.phases.run import run
     from eagle_data.model_files import load_tokenizer
@@ -496,6 +513,12 @@ def test_multi_turn_on_deepseek_r1_template(ray_local, tmp_path, babble_r1, capf
         assert "DATASET ANSWER" not in json.dumps(r["messages"])
         assert r["messages"][-2]["content"] == firsts[r["conversation_id"]]["response"]
         assert r["variant"] == firsts[r["conversation_id"]]["variant"]  # a conversation keeps its variant
+    # Each prompt is the R1 template's rendering, token for token, of the dataset's questions
+    # and the target's own earlier answer (its reasoning as reasoning_content).
+    for r in rows:
+        expected = expected_r1_conversation(r, firsts.get(r["conversation_id"]) if r["turn"] else None)
+        assert list(r["input_ids"])[:r["num_prompt_tokens"]] == tokenizer.apply_chat_template(
+            expected, add_generation_prompt=True, tokenize=True, return_dict=False), (r["sample_id"], expected)
     # Each row was asked with its variant's values and its own seed, and says so.
     from eagle_data.job.stages.requests import row_seed
 
