@@ -248,6 +248,22 @@ def data_rows(out: Path) -> dict[str, dict]:
     return {r["sample_id"]: r for r in read(out, "data")}
 
 
+def expected_conversation(row: dict, answers: list[dict]) -> list[dict]:
+    """The conversation before turn len(answers), built from the dataset's user turns and the
+    target's published answers (as an OpenAI-style client sends them back)."""
+    turns = row["conversations"]
+    messages = [{"role": "system", "content": turns[0]["value"]}] if turns[0]["from"] == "system" else []
+    users = [t["value"] for t in turns if t["from"] == "human"]
+    for user, answer in zip(users, answers):
+        messages.append({"role": "user", "content": user})
+        assistant = {"role": "assistant", "content": answer["response"]}
+        if answer["reasoning"]:
+            assistant["reasoning_content"] = answer["reasoning"]
+        messages.append(assistant)
+    messages.append({"role": "user", "content": users[len(answers)]})
+    return messages
+
+
 def sharegpt(user, source, system=None, answer="An answer."):
     turns = ([{"from": "system", "value": system}] if system else []) + [
         {"from": "human", "value": user}, {"from": "gpt", "value": answer}]

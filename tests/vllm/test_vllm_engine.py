@@ -25,8 +25,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from support import (REPO, as_config, attached, build_babbling_model, build_tiny_model, job_settings, read,
-                     ray_processes, shards, write_jsonl)
+from support import (REPO, as_config, attached, build_babbling_model, build_tiny_model, expected_conversation,
+                     job_settings, read, ray_processes, shards, write_jsonl)
 
 pytestmark = pytest.mark.vllm
 
@@ -464,21 +464,9 @@ def conversations() -> list[dict]:
     return rows
 
 
-def expected_r1_conversation(row: dict, first: dict | None) -> list[dict]:
-    """The conversation a row of conversations() is asked at its turn, built from the dataset
-    row (found by the first question's conversation number) and, at turn 1, the target's own
-    first answer `first`."""
-    i = int(re.search(r"question 0 of conversation (\d+)\?", json.dumps(row["messages"])).group(1))
-    turns = conversations()[i]["conversations"]
-    messages = [{"role": "system", "content": turns[0]["value"]}] if turns[0]["from"] == "system" else []
-    users = [t["value"] for t in turns if t["from"] == "human"]
-    messages.append({"role": "user", "content": users[0]})
-    if first is not None:
-        answer = {"role": "assistant", "content": first["response"]}
-        if first["reasoning"]:
-            answer["reasoning_content"] = first["reasoning"]
-        messages += [answer, {"role": "user", "content": users[1]}]
-    return messages
+def dataset_row(row: dict) -> dict:
+    """The row of conversations() a data/ row answers, found by its first question's number."""
+    return conversations()[int(re.search(r"question 0 of conversation (\d+)\?", json.dumps(row["messages"])).group(1))]
 
 
 def test_multi_turn_on_deepseek_r1_template(ray_local, tmp_path, babble_r1, capfd):
@@ -516,7 +504,7 @@ def test_multi_turn_on_deepseek_r1_template(ray_local, tmp_path, babble_r1, capf
     # Each prompt is the R1 template's rendering, token for token, of the dataset's questions
     # and the target's own earlier answer (its reasoning as reasoning_content).
     for r in rows:
-        expected = expected_r1_conversation(r, firsts.get(r["conversation_id"]) if r["turn"] else None)
+        expected = expected_conversation(dataset_row(r), [firsts[r["conversation_id"]]] if r["turn"] else [])
         assert list(r["input_ids"])[:r["num_prompt_tokens"]] == tokenizer.apply_chat_template(
             expected, add_generation_prompt=True, tokenize=True, return_dict=False), (r["sample_id"], expected)
     # Each row was asked with its variant's values and its own seed, and says so.

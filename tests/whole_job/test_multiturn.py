@@ -16,7 +16,8 @@ import ray
 import pytest
 import yaml
 
-from support import REPO, as_config, attached, build_babbling_model, job_settings, read, shards, write_jsonl
+from support import (REPO, as_config, attached, build_babbling_model, expected_conversation, job_settings, read,
+                     shards, write_jsonl)
 from eagle_data.model_files import load_tokenizer
 from eagle_data.job.phases.run import run
 from eagle_data.job.stages.engines import apply_engine
@@ -58,22 +59,6 @@ CHATS = dict(prompt__turns="all", engine__batch_size=4, engine__max_model_len=25
 
 
 
-
-
-def expected_conversation(row: dict, answers: list[dict]) -> list[dict]:
-    """The conversation before turn len(answers), built from the dataset's user turns and the
-    target's published answers (as an OpenAI-style client sends them back)."""
-    turns = row["conversations"]
-    messages = [{"role": "system", "content": turns[0]["value"]}] if turns[0]["from"] == "system" else []
-    users = [t["value"] for t in turns if t["from"] == "human"]
-    for user, answer in zip(users, answers):
-        messages.append({"role": "user", "content": user})
-        assistant = {"role": "assistant", "content": answer["response"]}
-        if answer["reasoning"]:
-            assistant["reasoning_content"] = answer["reasoning"]
-        messages.append(assistant)
-    messages.append({"role": "user", "content": users[len(answers)]})
-    return messages
 
 
 def check_turns(out, rows: list[dict], tokenizer, answers_per_prompt: int = 1,
