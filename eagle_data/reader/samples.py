@@ -21,7 +21,9 @@ are permuted within each group of `window` consecutive row groups. All ranks mus
 same shard list: read an OUT whose generate phase finished (not one still being written).
 An OUT whose data/ holds fewer rows than its generate phase recorded ok (a shard deleted or
 moved out since) is refused, naming the counts and `verify`: reading on would train on
-what is left without a word (`storage/damage.py` `missing_data_rows`).
+what is left without a word (`storage/damage.py` `missing_data_rows`). Every data/ page is
+read against its Parquet page checksum, as `verify` reads it: a shard damaged since its run
+(a flipped bit that still decodes to another token) is a DamagedShard naming it.
 
 A validation split (`holdout=(side, fraction, seed)`, the draft trainer's): only the rows
 on that side, "train" or "validation", of a seeded hash of each row's prompt_id
@@ -70,7 +72,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
-from eagle_data.errors import ConfigError, EagleDataError, MissingInput
+from eagle_data.errors import ConfigError, DamagedShard, EagleDataError, MissingInput
 from eagle_data.storage.contract import HIDDEN_STATES, LOGPROB_COLUMNS
 from eagle_data.storage.damage import missing_data_rows
 from eagle_data.storage.folder import Output
@@ -81,6 +83,8 @@ from eagle_data.storage.shards import readable_shards
 TOKEN_COLUMNS = ("input_ids", "loss_mask")
 LENGTH_COLUMNS = ("num_prompt_tokens", "num_reasoning_tokens", "num_response_tokens")
 FILTER_COLUMNS = ("finish_reason", "source", *LENGTH_COLUMNS)  # small: read for the index
+CHECKED_PARQUET = pads.ParquetFileFormat(
+    default_fragment_scan_options=pads.ParquetFragmentScanOptions(page_checksum_verification=True))
 
 
 class OutReader:
@@ -116,11 +120,15 @@ class OutReader:
 
     def batches(self, columns: Sequence[str] | None = None, filter: pc.Expression | None = None,
                 batch_size: int = 1024) -> Iterator[pa.RecordBatch]:
-        """Stream record batches of the chosen columns; filter columns need not be among them."""
-        if not self.files:
-            return iter(())
-        return self.dataset().to_batches(columns=list(columns) if columns else None,
-                                         filter=filter, batch_size=batch_size)
+        """Stream record batches of the chosen columns, shard by shard; filter columns need not
+        be among them. Each page is read against its checksum: a shard damaged since its run
+        is a DamagedShard naming it, never rows with other tokens."""
+        for file in self.files:
+            try:
+                yield from pads.dataset(file, format=CHECKED_PARQUET, filesystem=self.fs).to_batches(
+                    columns=list(columns) if columns else None, filter=filter, batch_size=batch_size)
+            except (OSError, pa.ArrowException) as e:
+                raise DamagedShard(file, f"{type(e).__name__}: {e}") from e
 
     def row_group_sizes(self, file: str) -> list[int]:
         with self.fs.open_input_file(file) as f:
@@ -128,8 +136,13 @@ class OutReader:
             return [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
 
     def read_row_group(self, file: str, group: int, columns: Sequence[str]) -> pa.Table:
-        with self.fs.open_input_file(file) as f:
-            return pq.ParquetFile(f).read_row_group(group, columns=list(columns))
+        """One row group, each page read against its checksum: a shard damaged since its run
+        (bytes flipped, cut short) is a DamagedShard naming it, never rows with other tokens."""
+        try:
+            with self.fs.open_input_file(file) as f:
+                return pq.ParquetFile(f, page_checksum_verification=True).read_row_group(group, columns=list(columns))
+        except (OSError, pa.ArrowException) as e:
+            raise DamagedShard(file, f"{type(e).__name__}: {e}") from e
 
     def hidden_states_index(self) -> Index:
         """hidden_states/'s shard headers (storage's Index), read once per reader: the Samples of

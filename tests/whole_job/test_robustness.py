@@ -176,11 +176,17 @@ def test_a_truncated_or_flipped_shard_is_quarantined_and_regenerated(ray_local, 
     assert pads.dataset(shards(out, "data")).count_rows() == len(before)
 
 
-def test_verify_names_a_shard_whose_flipped_bit_only_the_page_checksum_sees(small_out, tmp_path):
+def test_a_flipped_bit_only_the_page_checksum_sees_is_named_by_verify_and_refused_by_the_reader(small_out, tmp_path,
+                                                                                                  capsys):
     """One bit flipped inside the input_ids values of a data shard where the page still
     decodes (pyarrow reads it back without error, with a changed token): only the page's
     checksum sees it. `verify` names the shard, as the run's own check at start does
-    (storage/damage.py), instead of passing an OUT whose tokens changed."""
+    (storage/damage.py), instead of passing an OUT whose tokens changed; a trainer's reader
+    and `export` (which reads through it) refuse it, naming the shard, instead of serving the
+    changed token."""
+    from eagle_data.__main__ import main
+    from eagle_data.errors import DamagedShard
+    from eagle_data.reader import Samples
     from eagle_data.storage.damage import read_problem
     from eagle_data.storage.folder import Output
 
@@ -206,6 +212,11 @@ def test_verify_names_a_shard_whose_flipped_bit_only_the_page_checksum_sees(smal
         pytest.fail("no bit of this shard's input_ids page decodes to other tokens: the test has nothing to flip")
     problems, _ = verify(str(out))
     assert any(victim.name in p and "unreadable shard" in p and "checksum" in p.lower() for p in problems), problems
+    with pytest.raises(DamagedShard, match=f"{victim.name} cannot be read .*checksum.*a damaged shard"):
+        [item["input_ids"] for item in Samples(str(out), shuffle=False)]
+    assert main(["export", str(out), str(tmp_path / "x.jsonl"), "--format", "jsonl"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and victim.name in err and "checksum" in err.lower(), err
 
 
 def test_a_deleted_prompts_shard_is_rebuilt(ray_local, tmp_path, qwen3_tokenizer_dir):
