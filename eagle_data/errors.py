@@ -78,7 +78,7 @@ class DamagedShard(EagleDataError):
         super().__init__(f"{path} cannot be read ({why}): a damaged shard. Rerun the job with the config "
                          "that made this OUT: it moves the shard to quarantine/ and makes its samples again "
                          "(`python -m eagle_data verify OUT` lists every problem)")
-        self.path = path
+        self.path, self.why = path, why
 
 
 class OutputMismatch(EagleDataError):

@@ -78,7 +78,7 @@ from eagle_data.storage.damage import missing_data_rows
 from eagle_data.storage.folder import Output
 from eagle_data.storage.hidden_states import DTYPES, Entry, Index, ShardHeaderError, damaged, read_header, stale, tokens_crc32
 from eagle_data.storage.selection import SPLITS, held_out, row_filter
-from eagle_data.storage.shards import readable_shards
+from eagle_data.storage.shards import read_checked, readable_shards
 
 TOKEN_COLUMNS = ("input_ids", "loss_mask")
 LENGTH_COLUMNS = ("num_prompt_tokens", "num_reasoning_tokens", "num_response_tokens")
@@ -136,13 +136,8 @@ class OutReader:
             return [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
 
     def read_row_group(self, file: str, group: int, columns: Sequence[str]) -> pa.Table:
-        """One row group, each page read against its checksum: a shard damaged since its run
-        (bytes flipped, cut short) is a DamagedShard naming it, never rows with other tokens."""
-        try:
-            with self.fs.open_input_file(file) as f:
-                return pq.ParquetFile(f, page_checksum_verification=True).read_row_group(group, columns=list(columns))
-        except (OSError, pa.ArrowException) as e:
-            raise DamagedShard(file, f"{type(e).__name__}: {e}") from e
+        """One row group, each page read against its checksum (storage's read_checked)."""
+        return read_checked(self.fs, file, group, list(columns))
 
     def hidden_states_index(self) -> Index:
         """hidden_states/'s shard headers (storage's Index), read once per reader: the Samples of

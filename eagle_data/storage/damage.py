@@ -5,15 +5,15 @@ from __future__ import annotations
 import logging
 import os
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 
+from eagle_data.errors import DamagedShard
 from eagle_data.storage.contract import HIDDEN_STATES, PROMPTS_ROW_COUNTS, QUARANTINE
 from eagle_data.storage.hidden_states import (Index, ShardHeaderError, damaged, input_ids_digests, read_bytes,
                                              read_header, stale)
 from eagle_data.storage.folder import Output
 from eagle_data.storage.provenance import all_shards, shard_problem
-from eagle_data.storage.shards import shard_files
+from eagle_data.storage.shards import read_checked, shard_files
 
 log = logging.getLogger("eagle_data")
 
@@ -102,10 +102,9 @@ def missing_data_rows(out: Output, files: list[str]) -> str | None:
 def read_problem(fs, path: str) -> str | None:
     """Why a shard does not read back whole, or None."""
     try:
-        with fs.open_input_file(path) as f:
-            pq.ParquetFile(f, page_checksum_verification=True).read()
-    except (OSError, pa.ArrowException) as e:
-        return f"{type(e).__name__}: {e}"
+        read_checked(fs, path)
+    except DamagedShard as e:
+        return e.why
     return None
 
 

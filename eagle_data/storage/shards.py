@@ -72,6 +72,19 @@ def read_provenance(fs: pafs.FileSystem, path: str) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in found.items() if k.decode() in PROVENANCE}
 
 
+def read_checked(fs: pafs.FileSystem, path: str, group: int | None = None,
+                 columns: list[str] | None = None) -> pa.Table:
+    """A shard, or one row group of it, read with every page checked against the checksum
+    publish_table wrote: a shard damaged since (bytes cut, or a flipped bit that still
+    decodes to another value) is a DamagedShard naming it, never rows with other values."""
+    try:
+        with fs.open_input_file(path) as f:
+            shard = pq.ParquetFile(f, page_checksum_verification=True)
+            return shard.read(columns) if group is None else shard.read_row_group(group, columns)
+    except (OSError, pa.ArrowException) as e:
+        raise DamagedShard(path, f"{type(e).__name__}: {e}") from e
+
+
 def publish_table(fs: pafs.FileSystem, out: str, folder: str, name: str, table: pa.Table) -> str:
     # Page checksums: `verify` and the start-of-run check catch bytes flipped inside a page,
     # which the footer alone does not show.

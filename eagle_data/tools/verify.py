@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow.compute as pc
 import pyarrow.dataset as pads
-import pyarrow.parquet as pq
 
+from eagle_data.errors import DamagedShard
 from eagle_data.storage.contract import FOLDERS, HIDDEN_FAILED, HIDDEN_STATES, PHASES, turn_sample_id
 from eagle_data.storage.folder import Output
 from eagle_data.storage.provenance import foreign_reason, shard_problem
@@ -42,7 +42,7 @@ from eagle_data.storage.hidden_states import (ShardHeaderError, damaged, input_i
                                              shard_paths, stale)
 from eagle_data.storage.selection import selected_rows
 from eagle_data.storage.status import SampleStatus
-from eagle_data.storage.shards import shard_files
+from eagle_data.storage.shards import read_checked, shard_files
 from eagle_data.tools.terminal import literal
 
 DATA_CHECK_COLUMNS = ["sample_id", "input_ids", "loss_mask", "num_prompt_tokens",
@@ -81,10 +81,9 @@ def read_every_shard(out: Output) -> tuple[list[str], Seen]:
         seen.ids[folder], seen.conversations[folder] = Counter(), set()
         for f in shard_files(out.fs, out.folder(folder)):
             try:  # every page read and checked against its checksum: integrity
-                with out.fs.open_input_file(f) as file:
-                    table = pq.ParquetFile(file, page_checksum_verification=True).read()
-            except Exception as e:
-                problems.append(f"{f}: unreadable shard ({type(e).__name__}: {e})")
+                table = read_checked(out.fs, f)
+            except DamagedShard as e:
+                problems.append(f"{f}: unreadable shard ({e.why})")
                 seen.unreadable.add(f)
                 continue
             foreign = shard_problem(out, folder, f)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -212,7 +213,7 @@ def test_a_flipped_bit_only_the_page_checksum_sees_is_named_by_verify_and_refuse
         pytest.fail("no bit of this shard's input_ids page decodes to other tokens: the test has nothing to flip")
     problems, _ = verify(str(out))
     assert any(victim.name in p and "unreadable shard" in p and "checksum" in p.lower() for p in problems), problems
-    with pytest.raises(DamagedShard, match=f"{victim.name} cannot be read .*checksum.*a damaged shard"):
+    with pytest.raises(DamagedShard, match=f"{re.escape(victim.name)} cannot be read .*checksum.*a damaged shard"):
         [item["input_ids"] for item in Samples(str(out), shuffle=False)]
     assert main(["export", str(out), str(tmp_path / "x.jsonl"), "--format", "jsonl"]) == 2
     err = capsys.readouterr().err
